@@ -1,0 +1,293 @@
+"""The v1 event contract between KV-cache producers and kvdoctor's consumers.
+
+Every class here is a frozen msgspec Struct tagged by ``kind``, so one decoder
+validates any line of a trace and the engine pays about a microsecond to encode
+an event. The field names and meanings are those of ``docs/trace-format.md``;
+change both together. Consumers must tolerate what they do not know: unknown
+fields are ignored by the decoder and unknown kinds come back as ``Unknown``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "TIERS",
+    "Tier",
+    "SeqId",
+    "TierSpec",
+    "Header",
+    "Event",
+    "SeqStart",
+    "SeqEnd",
+    "Alloc",
+    "Share",
+    "Release",
+    "Free",
+    "Evict",
+    "Write",
+    "Read",
+    "SwapOut",
+    "SwapIn",
+    "Rollback",
+    "Batch",
+    "Attn",
+    "Usage",
+    "Mem",
+    "StepEnd",
+    "ChecksumError",
+    "Prefetch",
+    "TraceEnd",
+    "Unknown",
+    "KNOWN_EVENTS",
+    "KINDS",
+    "encode",
+    "encode_lines",
+    "decode",
+    "to_dict",
+]
+
+FORMAT = "kvdoctor-trace"
+VERSION = "1.0"
+
+Tier = Literal["device", "host", "disk"]
+TIERS: tuple[str, ...] = ("device", "host", "disk")  # fastest to slowest
+SeqId = Union[int, str]
+
+
+class TierSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    capacity_blocks: int
+
+
+class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="header"):
+    """Line 1 of every trace: what produced it and the shape of its cache."""
+
+    format: str = FORMAT
+    version: str = VERSION
+    block_size: int
+    num_layers: int
+    tiers: list[TierSpec]
+    model: str | None = None
+    engine: str | None = None
+    created: str | None = None
+    pid: int | None = None
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Fields every event carries: ``t`` in ns since the trace started, and the engine ``step``."""
+
+    t: int = 0
+    step: int = 0
+
+
+class SeqStart(Event, tag="seq_start"):
+    seq: SeqId
+    prompt_len: int
+    stack: list[str] | None = None  # Python frames that admitted the sequence, when recorded
+
+
+class SeqEnd(Event, tag="seq_end"):
+    seq: SeqId
+    reason: str = "finished"  # "finished" or "aborted"
+
+
+class Alloc(Event, tag="alloc"):
+    block: int
+    tier: Tier
+    seq: SeqId
+    stack: list[str] | None = None  # Python frames that asked for the block, when recorded
+
+
+class Share(Event, tag="share"):
+    block: int
+    seq: SeqId
+
+
+class Release(Event, tag="release"):
+    block: int
+    seq: SeqId
+
+
+class Free(Event, tag="free"):
+    block: int
+
+
+class Evict(Event, tag="evict"):
+    block: int
+    tier: Tier
+    reason: str
+
+
+class Write(Event, tag="write"):
+    block: int
+    seq: SeqId
+    pos: int
+    n: int
+    version: int
+
+
+class Read(Event, tag="read"):
+    seq: SeqId
+    blocks: list[int]
+    versions: list[int]
+    layer: int | None = None
+
+
+class SwapOut(Event, tag="swap_out"):
+    block: int
+    src: Tier
+    dst: Tier
+    version: int
+
+
+class SwapIn(Event, tag="swap_in"):
+    block: int
+    src: Tier
+    dst: Tier
+    version: int
+
+
+class Rollback(Event, tag="rollback"):
+    seq: SeqId
+    n: int
+    version: int
+
+
+class Batch(Event, tag="batch"):
+    rows: list[SeqId]
+    positions: list[int]
+    n: list[int]
+    shape: list[int] | None = None
+
+
+class Attn(Event, tag="attn"):
+    seq: SeqId
+    layer: int
+    max_logit: float
+    entropy: float
+    sink: float
+    nonfinite: int
+    heads_entropy: list[float] | None = None
+    heads_max_logit: list[float] | None = None
+
+
+class Usage(Event, tag="usage"):
+    tier: Tier
+    used_blocks: int
+    capacity_blocks: int
+    bytes: int | None = None
+
+
+class Mem(Event, tag="mem"):
+    rss: int | None = None
+    py_heap: int | None = None
+    torch_cpu: int | None = None
+    gpu_used: int | None = None
+    gpu_reserved: int | None = None
+    kv_bytes: int | None = None
+    unaccounted: int | None = None
+    source: str | None = None  # which probe took the reading
+
+
+# ---- kvdoctor's own kinds (v1 allows producers to add kinds) ----
+
+
+class StepEnd(Event, tag="step_end"):
+    """Closes a step, so consumers can judge end-of-step rules without waiting for the next step."""
+
+    num_tokens: int = 0
+    duration_ns: int = 0
+
+
+class ChecksumError(Event, tag="checksum_error"):
+    """A copy read back from a slower tier did not match the checksum taken when it left."""
+
+    block: int
+    tier: Tier
+    expected: int
+    actual: int
+
+
+class Prefetch(Event, tag="prefetch"):
+    """Blocks the engine predicted would be read next and started bringing up."""
+
+    blocks: list[int]
+    src: Tier
+    dst: Tier
+
+
+class TraceEnd(Event, tag="trace_end"):
+    """The writer closed the trace on purpose; a follower stops here."""
+
+    reason: str = "closed"
+
+
+class Unknown(msgspec.Struct, frozen=True, kw_only=True):
+    """A kind this version does not know, kept whole so nothing a producer wrote is lost."""
+
+    kind: str
+    t: int = 0
+    step: int = 0
+    fields: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+KNOWN_EVENTS: tuple[type[Event], ...] = (
+    SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn,
+    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, TraceEnd,
+)
+KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
+
+AnyEvent = Union[KNOWN_EVENTS]  # type: ignore[valid-type]
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+_loose = msgspec.json.Decoder(dict[str, Any])
+
+
+def encode(event: Event | Header) -> bytes:
+    """One event as compact JSON, without the newline."""
+    if isinstance(event, Unknown):
+        return _encoder.encode({"kind": event.kind, "t": event.t, "step": event.step, **event.fields})
+    return _encoder.encode(event)
+
+
+def encode_lines(events: list[Event]) -> bytes:
+    """Events as JSON Lines, each terminated by a newline (the fast path of the trace writer)."""
+    if any(type(e) is Unknown for e in events):
+        return b"".join(encode(e) + b"\n" for e in events)
+    return _encoder.encode_lines(events)
+
+
+def decode(line: bytes | str) -> Event | Unknown:
+    """Decode one line; a kind this version lacks comes back as ``Unknown``.
+
+    Raises ``msgspec.DecodeError`` (or its subclass ``ValidationError``) for a line that
+    is not JSON, or that names a known kind with fields of the wrong type.
+    """
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError:
+        raw = _loose.decode(line)
+        kind = raw.get("kind")
+        if not isinstance(kind, str) or kind in KINDS or kind == "header":
+            raise
+        t, step = raw.pop("t", 0), raw.pop("step", 0)
+        if not (isinstance(t, int) and isinstance(step, int)):
+            raise
+        del raw["kind"]
+        return Unknown(kind=kind, t=t, step=step, fields=raw)
+
+
+def decode_lines(buf: bytes) -> list[Event]:
+    """Decode a chunk of complete JSON lines in one call; raises on the first bad line."""
+    return _decoder.decode_lines(buf)
+
+
+def to_dict(event: Event | Header | Unknown) -> dict[str, Any]:
+    """The event as the plain dict its JSON line holds (reports and the TUI's detail pane)."""
+    return _loose.decode(encode(event))
