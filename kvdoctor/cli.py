@@ -1,0 +1,57 @@
+"""The ``kvdoctor`` command line: one subcommand per module in ``kvdoctor.commands``.
+
+Exit codes (documented in README and docs/cli.md, relied on by CI gates):
+0 ok; 1 findings at or above ``--fail-on``; 2 usage or configuration error;
+3 unreadable or incompatible trace. Bad input is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import commands
+from .errors import EXIT_TRACE, EXIT_USAGE, KvdoctorError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvdoctor",
+        description="Memory diagnostics and debugging for the KV cache of LLM inference.",
+        epilog="exit codes: 0 ok, 1 findings, 2 usage or configuration error, 3 unreadable trace",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Each command module is light at import (heavy imports live inside its run()), so
+    # `kvdoctor check --trace x` starts without torch.
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KvdoctorError as exc:
+        print(f"kvdoctor {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _entry()
