@@ -1,0 +1,80 @@
+"""``kvdoctor info FILE``: what a trace holds, at a glance, without running any check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+NAME = "info"
+HELP = "summarize a trace: header, event counts by kind, steps, duration, sequences, truncation"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="FILE", help="a .kvtrace (or .kvtrace.gz) file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def summarize(path: str) -> dict:
+    from ..events import Unknown
+    from ..trace import TraceReader
+
+    reader = TraceReader(path)
+    kinds: Counter[str] = Counter()
+    seqs: set = set()
+    first_step = last_step = None
+    last_t = 0
+    for batch in reader.batches():
+        for ev in batch:
+            kind = ev.kind if type(ev) is Unknown else ev.__struct_config__.tag
+            kinds[kind] += 1
+            if kind == "seq_start":
+                seqs.add(ev.seq)
+        if batch:
+            first_step = batch[0].step if first_step is None else first_step
+            last_step, last_t = batch[-1].step, max(last_t, batch[-1].t)
+    h = reader.header
+    return {
+        "path": path,
+        "format": h.format,
+        "version": h.version,
+        "model": h.model,
+        "engine": h.engine,
+        "created": h.created,
+        "pid": h.pid,
+        "block_size": h.block_size,
+        "num_layers": h.num_layers,
+        "tiers": {t.name: t.capacity_blocks for t in h.tiers},
+        "num_events": reader.num_events,
+        "kinds": dict(kinds.most_common()),
+        "steps": [first_step, last_step] if first_step is not None else None,
+        "duration_s": last_t / 1e9,
+        "num_sequences": len(seqs),
+        "truncated": reader.truncated,
+        "closed": reader.closed,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    info = summarize(args.trace)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    tiers = ", ".join(f"{k} {v} blocks" for k, v in info["tiers"].items())
+    steps = "none" if info["steps"] is None else f"{info['steps'][0]}..{info['steps'][1]}"
+    ending = "truncated (the writer was killed mid-line; events before the cut are used)" if info["truncated"] else (
+        "closed by the writer" if info["closed"] else "not closed (writer still running, or killed between steps)")
+    print(f"trace      {info['path']}")
+    print(f"format     {info['format']} {info['version']}")
+    for key in ("model", "engine", "created", "pid"):
+        if info[key] is not None:
+            print(f"{key:<10} {info[key]}")
+    print(f"cache      block size {info['block_size']}, {info['num_layers']} layers; {tiers}")
+    print(f"events     {info['num_events']}")
+    for kind, n in info["kinds"].items():
+        print(f"  {kind:<16} {n}")
+    print(f"steps      {steps}")
+    print(f"duration   {info['duration_s']:.3f} s")
+    print(f"sequences  {info['num_sequences']}")
+    print(f"ending     {ending}")
+    return 0

@@ -1,0 +1,353 @@
+"""Trace files: the JSON Lines form of the event stream, written live and read back in bounded memory.
+
+The writer flushes at every step boundary, so a killed workload loses at most the step it was in.
+The reader decodes whole chunks with one msgspec call (the fast path) and only walks line by line
+when a chunk holds something unusual: a kind this version does not know, or a corrupt line, whose
+number it then reports. ``follow`` tails a trace that another process is still writing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import IO, Iterator
+
+import msgspec
+
+from .errors import IncompatibleTraceError, TraceError, TraceFormatError
+from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
+
+__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header"]
+
+_CHUNK = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b"
+_header_decoder = msgspec.json.Decoder(Header)
+
+
+class TraceWriter:
+    """Append-only trace writer; usable directly as an engine ``Bus`` sink (``write_many``)."""
+
+    def __init__(self, path: str | os.PathLike[str], header: Header, *, compress: bool | None = None) -> None:
+        self.path = Path(path)
+        compress = self.path.suffix == ".gz" if compress is None else compress
+        try:
+            raw = open(self.path, "wb", buffering=_CHUNK)
+        except OSError as exc:
+            raise TraceError(f"cannot create trace {self.path}: {exc.strerror}") from None
+        # Level 1: a trace is written while inference runs; speed matters more than the last few percent of size.
+        self._f: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) if compress else raw
+        self._raw = raw
+        self._last_step = 0
+        self._last_t = 0
+        self.closed = False
+        self._put(encode(header) + b"\n")
+        self._flush()
+
+    def write(self, event: Event) -> None:
+        self.write_many([event])
+
+    def write_many(self, events: list[Event]) -> None:
+        if not events:
+            return
+        self._put(encode_lines(events))
+        last = events[-1]
+        # A whole step reaches the disk as soon as it is complete: what a crash loses is the step it was in.
+        if type(last) is StepEnd or last.step > self._last_step:
+            self._flush()
+        self._last_step, self._last_t = last.step, last.t
+
+    def close(self, reason: str = "closed") -> None:
+        """Write the closing event (so a follower stops) and close; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._put(encode(TraceEnd(t=self._last_t, step=self._last_step, reason=reason)) + b"\n")
+            self._f.close()
+            if self._f is not self._raw:
+                self._raw.close()
+        except OSError as exc:
+            raise TraceError(f"cannot finish trace {self.path}: {exc.strerror}") from None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close("closed" if exc[0] is None else "error")
+
+    def _put(self, data: bytes) -> None:
+        try:
+            self._f.write(data)
+        except OSError as exc:  # e.g. ENOSPC: earlier steps are on disk and stay readable
+            raise TraceError(f"cannot write trace {self.path}: {exc.strerror}") from None
+
+    def _flush(self) -> None:
+        try:
+            self._f.flush()
+            if self._f is not self._raw:
+                self._raw.flush()
+        except OSError as exc:
+            raise TraceError(f"cannot write trace {self.path}: {exc.strerror}") from None
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise TraceError(f"no such trace file: {path}") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path} is a directory, not a trace file") from None
+    except OSError as exc:
+        raise TraceError(f"cannot open trace {path}: {exc.strerror}") from None
+    if f.read(2) == _GZIP_MAGIC:
+        f.seek(0)
+        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
+    f.seek(0)
+    return f
+
+
+def _parse_header(path: Path, line: bytes) -> Header:
+    try:
+        header = _header_decoder.decode(line)
+    except msgspec.DecodeError:
+        raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: line 1 is not a trace header") from None
+    if header.format != FORMAT:
+        raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: format is {header.format!r}")
+    major = header.version.split(".", 1)[0]
+    if major != "1":
+        raise IncompatibleTraceError(
+            f"{path} is trace format version {header.version}; this kvdoctor reads 1.x (upgrade kvdoctor to read it)"
+        )
+    return header
+
+
+def _decode_chunk(path: Path, buf: bytes, first_line: int) -> list[Event | Unknown]:
+    """Decode complete lines; ``first_line`` is the 1-based file line number of ``buf``'s first line."""
+    try:
+        return decode_lines(buf)  # type: ignore[return-value]
+    except msgspec.DecodeError:
+        pass
+    out: list[Event | Unknown] = []
+    for i, line in enumerate(buf.split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            out.append(decode(line))
+        except msgspec.DecodeError as exc:
+            raise TraceFormatError(str(path), first_line + i, f"malformed event: {exc}") from None
+    return out
+
+
+class _LineSplitter:
+    """Turns arbitrary byte chunks into decoded events, keeping line numbers and the unfinished tail."""
+
+    def __init__(self, path: Path, first_line: int) -> None:
+        self.path = path
+        self.next_line = first_line
+        self.tail = b""
+
+    def feed(self, data: bytes) -> list[Event | Unknown]:
+        data = self.tail + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self.tail = data
+            return []
+        complete, self.tail = data[: end + 1], data[end + 1 :]
+        events = _decode_chunk(self.path, complete, self.next_line)
+        self.next_line += complete.count(b"\n")
+        return events
+
+    def finish(self) -> tuple[list[Event | Unknown], bool]:
+        """At the end of the data: decode a last line that lacks only its newline; else report truncation."""
+        tail, self.tail = self.tail, b""
+        if not tail.strip():
+            return [], False
+        try:
+            return [decode(tail)], False
+        except msgspec.DecodeError:
+            return [], True
+
+
+def _read_header_line(f: IO[bytes], path: Path) -> bytes:
+    try:
+        line = f.readline()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from None
+    if not line.strip():
+        raise IncompatibleTraceError(f"{path} is empty, not a kvdoctor trace")
+    return line
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    p = Path(path)
+    with _open_binary(p) as f:
+        return _parse_header(p, _read_header_line(f, p))
+
+
+class TraceReader:
+    """Reads a finished (or killed) trace in bounded memory.
+
+    After iteration, ``truncated`` tells whether the last line was cut short (a killed writer)
+    and ``closed`` whether the writer closed the trace on purpose.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.header = read_header(self.path)
+        self.truncated = False
+        self.closed = False
+        self.num_events = 0
+
+    def batches(self) -> Iterator[list[Event | Unknown]]:
+        """Events in the chunks they were decoded in: the cheap way to consume a large trace."""
+        with _open_binary(self.path) as f:
+            _read_header_line(f, self.path)
+            splitter = _LineSplitter(self.path, first_line=2)
+            while True:
+                try:
+                    data = f.read(_CHUNK)
+                except (EOFError, zlib.error, OSError):
+                    # A gzip stream cut short by a killed writer: keep everything before the cut.
+                    self.truncated = True
+                    data = b""
+                if not data:
+                    break
+                events = splitter.feed(data)
+                if events:
+                    yield self._count(events)
+            last, cut = splitter.finish()
+            self.truncated = self.truncated or cut
+            if last:
+                yield self._count(last)
+
+    def __iter__(self) -> Iterator[Event | Unknown]:
+        for batch in self.batches():
+            yield from batch
+
+    def _count(self, events: list[Event | Unknown]) -> list[Event | Unknown]:
+        self.num_events += len(events)
+        if type(events[-1]) is TraceEnd:
+            self.closed = True
+        return events
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class TraceFollower:
+    """Tails a trace that another process is writing, like ``tail -f``.
+
+    Ends at the writer's closing event, when the writer process is gone (after reading what it
+    left), or when ``stop`` is set. ``ended`` then says which: "closed", "writer-gone" or "stopped".
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        stop: threading.Event | None = None,
+        poll_s: float = 0.05,
+        wait_s: float = 10.0,
+        pid: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.stop = stop or threading.Event()
+        self.poll_s = poll_s
+        self.wait_s = wait_s
+        self.pid = pid
+        self.header: Header | None = None
+        self.truncated = False
+        self.ended: str | None = None
+        self.num_events = 0
+        self._f: IO[bytes] | None = None
+
+    def wait_header(self) -> Header:
+        """Wait (up to ``wait_s``) for the writer to create the file and write its header."""
+        if self.header is not None:
+            return self.header
+        deadline = time.monotonic() + self.wait_s
+        pending = b""
+        while True:
+            if self._f is None and self.path.exists():
+                self._f = _open_binary(self.path)
+                if isinstance(self._f, gzip.GzipFile):
+                    raise TraceError(f"{self.path} is gzip-compressed; follow a plain .kvtrace instead")
+            if self._f is not None:
+                pending += self._f.read()
+                if b"\n" in pending:
+                    line, rest = pending.split(b"\n", 1)
+                    self.header = _parse_header(self.path, line)
+                    self._pending = rest
+                    if self.pid is None:
+                        self.pid = self.header.pid
+                    return self.header
+            if self.stop.is_set():
+                raise TraceError(f"stopped while waiting for {self.path}")
+            if self.pid is not None and not _pid_alive(self.pid):
+                raise TraceError(f"the workload exited before writing a trace to {self.path}")
+            if time.monotonic() > deadline:
+                what = "a trace header" if self._f is not None else "the file"
+                raise TraceError(f"no trace at {self.path}: waited {self.wait_s:g} s for {what}")
+            time.sleep(self.poll_s)
+
+    def batches(self) -> Iterator[list[Event | Unknown]]:
+        """Decoded events as they arrive; an empty list on each idle poll, so a consumer can look up."""
+        self.wait_header()
+        assert self._f is not None
+        splitter = _LineSplitter(self.path, first_line=2)
+        data = self._pending
+        try:
+            while True:
+                events = splitter.feed(data) if data else []
+                if events:
+                    self.num_events += len(events)
+                    yield events
+                    if type(events[-1]) is TraceEnd:
+                        self.ended = "closed"
+                        return
+                elif self.stop.is_set():
+                    self.ended = "stopped"
+                    return
+                elif self.pid is not None and not _pid_alive(self.pid):
+                    rest = self._f.read()
+                    if rest:
+                        data = rest
+                        continue
+                    last, self.truncated = splitter.finish()
+                    if last:
+                        self.num_events += len(last)
+                        yield last
+                    self.ended = "writer-gone"
+                    return
+                else:
+                    yield []
+                    time.sleep(self.poll_s)
+                data = self._f.read()
+        finally:
+            self._f.close()
+
+    def __iter__(self) -> Iterator[Event | Unknown]:
+        for batch in self.batches():
+            yield from batch
+
+
+def follow(
+    path: str | os.PathLike[str],
+    *,
+    stop: threading.Event | None = None,
+    poll_s: float = 0.05,
+    wait_s: float = 10.0,
+    pid: int | None = None,
+) -> TraceFollower:
+    return TraceFollower(path, stop=stop, poll_s=poll_s, wait_s=wait_s, pid=pid)
