@@ -1,0 +1,97 @@
+"""Attention over gathered K/V: GQA, padding and causal masks, statistics from the scores."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdoctor.engine.attention import AttnLayout, attend
+
+
+def _reference(q, k, v, q_len, kv_len, scale):
+    """Plain per-row attention with repeated K/V: the definition the engine must match."""
+    H, H_kv = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(H // H_kv, dim=0)[:, :kv_len]
+    v = v.repeat_interleave(H // H_kv, dim=0)[:, :kv_len]
+    q = q[:, :q_len]
+    scores = q @ k.transpose(-1, -2) * scale  # (H, S, T)
+    pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    scores = scores.masked_fill(torch.arange(kv_len)[None, :] > pos, float("-inf"))
+    p = torch.softmax(scores, -1)
+    return p @ v, scores[:, -1], p[:, -1]
+
+
+def _batch(q_lens, kv_lens, H=4, H_kv=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, S, T = len(q_lens), max(q_lens), max(kv_lens)
+    return (torch.randn(B, H, S, D, generator=g), torch.randn(B, H_kv, T, D, generator=g), torch.randn(B, H_kv, T, D, generator=g))
+
+
+@settings(deadline=None, max_examples=40)
+@given(rows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 20)), min_size=1, max_size=4), stats=st.booleans())
+def test_padded_batches_match_per_row_reference(rows, stats):
+    # GIVEN rows with different numbers of new queries and of cached keys, padded into one batch
+    q_lens = [q for q, _ in rows]
+    kv_lens = [q + past for q, past in rows]
+    q, k, v = _batch(q_lens, kv_lens)
+    layout = AttnLayout.build(q_lens, kv_lens, sink_tokens=4)
+    # WHEN attention runs on the padded batch (explicit or fused path)
+    out, st_ = attend(q, k, v, layout, scale=0.3, stats=stats, per_head=True)
+    # THEN every row's valid queries match the per-row reference
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        ref, scores, probs = _reference(q[b], k[b], v[b], ql, kl, 0.3)
+        torch.testing.assert_close(out[b, :, :ql], ref, atol=1e-5, rtol=1e-5)
+        if stats:
+            max_logit, entropy, sink, nonfinite = st_.summary[b].tolist()
+            assert max_logit == pytest.approx(scores.max().item(), abs=1e-5)
+            ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+            assert entropy == pytest.approx(ent.mean().item(), abs=1e-5)
+            assert sink == pytest.approx(probs[:, :4].sum(-1).mean().item(), abs=1e-5)
+            assert nonfinite == 0
+            torch.testing.assert_close(st_.heads_entropy[b], ent, atol=1e-5, rtol=1e-5)
+    if not stats:
+        assert st_ is None
+
+
+def test_uniform_attention_has_log_t_entropy_and_sink_share():
+    # GIVEN keys that are all zero, so every score is equal
+    q, k, v = _batch([1], [32])
+    k.zero_()
+    layout = AttnLayout.build([1], [32], sink_tokens=16)
+    # WHEN the statistics are taken
+    _, st_ = attend(q, k, v, layout, scale=0.125, stats=True)
+    max_logit, entropy, sink, nonfinite = st_.summary[0].tolist()
+    # THEN attention is uniform: entropy ln 32, half the mass on the first block, logits 0
+    assert entropy == pytest.approx(math.log(32), abs=1e-5)
+    assert sink == pytest.approx(0.5, abs=1e-6)
+    assert max_logit == 0.0 and nonfinite == 0
+
+
+def test_nan_in_keys_is_counted_as_nonfinite():
+    # GIVEN one corrupted key
+    q, k, v = _batch([1, 1], [5, 5])
+    k[1, 0, 2, 0] = float("nan")
+    layout = AttnLayout.build([1, 1], [5, 5], sink_tokens=16)
+    # WHEN attention runs with statistics
+    _, st_ = attend(q, k, v, layout, scale=0.5, stats=True)
+    # THEN only the corrupted row reports non-finite values
+    assert st_.summary[0, 3].item() == 0
+    assert st_.summary[1, 3].item() > 0
+
+
+def test_fresh_prefill_uses_no_mask_and_is_causal():
+    layout = AttnLayout.build([7], [7], sink_tokens=4)
+    assert layout.allowed is None and layout.causal
+    q, k, v = _batch([7], [7])
+    fast, _ = attend(q, k, v, layout, scale=0.3)
+    slow, _ = attend(q, k, v, layout, scale=0.3, stats=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_layout_rejects_more_queries_than_keys():
+    with pytest.raises(ValueError, match="q_len <= kv_len"):
+        AttnLayout.build([3], [2], sink_tokens=4)
