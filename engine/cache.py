@@ -1,0 +1,502 @@
+"""``PagedKVCache``: the engine's KV cache as the model runner sees it.
+
+The runner's step is: ``reserve`` slots for each sequence's new tokens, ``store``
+every layer's K/V into them (``gather`` the sequence's K/V for attention in
+between), ``commit`` once all layers are stored, ``emit_read`` for what attention
+read, and ``end_step``. Under memory pressure the cache demotes other sequences'
+blocks to slower tiers (and, only when every tier is full, evicts), brings a
+sequence's blocks back up when it is used again, and records every state change
+as a v1 event on ``cache.bus``.
+
+Sequences used in the current step (reserved, gathered or made resident) are
+pinned until ``end_step``: their blocks are never chosen as victims, so a slot
+handed out by ``reserve`` stays valid for the whole step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from typing import Any, Iterable, Sequence as Seq
+
+import torch
+
+from ..events import Evict, Header, Read, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
+from .bus import Bus
+from .config import EngineConfig
+from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
+from .faults import Faults, resolve_fault
+from .policy import IMPORTANCE_DECAY, make_policy
+from .pool import Block, BlockPool, Sequence
+from .storage import Arena, TensorArena, make_arena
+from .tiers import TierManager
+
+__all__ = ["PagedKVCache", "TRACE_ENV"]
+
+TRACE_ENV = "KVDOCTOR_TRACE"
+
+
+class PagedKVCache:
+    def __init__(self, config: EngineConfig, bus: Bus | None = None) -> None:
+        self.config = config
+        self.bus = bus if bus is not None else Bus()
+        self.faults = Faults(resolve_fault(config.fault), config.num_layers)
+        self.block_size = config.block_size
+        self._closed = True  # until every arena exists, close() has nothing to undo
+        self.arenas: dict[str, Arena] = {}
+        try:
+            for t in config.tiers:
+                self.arenas[t] = make_arena(t, config)
+        except BaseException:
+            for a in self.arenas.values():
+                a.close()
+            raise
+        self._closed = False
+        self._dev: TensorArena = self.arenas["device"]  # type: ignore[assignment]
+        self.device = self._dev.device
+        self.pool = BlockPool(config, self.bus, {t: self._grower(t) for t in config.tiers})
+        self.seqs: dict[Any, Sequence] = {}
+        self._tick = 0
+        self._pinned: set[Any] = set()  # sequences the current step uses
+        self._reserved: list[Any] = []  # sequences in the order this step reserved them
+        self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
+        self.tiers = TierManager(
+            config, self.pool, self.arenas, self.bus, make_policy(config), self.faults,
+            protected=self._is_protected, evictable=self._is_evictable, evict=self._evict,
+            distance=self._distance, clock=lambda: self._tick,
+        )
+        self._writer: Any = None
+        trace = os.environ.get(TRACE_ENV)
+        if trace:
+            self._open_trace(trace)
+
+    # ---- tracing ----
+    def _open_trace(self, path: str) -> None:
+        from ..trace import TraceWriter
+
+        self._writer = TraceWriter(path, self.header())
+        self.bus.subscribe(self._writer.write_many)
+        atexit.register(self.close)
+
+    def header(self) -> Header:
+        c = self.config
+        return Header(
+            block_size=c.block_size,
+            num_layers=c.num_layers,
+            tiers=[TierSpec(name=t, capacity_blocks=c.capacity(t)) for t in c.tiers],
+            model=c.extra.get("model"),
+            engine="kvdoctor.engine",
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            pid=os.getpid(),
+        )
+
+    # ---- helpers the tier manager calls back ----
+    def _grower(self, tier: str):
+        arena = self.arenas[tier]
+
+        def grow() -> range:
+            self.tiers.drain()  # a reallocating arena must not have copies landing in the old tensor
+            new = arena.grow()
+            if tier == "device":
+                self._kv = None
+            return new
+
+        return grow
+
+    def _is_protected(self, b: Block) -> bool:
+        return any(o in self._pinned for o in b.owners)
+
+    def _is_evictable(self, b: Block) -> bool:
+        # a sequence's newest block is never evicted: its next token is written there
+        return all(self.seqs[o].blocks[-1] is not b for o in b.owners if o in self.seqs)
+
+    def _distance(self, b: Block) -> float:
+        s = self.seqs.get(b.owners[0])
+        if s is None:
+            return 1.0
+        end = max(s.length + s.pending, 1)
+        return min(max(end - b.index * self.block_size, 0) / end, 1.0)
+
+    def _evict(self, victims: list[Block], tier: str) -> None:
+        for b in victims:
+            for o in b.owners:
+                s = self.seqs.get(o)
+                if s is not None:
+                    s.blocks.remove(b)
+                    s.index_cache = None
+            if self.bus.enabled:
+                self.bus.emit(Evict, block=b.id, tier=tier, reason="capacity")
+            self.pool.drop(b)
+
+    def _seq(self, seq: Any) -> Sequence:
+        try:
+            return self.seqs[seq]
+        except KeyError:
+            raise UnknownSequence(seq) from None
+
+    def _layer_kv(self, layer: int) -> torch.Tensor:
+        if self._kv is None:
+            self._kv = [self._dev.layer_kv(layer_) for layer_ in range(self.config.num_layers)]
+        return self._kv[layer]
+
+    def _free_or_keep(self, b: Block, seq: Any, *, emit_release: bool) -> None:
+        """``seq`` lets go of ``b``; the block is freed if nobody else owns it."""
+        if b.inflight is not None:
+            try:
+                self.tiers.settle(b)
+            except ChecksumMismatch:
+                pass  # the block is being dropped anyway; its corrupt copy was discarded
+        if self.pool.release(b, seq, emit=emit_release):
+            self.pool.free(b)
+
+    # ---- sequences ----
+    def add_sequence(self, seq: Any, prompt_len: int = 0, priority: int = 0) -> None:
+        if seq in self.seqs:
+            raise ValueError(f"sequence {seq!r} is already in the cache")
+        self.seqs[seq] = Sequence(seq, prompt_len, priority)
+        if self.bus.enabled:
+            self.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len)
+
+    def remove_sequence(self, seq: Any, reason: str = "finished") -> None:
+        """The sequence leaves: every block it owns is released, and freed when no one else owns it."""
+        s = self._seq(seq)
+        del self.seqs[seq]
+        self._pinned.discard(seq)
+        if self.bus.enabled:
+            self.bus.emit(SeqEnd, seq=seq, reason=reason)
+        for b in reversed(s.blocks):
+            if self.faults.leak_swapped and b.tier != "device":
+                continue  # the fault: a block away from the device is forgotten, owner and all
+            self._free_or_keep(b, seq, emit_release=False)
+
+    def fork(self, parent: Any, child: Any) -> None:
+        """``child`` starts as a copy of ``parent``'s committed tokens, sharing its blocks."""
+        p = self._seq(parent)
+        if p.pending:
+            raise ValueError(f"fork of {parent!r} with {p.pending} reserved tokens not committed")
+        self.add_sequence(child, prompt_len=p.length, priority=p.priority)
+        c = self.seqs[child]
+        c.length = p.length
+        c.blocks = list(p.blocks)
+        for b in c.blocks:
+            self.pool.share(b, child)
+
+    def seq_len(self, seq: Any) -> int:
+        return self._seq(seq).length
+
+    def version(self, seq: Any) -> int:
+        return self._seq(seq).version
+
+    def block_table(self, seq: Any) -> list[int]:
+        return [b.id for b in self._seq(seq).blocks]
+
+    # ---- writing ----
+    def reserve(self, seq: Any, n: int) -> torch.Tensor:
+        """Device slots for ``seq``'s next ``n`` positions, as a ``(n,)`` LongTensor.
+
+        Allocates the blocks those positions need (demoting other sequences' blocks if
+        the device is full), brings the block being appended to back to the device, and
+        gives the sequence its own copy of that block if it is shared.
+        """
+        s = self._seq(seq)
+        if n < 0:
+            raise ValueError(f"reserve of {n} tokens for {seq!r}: must be >= 0")
+        bs = self.block_size
+        self._tick += 1
+        s.last_access = self._tick
+        self._pinned.add(seq)
+        if seq not in self._reserved:
+            self._reserved.append(seq)
+        if n == 0:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        start = s.length + s.pending
+        end = start + n
+        last = s.blocks[-1] if s.blocks else None
+        tail = last if last is not None and last.index == start // bs else None
+        cow = tail is not None and len(tail.owners) > 1
+        first_new = (last.index + 1) if last is not None else 0
+        num_new = max((end - 1) // bs + 1 - first_new, 0)
+        need = num_new + int(cow) + int(tail is not None and not cow and tail.tier != "device")
+        keep = {b.id for b in s.blocks}
+        self.tiers.make_room("device", need, keep)
+        if tail is not None:
+            if tail.tier != "device":
+                self.tiers.move([tail], "device", exclude=keep)
+            if cow:
+                tail = self._copy_on_write(s, tail, start)
+            tail.checksum = None  # its bytes are about to change
+        for i in range(first_new, first_new + num_new):
+            s.blocks.append(self.pool.alloc("device", seq, i))
+        s.index_cache = None
+        writes: list[tuple[Block, int, int]] = []
+        slots: list[int] = []
+        by_index = {b.index: b for b in s.blocks[-(num_new + 1):]}
+        misaligned = self._misaligned_target(seq, n)
+        pos = start
+        while pos < end:
+            b = misaligned or by_index[pos // bs]
+            m = min(end, (pos // bs + 1) * bs) - pos
+            off = pos % bs
+            slots.extend(range(b.slot * bs + off, b.slot * bs + off + m))
+            writes.append((b, pos, m))
+            b.last_access = self._tick
+            pos += m
+        s.writes.extend(writes)
+        s.pending += n
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _misaligned_target(self, seq: Any, n: int) -> Block | None:
+        """batch-misalign fault: the second row of a step writes into the first row's tail block."""
+        if n != 1 or len(self._reserved) < 2 or self._reserved[1] != seq:
+            return None
+        first = self.seqs.get(self._reserved[0])
+        if first is None or not first.blocks or first.blocks[-1].tier != "device":
+            return None
+        return first.blocks[-1] if self.faults.misalign_now(self.bus.step) else None
+
+    def _copy_on_write(self, s: Sequence, shared: Block, start: int) -> Block:
+        """Give ``s`` a private copy of the shared block it is about to append to."""
+        own = self.pool.alloc("device", s.id, shared.index)
+        self._dev.view(own.slot, 1).copy_(self._dev.view(shared.slot, 1))
+        own.version, own.filled = shared.version, start - shared.index * self.block_size
+        own.last_access = self._tick
+        s.blocks[-1] = own
+        self._free_or_keep(shared, s.id, emit_release=True)
+        return own
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` (each ``(N, H_kv, D)``) for one layer at ``slots`` from ``reserve``."""
+        kv = self._layer_kv(layer)  # (P, H, 2, bs, D)
+        blk, off = slots // self.block_size, slots % self.block_size
+        dtype = kv.dtype
+        kv[blk, :, 0, off] = k.to(dtype)
+        kv[blk, :, 1, off] = v.to(dtype)
+
+    def commit(self, seq: Any, n: int | None = None) -> None:
+        """The first ``n`` reserved tokens (default: all) are stored in every layer: advance the
+        version by ``n`` and emit a ``write`` per block touched. Reserved tokens beyond ``n`` are dropped."""
+        s = self._seq(seq)
+        n = s.pending if n is None else n
+        if not 0 <= n <= s.pending:
+            raise ValueError(f"commit of {n} tokens for {seq!r}: must be in [0, {s.pending}] (reserved)")
+        left = n
+        bs = self.block_size
+        for b, pos, m in s.writes:
+            if left <= 0:
+                break
+            m = min(m, left)
+            left -= m
+            s.version += m  # every write advances the version, so a stale copy shows up as an older one
+            b.version = s.version
+            local = pos - b.index * bs if b.index == pos // bs else pos % bs
+            b.filled = max(b.filled, local + m)
+            b.checksum = None
+            if self.bus.enabled:
+                self.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version)
+        s.length += n
+        s.pending = 0
+        s.writes = []
+        self._drop_tail(s, emit_release=True)
+
+    def _drop_tail(self, s: Sequence, *, emit_release: bool) -> None:
+        """Let go of blocks wholly past the sequence's length (after a short commit or a rollback)."""
+        while s.blocks and s.blocks[-1].index * self.block_size >= s.length:
+            b = s.blocks.pop()
+            s.index_cache = None
+            self._free_or_keep(b, s.id, emit_release=emit_release)
+
+    def rollback(self, seq: Any, n: int) -> None:
+        """Discard the last ``n`` committed tokens (rejected speculation); the version advances by ``n``."""
+        s = self._seq(seq)
+        if s.pending:
+            raise ValueError(f"rollback of {seq!r} with {s.pending} reserved tokens not committed")
+        if not 1 <= n <= s.length:
+            raise ValueError(f"rollback of {n} tokens for {seq!r}: must be in [1, {s.length}] (its length)")
+        s.length -= n
+        s.version += n
+        if self.bus.enabled:
+            self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
+        self._drop_tail(s, emit_release=True)
+
+    # ---- reading ----
+    def ensure_resident(self, seqs: Iterable[Any]) -> None:
+        """Bring every block of ``seqs`` to the device (pinning them for this step).
+
+        Raises ``OutOfBlocks`` when they cannot all fit, ``ChecksumMismatch`` when a copy
+        coming back is corrupt (the block stays where it was).
+        """
+        ss = [self._seq(q) for q in seqs]
+        self._tick += 1
+        blocks: dict[int, Block] = {}
+        for s in ss:
+            self._pinned.add(s.id)
+            s.last_access = self._tick
+            for b in s.blocks:
+                blocks[b.id] = b
+        cap = self.pool.tiers["device"].capacity
+        if len(blocks) > cap:
+            raise OutOfBlocks("device", len(blocks), cap)
+        missing = []
+        for b in blocks.values():
+            b.last_access = self._tick
+            if b.inflight is not None:
+                self.tiers.prefetch_hits += 1
+                self.tiers.settle(b)
+                b.prefetched = False
+            elif b.prefetched:
+                self.tiers.prefetch_hits += 1
+                b.prefetched = False
+            elif b.tier != "device":
+                missing.append(b)
+        if missing:
+            self.tiers.prefetch_misses += len(missing)
+            self.tiers.move(missing, "device", exclude=set(blocks))
+            for s in ss:
+                s.index_cache = None
+
+    def slot_table(self, seq: Any) -> torch.Tensor:
+        """``(num_blocks,)`` device-arena slots of ``seq``'s blocks in position order (paged attention).
+
+        Brings the blocks to the device first if needed. Valid until the step ends."""
+        s = self._seq(seq)
+        cached = s.index_cache
+        if cached is not None and cached[0] == self.pool.epoch:
+            return cached[1]
+        if any(b.tier != "device" or b.inflight is not None for b in s.blocks):
+            self.ensure_resident([seq])
+        t = torch.tensor([b.slot for b in s.blocks], dtype=torch.long, device=self.device)
+        s.index_cache = (self.pool.epoch, t)
+        return t
+
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """``(num_slots, H, 2, block_size, D)`` view of the device arena for one layer ([:, :, 0] K, [:, :, 1] V).
+
+        For paged attention over ``slot_table``; valid until the next allocation."""
+        return self._layer_kv(layer)
+
+    def num_tokens(self, seq: Any) -> int:
+        """Tokens ``gather`` returns: committed and reserved, less any evicted blocks."""
+        s = self._seq(seq)
+        if not s.blocks:
+            return 0
+        return (len(s.blocks) - 1) * self.block_size + (s.length + s.pending - s.blocks[-1].index * self.block_size)
+
+    def gather(self, seq: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq``'s cached K and V for ``layer``, each ``(H_kv, T, D)`` on the device, in position order.
+
+        Includes tokens stored but not yet committed; evicted blocks are skipped."""
+        s = self._seq(seq)
+        idx = self.slot_table(seq)
+        if layer == 0:
+            s.last_access = self._tick
+        c = self.config
+        T = self.num_tokens(seq)
+        x = self._layer_kv(layer)[idx]  # (nb, H, 2, bs, D)
+        nb = x.shape[0]
+        k = x[:, :, 0].transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
+        v = x[:, :, 1].transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
+        return k, v
+
+    def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None) -> None:
+        """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read."""
+        if not self.bus.enabled:
+            return
+        s = self._seq(seq)
+        if blocks is None:
+            ids = [b.id for b in s.blocks]
+            versions = [b.version for b in s.blocks]
+        else:
+            ids = list(blocks)
+            versions = [self.pool.blocks[i].version if i in self.pool.blocks else -1 for i in ids]
+        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer)
+
+    def observe_attention(self, seq: Any, layer: int, block_scores: Seq[float] | torch.Tensor) -> None:
+        """Feed the hybrid policy: attention mass of ``seq``'s newest query on each of its blocks
+        (position order, one value per block of ``block_table``), accumulated with decay."""
+        s = self._seq(seq)
+        scores = block_scores.tolist() if isinstance(block_scores, torch.Tensor) else list(block_scores)
+        if len(scores) != len(s.blocks):
+            raise ValueError(f"observe_attention for {seq!r}: {len(scores)} scores for {len(s.blocks)} blocks")
+        for b, w in zip(s.blocks, scores):
+            b.importance = b.importance * IMPORTANCE_DECAY + float(w)
+
+    # ---- explicit tier moves ----
+    def _blocks(self, ids: Iterable[int]) -> list[Block]:
+        try:
+            return [self.pool.blocks[i] for i in ids]
+        except KeyError as exc:
+            raise ValueError(f"block {exc.args[0]} is not allocated") from None
+
+    def swap_out(self, blocks: Iterable[int], dst: str = "host") -> None:
+        if dst not in self.pool.tiers or dst == "device":
+            raise ValueError(f"swap_out to {dst!r}: must be one of {', '.join(self.config.tiers[1:])}")
+        self.tiers.move(self._blocks(blocks), dst)
+
+    def swap_in(self, blocks: Iterable[int]) -> None:
+        self.tiers.move(self._blocks(blocks), "device")
+
+    def prefetch(self, seq: Any) -> int:
+        """Start bringing up to ``prefetch_depth`` of ``seq``'s blocks back to the device in the
+        background (a scheduler calls this for the sequences it will run next). Returns how many."""
+        depth = self.config.prefetch_depth
+        if depth == 0:
+            return 0
+        s = self._seq(seq)
+        away = [b for b in s.blocks if b.tier != "device" and b.inflight is None][:depth]
+        return self.tiers.prefetch(away, "device", exclude={b.id for b in s.blocks})
+
+    # ---- steps and stats ----
+    def end_step(self, num_tokens: int = 0) -> None:
+        """Book finished prefetches, emit each tier's usage, close the step on the bus, unpin."""
+        self.tiers.poll()
+        if self.bus.enabled:
+            bpb = self.config.bytes_per_block
+            for t, ts in self.pool.tiers.items():
+                self.bus.emit(Usage, tier=t, used_blocks=ts.used, capacity_blocks=ts.capacity, bytes=ts.used * bpb)
+        self.bus.end_step(num_tokens)
+        self._pinned.clear()
+        self._reserved.clear()
+
+    def stats(self) -> dict[str, Any]:
+        bs, bpb = self.block_size, self.config.bytes_per_block
+        tiers = {}
+        for t, ts in self.pool.tiers.items():
+            tiers[t] = {
+                "capacity_blocks": ts.capacity, "used_blocks": ts.used, "free_blocks": ts.num_free,
+                "used_bytes": ts.used * bpb, "arena_bytes": self.arenas[t].nbytes,
+            }
+        slots_held = sum(ts.used for ts in self.pool.tiers.values()) * bs
+        tokens = sum(b.filled for b in self.pool.blocks.values())
+        return {
+            "tiers": tiers,
+            "sequences": len(self.seqs),
+            "blocks": len(self.pool.blocks),
+            "tokens": tokens,
+            "fragmentation": (1 - tokens / slots_held) if slots_held else 0.0,
+            "prefetch_hits": self.tiers.prefetch_hits,
+            "prefetch_misses": self.tiers.prefetch_misses,
+            "prefetch_hit_rate": self.tiers.hit_rate,
+            "swaps": {f"{s}->{d}": int(n) for (s, d), (n, _) in self.tiers.moved.items()},
+        }
+
+    def close(self) -> None:
+        """Stop the prefetch worker, flush events, close an environment trace, delete spill files."""
+        if self._closed:
+            return
+        self._closed = True
+        self.tiers.close()
+        self.bus.flush()
+        if self._writer is not None:
+            self.bus.unsubscribe(self._writer.write_many)
+            self._writer.close()
+            self._writer = None
+            atexit.unregister(self.close)
+        for a in self.arenas.values():
+            a.close()
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

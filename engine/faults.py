@@ -1,0 +1,77 @@
+"""Deliberate, named faults that make the real engine misbehave, so every check can be shown working.
+
+Each fault changes what the engine *does* (which memory it writes, which copy it
+serves, what it frees); the events it emits stay honest descriptions of that
+behaviour, and the checks find the bug from them exactly as they would find a
+real one. All faults are off unless ``EngineConfig(fault=NAME)`` or the
+``KVDOCTOR_FAULT`` environment variable names one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["FAULTS", "ENV_VAR", "resolve_fault", "Faults"]
+
+ENV_VAR = "KVDOCTOR_FAULT"
+
+FAULTS: dict[str, str] = {
+    "leak-swapped": "blocks swapped out to host or disk are forgotten when their sequence ends: "
+    "never freed, they stay allocated in the slower tier",
+    "stale-version": "a block swapped back out reuses the host/disk copy it left behind at its last "
+    "swap-in, even after newer writes; the next swap-in serves that old copy",
+    "batch-misalign": "every eighth batched step, the second row's new K/V is written into the "
+    "first row's sequence's tail block instead of its own",
+    "attention-nan": "from step 2 on, one head's newest score at the middle layer becomes NaN "
+    "(the runner applies it through Faults.corrupt_scores)",
+}
+
+_MISALIGN_EVERY = 8  # batch-misalign fires on the 1st, 9th, 17th ... step that has two or more rows
+_NAN_FROM_STEP = 2
+
+
+def resolve_fault(name: str | None) -> str | None:
+    """The fault in force: ``name`` if given, else ``$KVDOCTOR_FAULT``; validated."""
+    if name:
+        return name
+    env = os.environ.get(ENV_VAR, "").strip()
+    if not env:
+        return None
+    if env not in FAULTS:
+        raise ValueError(f"{ENV_VAR}={env!r}: must be one of {', '.join(FAULTS)}")
+    return env
+
+
+class Faults:
+    """Switches the engine consults at the few places a fault changes behaviour."""
+
+    def __init__(self, name: str | None, num_layers: int) -> None:
+        self.name = name
+        self.leak_swapped = name == "leak-swapped"
+        self.stale_version = name == "stale-version"
+        self.batch_misalign = name == "batch-misalign"
+        self.attention_nan = name == "attention-nan"
+        self.nan_layer = num_layers // 2
+        self._batched_steps = 0
+        self._misalign_step = -1
+
+    def misalign_now(self, step: int) -> bool:
+        """True on the batched steps where the second row's writes go astray (counted once per step)."""
+        if not self.batch_misalign:
+            return False
+        if self._misalign_step != step:
+            self._misalign_step = step
+            self._batched_steps += 1
+        return (self._batched_steps - 1) % _MISALIGN_EVERY == 0
+
+    def corrupt_scores(self, layer: int, scores: Any, step: int) -> Any:
+        """Attention scores ``(..., H, Tq, Tk)`` as the fault leaves them: NaN in one head's newest score.
+
+        The runner calls this on every layer's pre-softmax scores; with the fault off it
+        returns ``scores`` untouched. The corruption is in place, like a real kernel bug.
+        """
+        if not self.attention_nan or layer != self.nan_layer or step < _NAN_FROM_STEP:
+            return scores
+        scores[..., 0, -1, -1] = float("nan")
+        return scores

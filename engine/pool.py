@@ -1,0 +1,162 @@
+"""Block metadata and per-tier slot accounting: who owns which block, where it lives, which version it holds.
+
+A *block* is ``block_size`` token positions of one sequence's K and V across all
+layers. It keeps its id while it moves between tiers; its *slot* is where its
+bytes sit in the current tier's arena. The pool never touches bytes: it hands out
+ids and slots, keeps the owner sets (the reference count is their size), and
+emits the ownership events. Moving bytes is ``tiers``'s job.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..events import Alloc, Free, Share, Release
+from .bus import Bus
+from .config import EngineConfig
+from .errors import OutOfBlocks
+
+__all__ = ["Block", "Sequence", "TierSlots", "BlockPool"]
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    id: int
+    tier: str
+    slot: int
+    index: int  # position of the block in its sequences: tokens index*block_size …
+    owners: list[Any]  # sequence ids; the reference count is len(owners)
+    version: int = 0  # version of the last write into the copy the block now has
+    filled: int = 0  # token slots ever written (an owner's own length may be shorter after a rollback)
+    checksum: int | None = None  # of the current bytes; None while they may still change
+    last_access: int = 0  # cache tick of the last reserve/gather/ensure_resident touching it
+    importance: float = 0.0  # decayed attention mass (hybrid policy)
+    inflight: Any = None  # the pending asynchronous swap-in (tiers._Inflight) not yet settled
+    prefetched: bool = False  # brought up by prefetch and not yet counted as a hit
+    retained: tuple[str, int, int, int | None] | None = None  # (tier, slot, version, checksum): stale-version fault only
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    id: Any
+    prompt_len: int
+    priority: int = 0
+    blocks: list[Block] = field(default_factory=list)  # present blocks in position order (evicted ones leave gaps)
+    length: int = 0  # committed tokens
+    pending: int = 0  # reserved, stored, not yet committed
+    version: int = 0
+    writes: list[tuple[Block, int, int]] = field(default_factory=list)  # (block, pos, n) of the pending reservation
+    last_access: int = 0
+    index_cache: Any = None  # device tensor of the blocks' slots, rebuilt when the table or a slot changes
+
+
+class TierSlots:
+    """Slots of one tier: a lowest-first free heap (keeps neighbours together, so swaps copy runs)
+    and the count of blocks living there. ``free + used == capacity`` always."""
+
+    def __init__(self, name: str, capacity: int, grow: Callable[[], range]) -> None:
+        self.name, self.capacity, self._grow = name, capacity, grow
+        self.grown = 0
+        self.free_slots: list[int] = []
+        self.used = 0  # slots holding a block (or, under the stale-version fault, a retained copy)
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - self.used
+
+    def take(self) -> int:
+        if not self.free_slots:
+            if self.grown >= self.capacity:
+                raise OutOfBlocks(self.name, 1, 0)
+            new = self._grow()
+            self.grown += len(new)
+            self.free_slots.extend(new)  # an ascending range is already a heap when appended to an empty heap
+            heapq.heapify(self.free_slots)
+        self.used += 1
+        return heapq.heappop(self.free_slots)
+
+    def give(self, slot: int) -> None:
+        self.used -= 1
+        heapq.heappush(self.free_slots, slot)
+
+
+class BlockPool:
+    """Ids, owners and tier slots of every allocated block; emits alloc/share/release/free."""
+
+    def __init__(self, config: EngineConfig, bus: Bus, grow: dict[str, Callable[[], range]]) -> None:
+        self.config = config
+        self.bus = bus
+        self.tiers: dict[str, TierSlots] = {t: TierSlots(t, config.capacity(t), grow[t]) for t in config.tiers}
+        self.blocks: dict[int, Block] = {}
+        self._free_ids: list[int] = []
+        self._next_id = 0
+        self.epoch = 0  # advances whenever a block's slot changes or a block goes, so slot tables can be cached
+
+    def _new_id(self) -> int:
+        if self._free_ids:
+            return heapq.heappop(self._free_ids)
+        self._next_id += 1
+        return self._next_id - 1
+
+    def alloc(self, tier: str, seq: Any, index: int) -> Block:
+        """A new block in ``tier`` owned by ``seq`` (raises ``OutOfBlocks`` if the tier is full)."""
+        slots = self.tiers[tier]
+        if slots.num_free <= 0:
+            raise OutOfBlocks(tier, 1, 0)
+        blk = Block(self._new_id(), tier, slots.take(), index, [seq])
+        self.blocks[blk.id] = blk
+        if self.bus.enabled:
+            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq)
+        return blk
+
+    def share(self, blk: Block, seq: Any) -> None:
+        blk.owners.append(seq)
+        if self.bus.enabled:
+            self.bus.emit(Share, block=blk.id, seq=seq)
+
+    def release(self, blk: Block, seq: Any, *, emit: bool = True) -> bool:
+        """``seq`` stops owning ``blk``; True when no owner is left (the caller frees it this step)."""
+        blk.owners.remove(seq)
+        if emit and self.bus.enabled:
+            self.bus.emit(Release, block=blk.id, seq=seq)
+        return not blk.owners
+
+    def drop(self, blk: Block) -> None:
+        """Return the block's slot and id without an event (``free`` and ``evict`` emit their own)."""
+        assert blk.inflight is None, f"block {blk.id} dropped with a swap in flight"
+        self.epoch += 1
+        self.tiers[blk.tier].give(blk.slot)
+        if blk.retained is not None:
+            self.tiers[blk.retained[0]].give(blk.retained[1])
+            blk.retained = None
+        del self.blocks[blk.id]
+        heapq.heappush(self._free_ids, blk.id)
+
+    def free(self, blk: Block) -> None:
+        self.drop(blk)
+        if self.bus.enabled:
+            self.bus.emit(Free, block=blk.id)
+
+    def move(self, blk: Block, tier: str, slot: int) -> None:
+        """Record that ``blk``'s bytes now live at ``slot`` of ``tier`` (the old slot is given back)."""
+        self.tiers[blk.tier].give(blk.slot)
+        blk.tier, blk.slot = tier, slot
+        self.epoch += 1
+
+    def in_tier(self, tier: str) -> list[Block]:
+        return [b for b in self.blocks.values() if b.tier == tier]
+
+    def check(self) -> None:
+        """Assert the accounting invariants (tests and debugging; O(blocks))."""
+        for name, ts in self.tiers.items():
+            held = [b.slot for b in self.blocks.values() if b.tier == name]
+            held += [b.retained[1] for b in self.blocks.values() if b.retained and b.retained[0] == name]
+            assert ts.used == len(held), f"tier {name}: used={ts.used} but {len(held)} slots held"
+            assert len(set(held)) == len(held), f"tier {name}: a slot holds two blocks: {sorted(held)}"
+            assert not set(held) & set(ts.free_slots), f"tier {name}: a held slot is also free"
+            assert ts.used + len(ts.free_slots) == ts.grown <= ts.capacity, (
+                f"tier {name}: used {ts.used} + free {len(ts.free_slots)} != grown {ts.grown} (capacity {ts.capacity})")
+        for b in self.blocks.values():
+            assert b.owners, f"block {b.id} is allocated with no owner"

@@ -1,0 +1,200 @@
+"""The only place that allocates KV memory: one arena per tier.
+
+Layout, the same in every arena: slot ``s`` holds one block as ``(L, H, R)``
+elements, where row ``(l, h)`` is that head's K (``block_size x head_dim``) then
+its V, padded to 128 bytes (``EngineConfig.row_elems``). Keeping a head's K and V
+together makes a block one contiguous run of bytes, so a tier move is a slice
+copy and a checksum is one reduction.
+
+Arenas grow by ``chunk_blocks`` up to their capacity and never shrink; freed slots
+are reused by the pool. The device and host arenas are a single tensor (growth
+copies it, a rare event, so paged attention can index one tensor); the disk arena
+is one memory-mapped file per chunk in a private directory, so it grows without
+copying and a full disk fails at growth (the file is preallocated) rather than
+with a SIGBUS in the middle of a swap.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import mmap
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .errors import StorageError
+
+__all__ = ["Arena", "TensorArena", "DiskArena", "make_arena", "runs"]
+
+
+def runs(src: list[int], dst: list[int], src_chunk: int, dst_chunk: int) -> Iterator[tuple[int, int, int]]:
+    """Split parallel slot lists into ``(src_start, dst_start, length)`` runs that are
+    consecutive on both sides and stay inside one chunk of each arena, so each run is
+    one slice copy."""
+    n = len(src)
+    i = 0
+    while i < n:
+        s0, d0 = src[i], dst[i]
+        j = i + 1
+        while (
+            j < n
+            and src[j] == s0 + (j - i)
+            and dst[j] == d0 + (j - i)
+            and src[j] % src_chunk != 0
+            and dst[j] % dst_chunk != 0
+        ):
+            j += 1
+        yield s0, d0, j - i
+        i = j
+
+
+class Arena:
+    """Slots of one tier. ``view(start, n)`` is the only way at the bytes: an ``(n, L, H, R)``
+    tensor aliasing slots ``start … start+n-1`` (which must lie in one chunk)."""
+
+    tier: str
+    device: torch.device
+
+    def __init__(self, tier: str, config: EngineConfig) -> None:
+        self.tier = tier
+        self.config = config
+        self.capacity = config.capacity(tier)
+        self.num_slots = 0  # slots grown so far
+        self.block_shape = (config.num_layers, config.num_kv_heads, config.row_elems)
+        self.chunk = config.chunk_blocks  # slots per contiguous piece (see ``runs``)
+
+    def grow(self) -> range:
+        """Add up to ``chunk_blocks`` slots (never past capacity); returns the new slot ids."""
+        raise NotImplementedError
+
+    def view(self, start: int, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.config.bytes_per_block
+
+    def close(self) -> None:
+        """Give the memory back; the arena is unusable afterwards."""
+
+
+class TensorArena(Arena):
+    """Device or host memory as one tensor ``(num_slots, L, H, R)``.
+
+    The host arena is pinned when CUDA is present, so copies to the device can be
+    asynchronous. Growth copies the tensor once per chunk; callers must not hold
+    views across a ``grow`` (the cache drains in-flight copies before growing).
+    """
+
+    def __init__(self, tier: str, config: EngineConfig, device: str) -> None:
+        super().__init__(tier, config)
+        self.device = torch.device(device)
+        self.pin = tier == "host" and torch.cuda.is_available()
+        self.chunk = max(self.capacity, 1)  # one contiguous piece: runs never break on chunks
+        self.data = self._empty(0)
+
+    def _empty(self, n: int) -> torch.Tensor:
+        try:
+            return torch.empty((n, *self.block_shape), dtype=self.config.torch_dtype, device=self.device,
+                               pin_memory=self.pin)
+        except (RuntimeError, MemoryError) as exc:  # torch reports CUDA/host OOM as RuntimeError
+            raise StorageError(self.tier, f"grow to {n} blocks", _errno.ENOMEM, None, str(exc).splitlines()[0]) from exc
+
+    def grow(self) -> range:
+        old = self.num_slots
+        new = min(self.capacity, old + self.config.chunk_blocks)
+        if new == old:
+            return range(old, old)
+        data = self._empty(new)
+        if old:
+            data[:old].copy_(self.data)
+        self.data, self.num_slots = data, new
+        return range(old, new)
+
+    def view(self, start: int, n: int) -> torch.Tensor:
+        return self.data[start : start + n]
+
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """``(num_slots, H, 2, block_size, D)`` alias of one layer: index ``[:, :, 0]`` is K, ``[:, :, 1]`` V."""
+        c = self.config
+        return self.data[:, layer, :, : 2 * c.block_size * c.head_dim].unflatten(-1, (2, c.block_size, c.head_dim))
+
+    def close(self) -> None:
+        self.data = self._empty(0)
+        self.num_slots = 0
+
+
+class DiskArena(Arena):
+    """Memory-mapped spill files, one per chunk, in a private directory (0700, files 0600).
+
+    Each chunk file is preallocated with ``posix_fallocate`` so that a full disk is
+    reported as ``StorageError`` when the arena grows, never as a fault while a swap
+    writes through the mapping. ``close`` unmaps and deletes the directory.
+    """
+
+    def __init__(self, tier: str, config: EngineConfig) -> None:
+        super().__init__(tier, config)
+        self.device = torch.device("cpu")
+        try:
+            self.dir = tempfile.mkdtemp(prefix="kvdoctor-spill-", dir=config.disk_dir)  # mode 0700
+        except OSError as exc:
+            raise StorageError(tier, "create its spill directory", exc.errno, config.disk_dir or tempfile.gettempdir(),
+                               exc.strerror or str(exc)) from exc
+        self._maps: list[mmap.mmap] = []
+        self._chunks: list[torch.Tensor] = []
+
+    def path(self, chunk: int) -> str:
+        return os.path.join(self.dir, f"chunk-{chunk:05d}.kv")
+
+    def grow(self) -> range:
+        old = self.num_slots
+        n = min(self.capacity, old + self.chunk) - old
+        if n <= 0:
+            return range(old, old)
+        path = self.path(len(self._chunks))
+        size = n * self.config.bytes_per_block
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise StorageError(self.tier, "create a spill file", exc.errno, path, exc.strerror or str(exc)) from exc
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise StorageError(self.tier, f"reserve {size} bytes", exc.errno, path, exc.strerror or str(exc)) from exc
+        os.close(fd)  # the mapping keeps the file open
+        raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+        self._maps.append(mm)
+        self._chunks.append(raw.view(self.config.torch_dtype).view(n, *self.block_shape))
+        self.num_slots = old + n
+        return range(old, old + n)
+
+    def view(self, start: int, n: int) -> torch.Tensor:
+        c, off = divmod(start, self.chunk)
+        return self._chunks[c][off : off + n]
+
+    def close(self) -> None:
+        self._chunks.clear()
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with it
+                pass
+        self._maps.clear()
+        self.num_slots = 0
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def make_arena(tier: str, config: EngineConfig) -> Arena:
+    if tier == "device":
+        return TensorArena(tier, config, config.device)
+    if tier == "host":
+        return TensorArena(tier, config, "cpu")
+    return DiskArena(tier, config)

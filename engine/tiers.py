@@ -1,0 +1,315 @@
+"""Moving blocks between tiers: batched swaps, checksums on every move, asynchronous prefetch.
+
+Swapping out (to a slower tier) takes the block's checksum if its bytes changed
+since the last one; swapping in (to a faster tier) checks the copy that arrived
+against it, and a mismatch is emitted as ``checksum_error`` and raised as
+``ChecksumMismatch`` while the block stays where it was: the corrupt copy is never
+served. When the destination is full, the eviction policy picks victims there and
+they are demoted one tier further down; only the last tier evicts.
+
+Prefetch copies on a single background thread (on a side CUDA stream where there
+is one). The worker only moves bytes between slots reserved for it; every
+bookkeeping change and every event happens on the caller's thread when the copy
+is *settled* (when the block is needed, or at the end of the step), so event order
+and the pool never depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
+from .bus import Bus
+from .config import TIER_NAMES, EngineConfig
+from .errors import ChecksumMismatch, OutOfBlocks
+from .faults import Faults
+from .policy import EvictionPolicy
+from .pool import Block, BlockPool
+from .storage import Arena, runs
+
+__all__ = ["TierManager", "checksums", "copy_slots"]
+
+_RANK = {t: i for i, t in enumerate(TIER_NAMES)}
+_MASK64 = (1 << 64) - 1
+
+
+def copy_slots(src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], non_blocking: bool = False) -> None:
+    """Copy blocks slot by slot, one slice copy per run of neighbouring slots."""
+    order = sorted(range(len(src_slots)), key=src_slots.__getitem__)
+    s = [src_slots[i] for i in order]
+    d = [dst_slots[i] for i in order]
+    for s0, d0, n in runs(s, d, src.chunk, dst.chunk):
+        dst.view(d0, n).copy_(src.view(s0, n), non_blocking=non_blocking)
+
+
+def checksums(arena: Arena, slots: list[int]) -> list[int]:
+    """64-bit additive checksum of each block's bytes (padding included), one reduction per run.
+
+    A wrapping sum of 64-bit words: any change of one word, a block's bytes landing in
+    another slot, a zeroed or truncated page all change it; it costs one read of the
+    bytes at memory bandwidth, which a cryptographic hash would not.
+    """
+    out: dict[int, int] = {}
+    order = sorted(slots)
+    for s0, _, n in runs(order, order, arena.chunk, arena.chunk):
+        words = arena.view(s0, n).view(torch.int64).reshape(n, -1)
+        for i, v in enumerate(words.sum(dim=1).tolist()):
+            out[s0 + i] = v & _MASK64
+    return [out[s] for s in slots]
+
+
+@dataclass(slots=True)
+class _Inflight:
+    future: Future
+    src: str
+    dst: str
+    slot: int  # reserved in dst
+    i: int  # this block's index in the job's result
+
+
+class TierManager:
+    """Owns the arenas' contents in motion; the pool owns the bookkeeping it updates."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        arenas: dict[str, Arena],
+        bus: Bus,
+        policy: EvictionPolicy,
+        faults: Faults,
+        *,
+        protected: Callable[[Block], bool],
+        evictable: Callable[[Block], bool],
+        evict: Callable[[list[Block], str], None],
+        distance: Callable[[Block], float],
+        clock: Callable[[], int],
+    ) -> None:
+        self.config, self.pool, self.arenas, self.bus = config, pool, arenas, bus
+        self.policy, self.faults = policy, faults
+        self._protected, self._evictable, self._evict = protected, evictable, evict
+        self._distance, self._clock = distance, clock
+        self._worker: ThreadPoolExecutor | None = None
+        self._stream = torch.cuda.Stream(device=config.device) if config.is_cuda else None
+        self.inflight: dict[int, Block] = {}
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+        self.moved: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [blocks, seconds]
+
+    # ---- room ----
+    def slower(self, tier: str) -> str | None:
+        tiers = self.config.tiers
+        i = tiers.index(tier)
+        return tiers[i + 1] if i + 1 < len(tiers) else None
+
+    def make_room(self, tier: str, n: int, exclude: set[int]) -> None:
+        """Free ``n`` slots in ``tier`` by demoting policy-chosen blocks one tier down (evicting
+        from the last tier); raises ``OutOfBlocks`` without moving anything if that cannot work."""
+        slots = self.pool.tiers[tier]
+        need = n - slots.num_free
+        if need <= 0:
+            return
+        nxt = self.slower(tier)
+        cands = [
+            b for b in self.pool.blocks.values()
+            if b.tier == tier and b.id not in exclude and b.inflight is None and not self._protected(b)
+            and (nxt is not None or self._evictable(b))
+        ]
+        if len(cands) < need:
+            raise OutOfBlocks(tier, n, slots.num_free + len(cands))
+        victims = self.policy.victims(cands, need, self._clock(), self._distance)
+        if nxt is None:
+            self._evict(victims, tier)
+        else:
+            self.move(victims, nxt, exclude=exclude)
+
+    # ---- synchronous moves ----
+    def move(self, blocks: Iterable[Block], dst: str, exclude: set[int] | None = None) -> None:
+        """Move ``blocks`` (from any tiers) to ``dst`` in batches per source tier.
+
+        Makes room in ``dst`` first. Blocks whose copy fails its checksum stay where they
+        were; the first mismatch is raised after the rest have moved.
+        """
+        blocks = [b for b in blocks if b.tier != dst]
+        for b in blocks:
+            if b.inflight is not None:
+                self.settle(b)
+        blocks = [b for b in blocks if b.tier != dst]
+        if not blocks:
+            return
+        keep = set(exclude or ()) | {b.id for b in blocks}
+        self.make_room(dst, len(blocks), keep)
+        dst_slots = self._take(dst, len(blocks))
+        by_src: dict[str, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_src.setdefault(b.tier, []).append(i)
+        bad: ChecksumMismatch | None = None
+        for src, idx in by_src.items():
+            group = [blocks[i] for i in idx]
+            slots = [dst_slots[i] for i in idx]
+            t0 = time.perf_counter()
+            if _RANK[dst] > _RANK[src]:
+                self._swap_out(group, src, dst, slots)
+            else:
+                err = self._swap_in(group, src, dst, slots)
+                bad = bad or err
+            acc = self.moved.setdefault((src, dst), [0, 0.0])
+            acc[0] += len(group)
+            acc[1] += time.perf_counter() - t0
+        if bad is not None:
+            raise bad
+
+    def _take(self, tier: str, n: int) -> list[int]:
+        ts = self.pool.tiers[tier]
+        taken: list[int] = []
+        try:
+            for _ in range(n):
+                taken.append(ts.take())
+        except BaseException:
+            for s in taken:
+                ts.give(s)
+            raise
+        return taken
+
+    def _swap_out(self, group: list[Block], src: str, dst: str, slots: list[int]) -> None:
+        if self.config.checksums:
+            dirty = [b for b in group if b.checksum is None]
+            for b, c in zip(dirty, checksums(self.arenas[src], [b.slot for b in dirty])):
+                b.checksum = c
+        copy_from, copy_to = [], []
+        for b, slot in zip(group, slots):
+            if b.retained is not None and b.retained[0] == dst:
+                # stale-version fault: "the copy is already there" - reuse the one left at the
+                # last swap-in without comparing versions; the fresh slot goes back unused.
+                self.pool.tiers[dst].give(slot)
+                _, slot, old_version, old_checksum = b.retained
+                b.retained = None
+                emitted = b.version
+                self.pool.move(b, dst, slot)
+                b.version, b.checksum = old_version, old_checksum
+                if self.bus.enabled:
+                    self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=emitted)
+                continue
+            copy_from.append(b.slot)
+            copy_to.append(slot)
+        copy_slots(self.arenas[src], copy_from, self.arenas[dst], copy_to)
+        moving = {s: d for s, d in zip(copy_from, copy_to)}
+        for b in group:
+            if b.tier == src and b.slot in moving:
+                self.pool.move(b, dst, moving[b.slot])
+                if self.bus.enabled:
+                    self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version)
+
+    def _swap_in(self, group: list[Block], src: str, dst: str, slots: list[int]) -> ChecksumMismatch | None:
+        copy_slots(self.arenas[src], [b.slot for b in group], self.arenas[dst], slots)
+        actual = checksums(self.arenas[dst], slots) if self.config.checksums else [None] * len(group)
+        bad = None
+        for b, slot, got in zip(group, slots, actual):
+            err = self._arrive(b, src, dst, slot, got)
+            bad = bad or err
+        return bad
+
+    def _arrive(self, b: Block, src: str, dst: str, slot: int, got: int | None) -> ChecksumMismatch | None:
+        """Book a copy that reached ``slot`` of ``dst``: verify it, then make it the block's copy."""
+        if got is not None and b.checksum is not None and got != b.checksum:
+            self.pool.tiers[dst].give(slot)  # the corrupt copy is dropped; the block stays in src
+            if self.bus.enabled:
+                self.bus.emit(ChecksumError, block=b.id, tier=src, expected=b.checksum, actual=got)
+            return ChecksumMismatch(b.id, src, b.checksum, got)
+        if got is not None:
+            b.checksum = got
+        if self.faults.stale_version and src != "device" and b.retained is None:
+            b.retained = (src, b.slot, b.version, b.checksum)  # keep the slower copy "in case" (the fault)
+            b.tier, b.slot = dst, slot
+            self.pool.epoch += 1
+        else:
+            self.pool.move(b, dst, slot)
+        if self.bus.enabled:
+            self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version)
+        return None
+
+    # ---- asynchronous prefetch ----
+    def prefetch(self, blocks: Iterable[Block], dst: str = "device", exclude: set[int] | None = None) -> int:
+        """Start bringing ``blocks`` up to ``dst`` in the background; returns how many started.
+
+        Uses free room in ``dst`` and demotes what the policy allows; when there is not
+        enough, prefetches fewer blocks rather than failing.
+        """
+        blocks = [b for b in blocks if b.tier != dst and b.inflight is None and _RANK[b.tier] > _RANK[dst]]
+        if not blocks:
+            return 0
+        keep = set(exclude or ()) | {b.id for b in blocks}
+        try:
+            self.make_room(dst, len(blocks), keep)
+        except OutOfBlocks as exc:
+            blocks = blocks[: max(exc.free, 0)]
+            if blocks:
+                self.make_room(dst, len(blocks), keep)
+        if not blocks:
+            return 0
+        dst_slots = self._take(dst, len(blocks))
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdoctor-prefetch")
+        by_src: dict[str, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_src.setdefault(b.tier, []).append(i)
+        for src, idx in by_src.items():
+            group = [blocks[i] for i in idx]
+            slots = [dst_slots[i] for i in idx]
+            fut = self._worker.submit(self._copy_job, src, [b.slot for b in group], dst, slots)
+            for i, (b, slot) in enumerate(zip(group, slots)):
+                b.inflight = _Inflight(fut, src, dst, slot, i)
+                self.inflight[b.id] = b
+            if self.bus.enabled:
+                self.bus.emit(Prefetch, blocks=[b.id for b in group], src=src, dst=dst)
+        return len(blocks)
+
+    def _copy_job(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]) -> list[int | None]:
+        """Runs on the worker thread: bytes only, no bookkeeping."""
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, non_blocking=True)
+                out = checksums(self.arenas[dst], dst_slots) if self.config.checksums else [None] * len(dst_slots)
+            self._stream.synchronize()
+            return out
+        copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots)
+        return checksums(self.arenas[dst], dst_slots) if self.config.checksums else [None] * len(dst_slots)
+
+    def settle(self, b: Block) -> None:
+        """Wait for ``b``'s prefetch and book it (raises ``ChecksumMismatch`` for a bad copy)."""
+        job: _Inflight = b.inflight
+        got = job.future.result()[job.i]
+        b.inflight = None
+        del self.inflight[b.id]
+        err = self._arrive(b, job.src, job.dst, job.slot, got)
+        if err is not None:
+            raise err
+        b.prefetched = True
+
+    def poll(self) -> None:
+        """Book every prefetch that has finished (a bad copy stays behind; its next swap-in reports it)."""
+        for b in [b for b in self.inflight.values() if b.inflight.future.done()]:
+            try:
+                self.settle(b)
+            except ChecksumMismatch:
+                pass
+
+    def drain(self) -> None:
+        """Wait for every copy in flight without booking it (before an arena reallocates)."""
+        for b in list(self.inflight.values()):
+            b.inflight.future.result()
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else None
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
