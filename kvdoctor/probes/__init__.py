@@ -1,0 +1,87 @@
+"""Memory probes: RSS, the Python heap, torch and the GPU, read into the event stream.
+
+Readings travel as ``mem`` events on the engine's bus, next to the KV events they
+explain. Three ways to switch them on:
+
+* in-process: ``attach_probes(bus, kv_bytes_fn, interval_s)`` with any bus, or
+  ``attach_to_cache(cache)`` with a ``PagedKVCache``;
+* a child workload (``kvdoctor watch -- python x.py``): ``KVDOCTOR_PROBES=1`` next to
+  ``KVDOCTOR_TRACE``. The engine may not import this package, so it runs the
+  ``kvdoctor.engine_hooks`` entry points when it builds a traced cache; ours is
+  ``from_env``, which attaches when ``KVDOCTOR_PROBES`` asks for it;
+* a workload of your own: call ``attach_to_cache(cache)`` after building the engine.
+
+Importing this package is light (no torch); see docs/probes.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import UsageError
+from .prober import DEFAULT_INTERVAL_S, Prober, Reading
+from .torch_mem import AccountingFn, cache_accounting
+
+__all__ = [
+    "DEFAULT_INTERVAL_S", "ENV_PROBES", "ENV_INTERVAL", "ENV_HEAP",
+    "Prober", "Reading", "attach_probes", "attach_to_cache", "from_env",
+]
+
+ENV_PROBES = "KVDOCTOR_PROBES"  # "1" switches the probes on in a workload that builds the engine
+ENV_INTERVAL = "KVDOCTOR_PROBES_INTERVAL"  # seconds between readings (default DEFAULT_INTERVAL_S)
+ENV_HEAP = "KVDOCTOR_PROBES_HEAP"  # "0" leaves tracemalloc off
+
+
+def attach_probes(
+    bus: Any, kv_bytes_fn: AccountingFn | None = None, interval_s: float = DEFAULT_INTERVAL_S, **options: Any,
+) -> Prober:
+    """Subscribe a ``Prober`` to ``bus`` and emit a first reading (``source="start"``).
+
+    ``options`` go to ``Prober`` (``heap``, ``frame_limit``, ``gpu``, ``device_on_cpu``).
+    Subscribing enables the bus, so attach where something else consumes it too.
+    """
+    prober = Prober(bus, kv_bytes_fn, interval_s=interval_s, **options)
+    bus.subscribe(prober)
+    prober.read_now("start")
+    return prober
+
+
+def attach_to_cache(cache: Any, interval_s: float = DEFAULT_INTERVAL_S, **options: Any) -> Prober:
+    """``attach_probes`` on a ``PagedKVCache``: its bus, its ``stats()`` as the accounting."""
+    if "device_on_cpu" not in options:
+        device = getattr(getattr(cache, "config", None), "device", None)
+        if device is not None:
+            options["device_on_cpu"] = str(device).startswith("cpu")
+    return attach_probes(cache.bus, cache_accounting(cache), interval_s, **options)
+
+
+def from_env(cache: Any) -> Prober | None:
+    """The engine hook: attach to ``cache`` when ``KVDOCTOR_PROBES`` is on, else do nothing."""
+    if not _flag(ENV_PROBES, default=False):
+        return None
+    return attach_to_cache(cache, _interval(), heap=_flag(ENV_HEAP, default=True))
+
+
+def _flag(name: str, *, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise UsageError(f"{name}={raw!r}: expected 1 or 0")
+
+
+def _interval() -> float:
+    raw = os.environ.get(ENV_INTERVAL, "").strip()
+    if not raw:
+        return DEFAULT_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"{ENV_INTERVAL}={raw!r}: expected a number of seconds > 0")
+    return value
