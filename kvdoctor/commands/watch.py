@@ -1,0 +1,75 @@
+"""``kvdoctor watch``: the live TUI over a workload's KV cache, as it runs.
+
+Three sources: ``--demo`` (the embedded model serving a stream of chat requests, in a
+child process), ``-- CMD ARGS…`` (your workload, started with tracing switched on), and
+``--trace FILE`` (a trace another process is writing). The workload always runs in its
+own process and writes a trace file that the TUI follows, so a slow step never freezes
+the screen and a crash leaves the last state on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+NAME = "watch"
+HELP = "live TUI of a workload's KV cache: --demo [--fault NAME], --trace FILE, or -- CMD ARGS"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("source (exactly one)")
+    src.add_argument("--demo", action="store_true",
+                     help="run the embedded SmolLM2 serving a continuous stream of chat requests")
+    src.add_argument("--trace", metavar="FILE", help="follow a trace file that another process is writing")
+    p.add_argument("--fault", metavar="NAME",
+                   help="switch on a deliberate fault in the workload (leak-swapped, stale-version, "
+                        "batch-misalign, attention-nan) to see its finding appear")
+    p.add_argument("--model", metavar="PATH",
+                   help="with --demo: a local Hugging Face checkpoint, or 'tiny' for a small random model "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="how long to wait for the trace to appear (default 10 s; 300 s for a workload we start, "
+                        "which stops waiting as soon as the workload exits)")
+    p.add_argument("workload_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                   help="a workload to start with KVDOCTOR_TRACE set, e.g. -- python my_script.py")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..trace import read_header
+
+    command = list(args.workload_argv or [])
+    if command[:1] == ["--"]:
+        command = command[1:]
+    chosen = [name for name, on in (("--demo", args.demo), ("--trace", args.trace), ("-- CMD", command)) if on]
+    if len(chosen) != 1:
+        what = "nothing" if not chosen else " and ".join(chosen)
+        raise UsageError(f"choose exactly one source (got {what}): --demo, --trace FILE, or -- CMD ARGS")
+    if args.fault and args.trace:
+        raise UsageError("--fault applies to a workload kvdoctor starts (--demo or -- CMD), not to --trace")
+    if args.model and not args.demo:
+        raise UsageError("--model applies to --demo only")
+    if args.trace and os.path.exists(args.trace):
+        read_header(args.trace)  # a file that is not a trace fails here, as one line, before the screen opens
+
+    from ..tui.app import KvdoctorApp
+    from ..tui.feed import LiveFeed
+    from ..tui.workload import Workload
+
+    workload = None
+    if args.demo:
+        workload = Workload.demo(fault=args.fault, model=args.model)
+    elif command:
+        workload = Workload(command, fault=args.fault)
+    path = str(workload.trace) if workload is not None else args.trace
+    wait = args.wait if args.wait is not None else (300.0 if workload is not None else 10.0)
+    app = KvdoctorApp(
+        lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait),
+        workload=workload,
+    )
+    try:
+        app.run()
+    finally:
+        if workload is not None:
+            workload.stop()
+    return 0

@@ -1,0 +1,270 @@
+"""The kvdoctor Textual app: live (or replayed) KV-cache state on a few keyboard-driven screens.
+
+The app owns no source. It starts a ``Feed`` (a thread that reads events and runs the
+checks) and receives ``Snapshot``s from it as messages; setting ``snapshot`` (a reactive)
+pushes the same immutable snapshot to every view through data binding, so widgets draw
+from state and never poll. Pausing only stops applying snapshots: the feed, and the
+checks, go on seeing every event.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widgets import Footer, Input, TabbedContent, TabPane
+
+from ..findings import Finding
+from .feed import Feed, ReplayFeed
+from .details import block_story_of, describe_block, describe_finding, describe_seq, seq_story_of
+from .screens import DetailScreen, HelpScreen, PromptScreen
+from .state import Monitor, Snapshot
+from .widgets.attention import AttentionView
+from .widgets.blockmap import LEGEND, BlockMap
+from .widgets.eventlog import EventLog
+from .widgets.findings import FindingDetail, FindingsList
+from .widgets.gauges import TierGauges
+from .widgets.header import StatusHeader
+from .widgets.memory import MemoryView
+from .workload import Workload
+
+__all__ = ["KvdoctorApp", "SnapshotReady"]
+
+TABS = ("overview", "findings", "attention", "memory", "events")
+_MAIN_WIDGET = {"overview": "blocks", "findings": "findings-list", "attention-tab": "attention",
+                "memory-tab": "memory", "events": "log"}
+
+
+class SnapshotReady(Message):
+    """Posted by the feed's thread; carries one immutable snapshot."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+
+
+class KvdoctorApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "kvdoctor"
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("p,space", "pause", "Pause"),
+        Binding("slash", "filter", "Filter"),
+        Binding("s", "search", "Search"),
+        Binding("d", "detail", "Detail"),
+        Binding("question_mark", "help", "Help"),
+        Binding("n", "step(1)", "Next step"),
+        Binding("b", "step(-1)", "Prev step"),
+        Binding("g", "seek", "Go to step"),
+        *(Binding(str(i + 1), f"tab('{name}')", name.title(), show=False) for i, name in enumerate(TABS)),
+    ]
+
+    snapshot: reactive[Snapshot | None] = reactive(None, always_update=True)
+    paused: reactive[bool] = reactive(False)
+
+    def __init__(
+        self,
+        make_feed: Callable[[Callable[[Snapshot], None]], Feed],
+        *,
+        workload: Workload | None = None,
+        show_pid: bool = True,
+    ) -> None:
+        super().__init__()
+        self._make_feed = make_feed
+        self.workload = workload
+        self.show_pid = show_pid
+        self.feed: Feed | None = None
+        self._held: Snapshot | None = None  # the newest snapshot while paused
+
+    # ---- layout -----------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield StatusHeader(show_pid=self.show_pid).data_bind(KvdoctorApp.snapshot, KvdoctorApp.paused)
+        with TabbedContent(initial="overview"):
+            with TabPane("1 Overview", id="overview"):
+                gauges = TierGauges(id="tiers", classes="panel").data_bind(KvdoctorApp.snapshot)
+                gauges.border_title = "tiers"
+                yield gauges
+                with Horizontal(id="overview-row"):
+                    blocks = BlockMap(id="blocks", classes="panel").data_bind(KvdoctorApp.snapshot)
+                    blocks.border_title = "blocks"
+                    blocks.border_subtitle = LEGEND
+                    yield blocks
+                    recent = FindingsList(id="recent", classes="panel").data_bind(KvdoctorApp.snapshot)
+                    recent.border_title = "findings (newest first)"
+                    yield recent
+            with TabPane("2 Findings", id="findings"):
+                with Vertical():
+                    flist = FindingsList(id="findings-list", classes="panel").data_bind(KvdoctorApp.snapshot)
+                    flist.border_title = "findings (newest first) · enter: full detail"
+                    yield flist
+                    with VerticalScroll(id="finding-detail", classes="panel") as pane:
+                        pane.border_title = "detail"
+                        yield FindingDetail("select a finding", id="detail")
+            with TabPane("3 Attention", id="attention-tab"):
+                att = AttentionView(id="attention", classes="panel").data_bind(KvdoctorApp.snapshot)
+                att.border_title = "attention per layer over steps"
+                att.border_subtitle = "[bold red]▆[/] anomaly  [bold white on red]✖[/] non-finite"
+                yield att
+            with TabPane("4 Memory", id="memory-tab"):
+                with VerticalScroll(id="memory", classes="panel") as mem:
+                    mem.border_title = "memory timeline"
+                    yield MemoryView().data_bind(KvdoctorApp.snapshot)
+            with TabPane("5 Events", id="events"):
+                filt = Input(placeholder="filter: swap  -attn  seq=3  block=17", id="filter")
+                yield filt
+                log = EventLog(id="log", classes="panel").data_bind(KvdoctorApp.snapshot)
+                log.border_title = "event log (newest last)"
+                yield log
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.feed = self._make_feed(self._publish)
+        self.feed.start()
+        self.query_one("#blocks", BlockMap).focus()
+
+    def on_unmount(self) -> None:
+        if self.feed is not None:
+            self.feed.stop()
+        if self.workload is not None:
+            self.workload.stop()
+
+    @property
+    def replay(self) -> bool:
+        return isinstance(self.feed, ReplayFeed)
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        """Called on the feed's thread."""
+        self.post_message(SnapshotReady(snapshot))
+
+    def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        if self.paused and not self.replay:
+            self._held = message.snapshot
+            return
+        self.snapshot = message.snapshot
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("step", "seek"):
+            return self.replay
+        return True
+
+    def action_pause(self) -> None:
+        if isinstance(self.feed, ReplayFeed):
+            self.feed.toggle()
+            return
+        self.paused = not self.paused
+        if not self.paused and self._held is not None:
+            self.snapshot, self._held = self._held, None
+
+    def action_step(self, delta: int) -> None:
+        if isinstance(self.feed, ReplayFeed):
+            self.feed.step(delta)
+
+    def action_seek(self) -> None:
+        def done(value: str | None) -> None:
+            if value and value.lstrip("-").isdigit() and isinstance(self.feed, ReplayFeed):
+                self.feed.seek(int(value))
+            elif value:
+                self.notify(f"not a step number: {value!r}", severity="warning")
+
+        self.push_screen(PromptScreen("go to step", "a step number"), done)
+
+    def action_tab(self, name: str) -> None:
+        pane = {"attention": "attention-tab", "memory": "memory-tab"}.get(name, name)
+        # Focus must leave the old pane first: a focused widget in a hidden pane hands focus to
+        # a neighbour there, and the TabbedContent follows focus back to the old pane.
+        self.set_focus(None)
+        self.query_one(TabbedContent).active = pane
+        self.query_one(f"#{_MAIN_WIDGET[pane]}").focus()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_filter(self) -> None:
+        self.action_tab("events")
+        self.query_one("#filter", Input).focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "filter":
+            self.query_one("#log", EventLog).filter_text = event.value
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter":
+            self.query_one("#log", EventLog).focus()
+
+    def action_search(self) -> None:
+        def done(value: str | None) -> None:
+            if value:
+                self._open_search(value)
+
+        self.push_screen(PromptScreen("search: a block (b17 or 17) or a sequence (s3)", "b17, s3, 17"), done)
+
+    def _open_search(self, text: str) -> None:
+        kind, _, key = _parse_query(text)
+        if kind == "block" and key.isdigit():
+            block = int(key)
+            body = self._query(lambda m: describe_block(m, block))
+            if body is not None:
+                self.query_one("#blocks", BlockMap).selected = block
+                self.push_screen(DetailScreen(f"block {block}", body))
+                return
+            if text.strip().isdigit():  # a bare number: maybe a sequence id
+                kind = "seq"
+        if kind == "seq":
+            body = self._query(lambda m: describe_seq(m, key))
+            if body is not None:
+                self.push_screen(DetailScreen(f"sequence {key}", body))
+                return
+        self.notify(f"no {kind} {key} in what has been seen so far", severity="warning")
+
+    def action_detail(self) -> None:
+        focused = self.focused
+        if isinstance(focused, BlockMap) and focused.selected is not None:
+            self._open_search(f"b{focused.selected}")
+            return
+        flist = focused if isinstance(focused, FindingsList) else self.query_one("#findings-list", FindingsList)
+        f = flist.selected
+        if f is None:
+            self.notify("no finding selected", severity="information")
+            return
+        self.push_screen(DetailScreen(f"{f.check}/{f.rule}", self._describe(f)))
+
+    def on_line_list_chosen(self, message: FindingsList.Chosen) -> None:
+        if isinstance(message.sender, FindingsList):
+            f = message.sender.finding(message.row)
+            if f is not None:
+                self.push_screen(DetailScreen(f"{f.check}/{f.rule}", self._describe(f)))
+
+    def on_line_list_highlighted(self, message: FindingsList.Highlighted) -> None:
+        if message.sender.id == "findings-list" and isinstance(message.sender, FindingsList):
+            f = message.sender.finding(message.row)
+            if f is not None:
+                self.query_one("#detail", FindingDetail).update(self._describe(f))
+
+    def on_block_map_picked(self, message: BlockMap.Picked) -> None:
+        self._open_search(f"b{message.block}")
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _query(self, fn: Callable[[Monitor], Any]) -> Any:
+        return self.feed.query(fn) if self.feed is not None else None
+
+    def _describe(self, f: Finding) -> Text:
+        block_story = self._query(lambda m: block_story_of(m, f.block)) if f.block is not None else None
+        seq_story = self._query(lambda m: seq_story_of(m, f.seq)) if f.seq is not None else None
+        return describe_finding(f, block_story, seq_story)
+
+
+def _parse_query(text: str) -> tuple[str, str, str]:
+    t = text.strip().lower()
+    for prefix, kind in (("block", "block"), ("seq", "seq"), ("b", "block"), ("s", "seq")):
+        if t.startswith(prefix) and t[len(prefix):].strip():
+            return kind, prefix, text.strip()[len(prefix):].strip().lstrip("=#: ")
+    return "block", "", text.strip()

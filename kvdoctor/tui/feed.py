@@ -1,0 +1,328 @@
+"""The worker behind the TUI: reads events, runs the checks over every one, publishes snapshots.
+
+A feed runs in its own thread so the interface never waits on a trace file or on the
+checks. It hands each event to the checks and to the ``Monitor`` in order, then at most
+``fps`` times a second copies the monitor into a ``Snapshot`` and passes it to
+``publish`` (the app posts it as a message). Frames may be skipped when the events come
+faster than the screen redraws; events never are. The UI thread asks the monitor
+questions (a block's history, a sequence) through ``query``, under the same lock.
+
+``LiveFeed`` follows a trace still being written (by a workload we started, or by
+another process); ``ReplayFeed`` plays a finished trace with pause, step and seek.
+"""
+
+from __future__ import annotations
+
+import bisect
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterable, Protocol, TypeVar
+
+from ..errors import KvdoctorError
+from ..events import Header
+from ..findings import Finding
+from .state import Monitor, Snapshot
+from .workload import Workload
+
+__all__ = ["Checker", "CheckerFactory", "Feed", "LiveFeed", "ReplayFeed", "all_checks"]
+
+_SLICE = 4096  # events processed per lock hold: bounds how long a UI query can wait
+
+T = TypeVar("T")
+
+
+class Checker(Protocol):
+    """What the feed needs from the checks: the same calls a check makes, over all of them."""
+
+    def observe(self, event: Any) -> Iterable[Finding] | None: ...
+
+    def finish(self) -> Iterable[Finding] | None: ...
+
+
+CheckerFactory = Callable[[Header], "Checker | None"]
+Publish = Callable[[Snapshot], None]
+
+
+def all_checks(header: Header) -> Checker:
+    """Every built-in check with default settings: the suite ``kvdoctor check`` runs."""
+    from ..checks import make_suite
+
+    return make_suite()
+
+
+class Feed(threading.Thread):
+    """Shared machinery: the monitor, the checks, the lock and paced publishing."""
+
+    def __init__(self, publish: Publish, *, checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0) -> None:
+        super().__init__(name=f"kvdoctor-{type(self).__name__}", daemon=True)
+        self._publish_cb = publish
+        self._factory = checker_factory
+        self._interval = 1.0 / fps
+        self._last_publish = 0.0
+        self._dirty = False
+        self._stop_event = threading.Event()
+        self.lock = threading.Lock()
+        self.monitor = Monitor()
+        self._checker: Checker | None = None
+        self.status = ""
+        self.failed: str | None = None  # set when the source could not be read at all
+
+    # ---- for the UI thread ------------------------------------------------------------
+
+    def query(self, fn: Callable[[Monitor], T]) -> T:
+        """Run ``fn`` on the monitor while the worker holds still (a few milliseconds at most)."""
+        with self.lock:
+            return fn(self.monitor)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    # ---- for subclasses ---------------------------------------------------------------
+
+    def _reset(self, header: Header) -> None:
+        with self.lock:
+            self.monitor = Monitor(header)
+            self._checker = self._factory(header) if self._factory is not None else None
+        self._dirty = True
+
+    def _consume(self, events: list[Any]) -> None:
+        """Every event goes to the checks, then to the monitor, then the findings it completed."""
+        for start in range(0, len(events), _SLICE):
+            with self.lock:
+                monitor = self.monitor
+                observe = monitor.observe
+                add = monitor.add_finding
+                checker = self._checker
+                if checker is None:
+                    for ev in events[start:start + _SLICE]:
+                        observe(ev)
+                else:
+                    check = checker.observe
+                    for ev in events[start:start + _SLICE]:
+                        found = check(ev)
+                        observe(ev)
+                        if found:
+                            for f in found:
+                                add(f)
+            self._dirty = True
+            self._publish()
+
+    def _finish_checks(self, reason: str) -> None:
+        with self.lock:
+            if self._checker is not None:
+                for f in self._checker.finish() or ():
+                    self.monitor.add_finding(f)
+                self._checker = None
+            self.monitor.finish(reason)
+        self._dirty = True
+
+    def _set_status(self, status: str) -> None:
+        self.status = status
+        self._dirty = True
+        self._publish(force=True)
+
+    def _fail(self, message: str) -> None:
+        self.failed = message
+        self._set_status(message)
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._dirty or (not force and now - self._last_publish < self._interval):
+            return
+        with self.lock:
+            snap = self.monitor.snapshot(status=self.status, ended=self.failed)
+        self._last_publish = now
+        self._dirty = False
+        self._publish_cb(snap)
+
+
+class LiveFeed(Feed):
+    """Follows a trace as it is written; with a ``workload``, also reports how the workload ended."""
+
+    def __init__(
+        self,
+        path: str,
+        publish: Publish,
+        *,
+        workload: Workload | None = None,
+        checker_factory: CheckerFactory | None = all_checks,
+        wait_s: float = 10.0,
+        fps: float = 15.0,
+    ) -> None:
+        super().__init__(publish, checker_factory=checker_factory, fps=fps)
+        self.path = path
+        self.workload = workload
+        self.wait_s = wait_s
+
+    def run(self) -> None:
+        from ..trace import follow
+
+        pid = self.workload.pid if self.workload is not None else None
+        follower = follow(self.path, stop=self._stop_event, pid=pid, wait_s=self.wait_s)
+        self._set_status(f"starting {self.workload.command}" if self.workload else f"waiting for {self.path}")
+        try:
+            header = follower.wait_header()
+        except KvdoctorError as exc:
+            self._fail(self._explain(str(exc)))
+            return
+        self._reset(header)
+        self._set_status(f"following {self.path}")
+        try:
+            for batch in follower.batches():
+                if batch:
+                    self._consume(batch)
+                else:
+                    self._publish()
+        except KvdoctorError as exc:
+            self._finish_checks("trace unreadable")
+            self._fail(self._explain(str(exc)))
+            return
+        self._finish_checks(self._end_reason(follower.ended, follower.truncated))
+        self._set_status(self.monitor.ended or "")
+
+    def _end_reason(self, ended: str | None, truncated: bool) -> str:
+        if self.workload is not None and ended != "stopped":
+            self.workload._reaper.join(2.0)
+            return self.workload.exit_message()
+        if ended == "closed":
+            return "trace closed by its writer"
+        if ended == "writer-gone":
+            return "the writing process is gone" + (" (last line cut short)" if truncated else "")
+        return "stopped"
+
+    def _explain(self, message: str) -> str:
+        if self.workload is None:
+            return message
+        self.workload._reaper.join(0.5)
+        if self.workload.returncode is None:
+            return message
+        return f"{self.workload.exit_message()} — {message}"
+
+
+class ReplayFeed(Feed):
+    """Plays a finished trace step by step; the UI steers it with ``toggle``, ``step`` and ``seek``.
+
+    Stepping back rebuilds the state from the start of the trace (the checks only go
+    forward), which is quick because nothing is drawn on the way.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        publish: Publish,
+        *,
+        checker_factory: CheckerFactory | None = all_checks,
+        speed: float = 20.0,
+        start: int | None = None,
+        fps: float = 15.0,
+    ) -> None:
+        super().__init__(publish, checker_factory=checker_factory, fps=fps)
+        self.path = path
+        self.speed = speed          # steps per second while playing; 0 plays as fast as possible
+        self.start_step = start     # open paused after this step
+        self.playing = start is None
+        self._commands: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._events: list[Any] = []
+        self._steps: list[int] = []   # distinct steps in trace order
+        self._starts: list[int] = []  # index of each step's first event
+        self._k = 0                   # steps fully processed
+        self._finished = False
+        self._header: Header | None = None
+        self._truncated = False
+
+    # ---- controls (any thread) --------------------------------------------------------
+
+    def toggle(self) -> None:
+        self._commands.put(("toggle", 0))
+
+    def step(self, delta: int) -> None:
+        self._commands.put(("step", delta))
+
+    def seek(self, step: int) -> None:
+        self._commands.put(("seek", step))
+
+    def stop(self) -> None:
+        super().stop()
+        self._commands.put(("stop", 0))
+
+    # ---- the thread -------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._set_status(f"loading {self.path}")
+        try:
+            self._load()
+        except KvdoctorError as exc:
+            self._fail(str(exc))
+            return
+        assert self._header is not None
+        self._reset(self._header)
+        if self.start_step is not None:
+            self._advance_to(bisect.bisect_right(self._steps, self.start_step))
+        self._show(force=True)
+        while not self._stop_event.is_set():
+            at_end = self._k >= len(self._steps)
+            if self.playing and not at_end:
+                self._advance_to(self._k + 1)
+                self._show(force=self.speed > 0)
+                timeout = 1.0 / self.speed if self.speed > 0 else 0.0
+            else:
+                if at_end and self.playing:
+                    self.playing = False
+                    self._show(force=True)
+                timeout = None
+            try:
+                cmd, arg = self._commands.get(timeout=timeout) if timeout != 0.0 else self._commands.get_nowait()
+            except queue.Empty:
+                continue
+            self._command(cmd, arg)
+
+    def _command(self, cmd: str, arg: int) -> None:
+        if cmd == "toggle":
+            self.playing = not self.playing
+        elif cmd == "step":
+            self.playing = False
+            self._advance_to(min(max(self._k + arg, 0), len(self._steps)))
+        elif cmd == "seek":
+            self.playing = False
+            self._advance_to(bisect.bisect_right(self._steps, arg))
+        self._show(force=True)
+
+    def _load(self) -> None:
+        from ..trace import TraceReader
+
+        reader = TraceReader(self.path)
+        self._header = reader.header
+        events = self._events
+        for batch in reader.batches():
+            events.extend(batch)
+        self._truncated = reader.truncated
+        last = None
+        for i, ev in enumerate(events):
+            if ev.step != last:
+                last = ev.step
+                self._steps.append(last)
+                self._starts.append(i)
+
+    def _advance_to(self, k: int) -> None:
+        """Make the state that of the trace after its first ``k`` steps."""
+        if k < self._k:
+            assert self._header is not None
+            self._reset(self._header)
+            self._k, self._finished = 0, False
+        begin = self._starts[self._k] if self._k < len(self._steps) else len(self._events)
+        end = self._starts[k] if k < len(self._steps) else len(self._events)
+        self._consume(self._events[begin:end])
+        self._k = k
+        if k >= len(self._steps) and not self._finished:
+            self._finished = True
+            cut = " (last line cut short)" if self._truncated else ""
+            self._finish_checks("end of trace" + cut)
+
+    def _show(self, force: bool = False) -> None:
+        total = self._steps[-1] if self._steps else 0
+        at = self._steps[self._k - 1] if self._k else "-"
+        state = "playing" if self.playing else "paused"
+        self.status = f"replay · step {at} of {total} · {state}"
+        self._dirty = True
+        self._publish(force=force)

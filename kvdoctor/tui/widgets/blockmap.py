@@ -1,0 +1,117 @@
+"""The block map: one cell per block, coloured by tier and state, leaked and stale blocks marked.
+
+Thousands of blocks redraw many times a second, so the map is a Line API widget over the
+snapshot's ``cells`` bytes: each visible row slices the bytes and maps each code to a
+pre-built segment. Nothing is allocated per block per frame beyond that segment list.
+"""
+
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
+from textual.geometry import Size
+from textual.message import Message
+from textual.reactive import reactive
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from ..blocks import LEAKED, SHARED, STALE, UNOWNED
+from ..state import Snapshot
+
+__all__ = ["BlockMap", "LEGEND"]
+
+_TIER = {1: ("█", "green"), 2: ("▓", "dodger_blue1"), 3: ("▒", "magenta")}
+LEGEND = "[green]█[/]dev [dodger_blue1]▓[/]host [magenta]▒[/]disk [bold]▞[/]shared " \
+         "[bold white on red]L[/]leak [bold black on yellow]S[/]stale"
+
+
+def _segment(code: int) -> Segment:
+    tier = code & 3
+    if tier == 0:
+        return Segment("·", Style(color="grey37"))
+    glyph, color = _TIER[tier]
+    if code & (LEAKED | UNOWNED):
+        return Segment("L", Style(color="white", bgcolor="red", bold=True))
+    if code & STALE:
+        return Segment("S", Style(color="black", bgcolor="yellow", bold=True))
+    if code & SHARED:
+        return Segment("▞", Style(color=color, bold=True))
+    return Segment(glyph, Style(color=color))
+
+
+_SEGMENTS = [_segment(code) for code in range(256)]
+
+
+class BlockMap(ScrollView, can_focus=True):
+    """Cells in the order blocks were first seen; a click (or ``selected``) picks one."""
+
+    DEFAULT_CSS = """
+    BlockMap { height: 1fr; overflow-x: hidden; }
+    """
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+    selected: reactive[int | None] = reactive(None)  # a block id
+
+    class Picked(Message):
+        def __init__(self, block: int) -> None:
+            super().__init__()
+            self.block = block
+
+    def _columns(self) -> int:
+        return max(self.scrollable_content_region.width, 1)
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        self._resize()
+
+    def watch_selected(self) -> None:
+        self.refresh()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._resize()
+
+    def _resize(self) -> None:
+        n = len(self.snapshot.cells) if self.snapshot is not None else 0
+        cols = self._columns()
+        self.virtual_size = Size(cols, -(-n // cols))
+        self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        cols = self._columns()
+        base = self.rich_style
+        s = self.snapshot
+        row = y + round(self.scroll_offset.y)
+        if s is None:
+            return Strip.blank(cols, base)
+        start = row * cols
+        cells = s.cells[start:start + cols]
+        if not cells:
+            return Strip.blank(cols, base)
+        segments = [_SEGMENTS[c] for c in cells]
+        if self.selected is not None:
+            try:
+                i = s.cell_ids.index(self.selected, start, start + len(cells))
+            except ValueError:
+                pass
+            else:
+                seg = segments[i - start]
+                segments[i - start] = Segment(seg.text, (seg.style or Style()) + Style(reverse=True, blink=False))
+        return Strip(segments, len(cells)).apply_style(base).extend_cell_length(cols, base)
+
+    def block_at(self, x: int, y: int) -> int | None:
+        """The block id drawn at content offset (x, y), if any."""
+        s = self.snapshot
+        cols = self._columns()
+        if s is None or x >= cols:
+            return None
+        i = (y + round(self.scroll_offset.y)) * cols + x
+        return s.cell_ids[i] if 0 <= i < len(s.cell_ids) else None
+
+    def on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None:
+            return
+        block = self.block_at(offset.x, offset.y)
+        if block is not None:
+            self.selected = block
+            self.post_message(self.Picked(block))

@@ -1,0 +1,71 @@
+"""The findings list (newest first, coloured by severity) and the detail pane beside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from ...findings import Finding
+from ..render import SEVERITY_STYLE
+from ..state import Snapshot
+from .lines import LineList
+
+__all__ = ["FindingsList", "FindingDetail"]
+
+_TAG = {"error": "E", "warning": "W", "info": "I"}
+
+
+class FindingsList(LineList):
+    """Newest first. The cursor stays on the finding it is on while new ones arrive above it."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._findings: tuple[Finding, ...] = ()
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        new = snapshot.findings if snapshot is not None else ()
+        if new is self._findings:
+            return
+        grown = len(new) - len(self._findings)
+        self._findings = new
+        if self.cursor > 0 and grown > 0:
+            self.set_reactive(FindingsList.cursor, self.cursor + grown)
+            self.scroll_to(y=self.scroll_offset.y + grown, animate=False)
+        self.rows_changed()
+        if grown and self.cursor == 0:
+            self.post_message(self.Highlighted(self, 0))
+
+    @property
+    def selected(self) -> Finding | None:
+        return self.finding(self.cursor)
+
+    def finding(self, row: int) -> Finding | None:
+        n = len(self._findings)
+        return self._findings[n - 1 - row] if 0 <= row < n else None
+
+    def row_count(self) -> int:
+        return len(self._findings)
+
+    def row_text(self, row: int, width: int) -> Text:
+        f = self.finding(row)
+        assert f is not None
+        style = SEVERITY_STYLE.get(f.severity, "")
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append(f"{_TAG.get(f.severity, '?')} ", style)
+        line.append(f"{'-' if f.step is None else f.step:>5} ", "dim")
+        line.append(f"{f.check}/{f.rule} ", style)
+        line.append(f.message)
+        return line
+
+
+class FindingDetail(Static):
+    """The selected finding in full: where, why (evidence), the block's story and the Python stack."""
+
+    DEFAULT_CSS = """
+    FindingDetail { padding: 0 1; }
+    """

@@ -1,0 +1,67 @@
+"""The two lines at the top: what is being watched and how fast, then the feed's state."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from ..render import SEVERITY_STYLE, human_rate
+from ..state import Snapshot
+
+__all__ = ["StatusHeader"]
+
+
+class StatusHeader(Widget):
+    DEFAULT_CSS = """
+    StatusHeader { height: 2; background: $panel; padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    """
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+    paused: reactive[bool] = reactive(False)
+
+    def __init__(self, *, show_pid: bool = True, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.show_pid = show_pid  # off in tests: a pid differs on every run
+
+    def render(self) -> Text:
+        return self._identity() + Text("\n") + self._state()
+
+    def _identity(self) -> Text:
+        s = self.snapshot
+        line = Text("kvdoctor", "bold")
+        if s is None:
+            return line + Text("  starting…", "dim")
+        h = s.header
+        sep = Text(" │ ", "dim")
+        if h is not None and h.pid is not None and self.show_pid:
+            line += sep + Text(f"pid {h.pid}")
+        if h is not None and h.model:
+            line += sep + Text(h.model.rsplit("/", 1)[-1], "bold cyan")
+        line += sep + Text(f"step {s.step}")
+        line += sep + Text(f"{human_rate(s.tokens_per_s)} tok/s")
+        line += sep + Text(f"{human_rate(s.events_per_s)} ev/s")
+        line += sep + Text(f"{s.active_seqs}/{s.num_seqs} seqs")
+        return line
+
+    def _state(self) -> Text:
+        s = self.snapshot
+        line = Text()
+        if self.paused:
+            line.append(" PAUSED ", "bold black on yellow")
+            line.append(" ")
+        if s is None:
+            return line
+        counts = [(n, sev) for sev, n in s.num_findings.items() if n]
+        if not counts:
+            line.append("no findings", "green")
+        for i, (n, sev) in enumerate(counts):
+            line.append((" " if i else "") + f"{n} {sev}{'s' if n != 1 else ''}", SEVERITY_STYLE[sev])
+        line.append(" │ ", "dim")
+        if s.ended:
+            crashed = any(w in s.ended for w in ("crash", "killed", "unreadable", "error", "no such", "not a", "no trace"))
+            line.append(f"■ {s.ended}", "bold red" if crashed else "bold yellow")
+            line.append(" — last state kept, browse freely", "dim")
+        elif s.status:
+            line.append(f"● {s.status}", "green")
+        return line

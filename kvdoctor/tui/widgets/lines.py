@@ -1,0 +1,138 @@
+"""A scrolling list drawn with Textual's Line API: only the visible rows are ever rendered.
+
+The findings list, the event log and the attention view can hold thousands of rows that
+change many times a second; rebuilding a DataTable per update would cost the whole list
+each time. ``LineList`` asks its subclass for one row's ``Text`` when that row is on screen,
+and keeps an optional cursor that the keyboard and the mouse move.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import events
+from textual.binding import Binding
+from textual.geometry import Size
+from textual.message import Message
+from textual.reactive import reactive
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+__all__ = ["LineList"]
+
+
+class LineList(ScrollView, can_focus=True):
+    """Rows from ``row_count``/``row_text``; a cursor when ``CURSOR`` is true."""
+
+    CURSOR = True
+    BINDINGS = [
+        Binding("up,k", "move(-1)", "Up", show=False),
+        Binding("down,j", "move(1)", "Down", show=False),
+        Binding("pageup", "move(-10)", show=False),
+        Binding("pagedown", "move(10)", show=False),
+        Binding("home", "jump(0)", show=False),
+        Binding("end", "jump(-1)", show=False),
+    ]
+    COMPONENT_CLASSES = {"linelist--cursor"}
+    DEFAULT_CSS = """
+    LineList > .linelist--cursor { background: $accent 40%; text-style: bold; }
+    LineList:focus > .linelist--cursor { background: $accent; }
+    """
+
+    cursor: reactive[int] = reactive(0)
+
+    class Highlighted(Message):
+        """The cursor moved to ``row``."""
+
+        def __init__(self, sender: "LineList", row: int) -> None:
+            super().__init__()
+            self.sender = sender
+            self.row = row
+
+    class Chosen(Message):
+        """Enter or a click on ``row``."""
+
+        def __init__(self, sender: "LineList", row: int) -> None:
+            super().__init__()
+            self.sender = sender
+            self.row = row
+
+    # ---- subclasses provide ------------------------------------------------------------
+
+    def row_count(self) -> int:
+        raise NotImplementedError
+
+    def row_text(self, row: int, width: int) -> Text:
+        raise NotImplementedError
+
+    # ---- sizing and drawing ------------------------------------------------------------
+
+    def rows_changed(self) -> None:
+        """Call when the rows changed: resizes the scroll area and redraws what is visible."""
+        n = self.row_count()
+        self.virtual_size = Size(self.scrollable_content_region.width, n)
+        if self.CURSOR and n and self.cursor >= n:
+            self.cursor = n - 1
+        self.refresh()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.rows_changed()
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        row = y + scroll_y
+        width = self.scrollable_content_region.width
+        base = self.rich_style
+        if row >= self.row_count():
+            return Strip.blank(width, base)
+        text = self.row_text(row, width)
+        if self.CURSOR and row == self.cursor:
+            text.stylize(self.get_component_rich_style("linelist--cursor"))
+        strip = Strip(list(text.render(self.app.console))).apply_style(base)
+        return strip.crop_extend(scroll_x, scroll_x + width, base)
+
+    # ---- cursor --------------------------------------------------------------------------
+
+    def watch_cursor(self, old: int, new: int) -> None:
+        if not self.CURSOR:
+            return
+        self.refresh()
+        self.scroll_to_region_row(new)
+        self.post_message(self.Highlighted(self, new))
+
+    def scroll_to_region_row(self, row: int) -> None:
+        top = round(self.scroll_offset.y)
+        height = self.scrollable_content_region.height
+        if row < top:
+            self.scroll_to(y=row, animate=False)
+        elif height and row >= top + height:
+            self.scroll_to(y=row - height + 1, animate=False)
+
+    def action_move(self, delta: int) -> None:
+        n = self.row_count()
+        if self.CURSOR and n:
+            self.cursor = min(max(self.cursor + delta, 0), n - 1)
+        else:
+            self.scroll_to(y=self.scroll_offset.y + delta, animate=False)
+
+    def action_jump(self, row: int) -> None:
+        n = self.row_count()
+        target = n - 1 if row < 0 else row
+        if self.CURSOR and n:
+            self.cursor = min(max(target, 0), n - 1)
+        else:
+            self.scroll_to(y=max(target, 0), animate=False)
+
+    def key_enter(self) -> None:
+        if self.CURSOR and self.row_count():
+            self.post_message(self.Chosen(self, self.cursor))
+
+    def on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None or not self.CURSOR:
+            return
+        row = offset.y + round(self.scroll_offset.y)
+        if row < self.row_count():
+            self.cursor = row
+            if event.chain >= 2:
+                self.post_message(self.Chosen(self, row))
+
