@@ -16,6 +16,7 @@ cheap path is PyTorch's fused ``scaled_dot_product_attention``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +35,10 @@ class AttnLayout:
     at or before its own position.
     """
 
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...]
     allowed: torch.Tensor | None  # (B, 1, S, T) bool, or None when no row needs masking
     last_query: torch.Tensor  # (B,) index of each row's newest query within S
     sink_tokens: int
+    causal: bool  # no mask, and the queries are the whole fresh sequence: query i sees keys 0 … i
 
     @classmethod
     def build(
@@ -64,12 +64,19 @@ class AttnLayout:
             allowed[:, :, 0] |= ~(q_idx[None, :] < q_len[:, None])
             allowed = allowed[:, None]  # (B, 1, S, T)
         last = torch.tensor([q - 1 for q in q_lens], device=device)
-        return cls(tuple(q_lens), tuple(kv_lens), allowed, last, sink_tokens)
+        return cls(allowed, last, sink_tokens, allowed is None and S > 1)
 
-    @property
-    def causal(self) -> bool:
-        """True for an unmasked batch whose queries are a whole fresh sequence (prefill from position 0)."""
-        return self.allowed is None and self.q_lens[0] > 1
+    @classmethod
+    def from_mask(cls, allowed: torch.Tensor | None, batch: int, q_len: int, *, sink_tokens: int) -> AttnLayout:
+        """The layout of a batch whose mask someone else built (transformers' boolean SDPA mask, or None).
+
+        Every row's newest query is the last one, as in transformers' left-padded batches.
+        """
+        last = torch.full((batch,), q_len - 1, dtype=torch.long)
+        if allowed is not None:
+            allowed = allowed.expand(batch, 1, *allowed.shape[-2:])
+            last = last.to(allowed.device)
+        return cls(allowed, last, sink_tokens, allowed is None and q_len > 1)
 
 
 @dataclass(frozen=True)
@@ -90,16 +97,19 @@ def attend(
     scale: float,
     stats: bool = False,
     per_head: bool = False,
+    corrupt: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, AttnStats | None]:
     """Attention of ``q`` (B, H, S, D) over ``k``, ``v`` (B, H_kv, T, D); returns (B, H, S, D) and the statistics.
 
-    ``stats=False`` takes the fused SDPA path and returns no statistics.
+    ``stats=False`` takes the fused SDPA path and returns no statistics. ``corrupt`` sees the
+    scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan fault's hook) and
+    forces the explicit path.
     """
     B, H, S, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     if H % H_kv:
         raise ValueError(f"{H} query heads are not a multiple of {H_kv} key/value heads")
-    if not stats:
+    if not stats and corrupt is None:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=layout.allowed, scale=scale, is_causal=layout.causal, enable_gqa=H != H_kv
         )
@@ -107,15 +117,21 @@ def attend(
     g = H // H_kv
     qg = q.reshape(B, H_kv, g * S, D)  # query head h uses kv head h // g, as repeat_kv lays them out
     scores = (qg @ k.transpose(-1, -2)).mul_(scale).view(B, H_kv, g, S, T)  # (B, H_kv, g, S, T)
+    if corrupt is not None:
+        scores = corrupt(scores.view(B, H, S, T)).view(B, H_kv, g, S, T)
     if layout.allowed is not None:
         valid = layout.allowed[:, :, None]  # (B, 1, 1, S, T)
     elif layout.causal:
         valid = torch.ones(S, T, dtype=torch.bool, device=q.device).tril_(T - S)
     else:
         valid = None
-    masked = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
+    # The most negative finite value rather than -inf: a query row with every key masked (left
+    # padding in transformers' batches) then averages V instead of turning the row into NaN.
+    masked = scores if valid is None else scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
     probs = torch.softmax(masked, dim=-1, dtype=torch.float32).to(q.dtype)
     out = (probs.view(B, H_kv, g * S, T) @ v).view(B, H, S, D)
+    if not stats:
+        return out, None
     return out, _row_stats(scores.view(B, H, S, T), probs.view(B, H, S, T), valid, layout, per_head)
 
 

@@ -1,0 +1,347 @@
+"""Runs a Hugging Face Llama-family model with its attention reading K/V from the engine's blocks.
+
+The runner uses the model's own modules (embedding, RMSNorms, q/k/v/o projections,
+rotary embedding, MLP, LM head), so its numbers are transformers' numbers; only
+attention differs: each layer writes the new K/V into the engine's blocks and then
+attends over the K/V gathered back from them. A stale, misplaced or corrupted block
+therefore changes the tokens, exactly as in a real serving engine, and the events
+say which block it was.
+
+One call of ``forward`` is one engine step over a batch of rows, each row a
+sequence with one or more new tokens (a prompt, a chunk, or one decode token);
+``Scheduler`` decides the rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..events import Attn, Batch, SeqId
+from .attention import AttnLayout, AttnStats, attend
+from .bus import Bus
+from .cache import PagedKVCache
+from .config import EngineConfig
+
+__all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "Generation"]
+
+# Decoder-only models whose layers are Llama-shaped: RMSNorm, q/k/v/o projections with RoPE
+# (optionally q/k norms and projection biases), SwiGLU MLP.
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite"}
+
+
+class UnsupportedModel(ValueError):
+    """A model whose architecture the runner cannot drive; names what it is and what is accepted."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. ``greedy`` takes the argmax and ignores the rest."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be > 0")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token id from ``logits`` (V,) under ``params``."""
+    if params.greedy:
+        return int(logits.argmax())
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cum = torch.softmax(sorted_scores, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_scores, -1) >= params.top_p  # keep the smallest prefix reaching top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(scores, -1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class Generation:
+    """What one request produced."""
+
+    seq: SeqId
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "aborted"
+    text: str | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when kept
+
+
+@dataclass
+class _Group:
+    """Rows attended together: all one-token decode rows, or one multi-token row."""
+
+    rows: list[int]  # indices into the step's rows
+    tokens: slice | torch.Tensor  # which flat tokens belong to the group, in row order
+    q_len: int
+    layout: AttnLayout
+    table: torch.Tensor  # (B, num_blocks) device-arena slots of each row's blocks, padded with slot 0
+    kv_len: int  # keys of the longest row
+
+
+class Runner:
+    """Prefill and decode of one model through one ``PagedKVCache``.
+
+    ``stats_every``: attention statistics (``attn`` events) every N steps; 0 never.
+    They are only computed while someone listens on the bus.
+    """
+
+    def __init__(self, model: Any, cache: PagedKVCache, *, tokenizer: Any = None, stats_every: int = 1,
+                 per_head: bool = False) -> None:
+        _check_supported(model)
+        if stats_every < 0:
+            raise ValueError(f"stats_every={stats_every}: must be >= 0")
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.stats_every = stats_every
+        self.per_head = per_head
+        cfg = model.config
+        self._base = model.model
+        self._layers = list(self._base.layers)[: cfg.num_hidden_layers]
+        self.num_layers = len(self._layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.device = next(model.parameters()).device
+        self.block_size = cache.config.block_size
+        self._apply_rope = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
+        if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
+            self.num_layers, self.num_kv_heads, self.head_dim
+        ):
+            raise ValueError(
+                f"cache shape (layers, kv heads, head dim) = {(cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim)} "
+                f"does not match the model's {(self.num_layers, self.num_kv_heads, self.head_dim)}"
+            )
+
+    @classmethod
+    def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
+               per_head: bool = False, **config: Any) -> Runner:
+        """A runner with a cache shaped for ``model``; ``config`` holds further ``EngineConfig`` fields
+        (``block_size``, ``device_blocks``, ``host_blocks``, ``disk_blocks``, ``fault`` …)."""
+        _check_supported(model)
+        cfg = model.config
+        param = next(model.parameters())
+        engine_config = EngineConfig(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            dtype=str(param.dtype).removeprefix("torch."),
+            device=str(param.device),
+            **config,
+        )
+        cache = PagedKVCache(engine_config, bus=bus)
+        return cls(model, cache, tokenizer=tokenizer, stats_every=stats_every, per_head=per_head)
+
+    @property
+    def bus(self) -> Bus:
+        return self.cache.bus
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``: as-is with the tokenizer's default special tokens, or in the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this runner has no tokenizer: pass token ids instead of text")
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return [int(i) for i in ids]
+        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def stats_due(self) -> bool:
+        return bool(self.bus.enabled and self.stats_every and self.bus.step % self.stats_every == 0)
+
+    # ---- one step ----
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]]) -> torch.Tensor:
+        """Compute one step: every row's new tokens go through all layers and into the cache.
+
+        Each row's sequence must have been added to the cache; its new tokens start at
+        the sequence's current length. Returns the fp32 logits of each row's last token (B, V).
+        """
+        if not rows:
+            raise ValueError("forward needs at least one row")
+        cache, bus = self.cache, self.bus
+        seqs = [seq for seq, _ in rows]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a sequence appears twice in one step: {seqs}")
+        n = [len(toks) for _, toks in rows]
+        if min(n) < 1:
+            raise ValueError(f"every row needs at least one token, got {n}")
+        positions = [cache.seq_len(seq) for seq in seqs]
+        slots = torch.cat([cache.reserve(seq, k) for seq, k in zip(seqs, n)])
+        cache.ensure_resident(seqs)
+        # What attention will see: committed plus the new tokens, less any blocks evicted when every tier was full.
+        kv_lens = [cache.num_tokens(seq) for seq in seqs]
+        if bus.enabled:
+            bus.emit(Batch, rows=list(seqs), positions=positions, n=n,
+                     shape=[len(seqs), self.num_kv_heads, max(kv_lens), self.head_dim])
+
+        dev = self.device
+        ids = torch.tensor([t for _, toks in rows for t in toks], dtype=torch.long, device=dev)
+        pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
+        groups = self._groups(seqs, n, kv_lens)
+        stats = self.stats_due()
+
+        x = self._base.embed_tokens(ids)  # (N, hidden)
+        cos, sin = self._base.rotary_emb(x[None], pos[None])  # (1, N, D) each
+        cos, sin = cos[0], sin[0]  # (N, D)
+        N, H, H_kv, D = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
+        layer_stats: list[list[tuple[_Group, AttnStats]]] = []
+        for li, layer in enumerate(self._layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(N, H, D)
+            k = a.k_proj(h).view(N, H_kv, D)
+            v = a.v_proj(h).view(N, H_kv, D)
+            if hasattr(a, "q_norm"):  # Qwen3-style per-head norms before RoPE
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = self._apply_rope(q, k, cos, sin, unsqueeze_dim=1)  # (N, H, D), (N, H_kv, D)
+            cache.store(li, slots, k, v)
+            out, got = self._attend_groups(li, q, groups, a.scaling, stats, cache.score_hook(li))
+            if got:
+                layer_stats.append(got)
+            x = x + a.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
+        logits = self.model.lm_head(self._base.norm(x[last])).float()  # (B, V)
+
+        for seq, k in zip(seqs, n):
+            cache.commit(seq, k)
+            if bus.enabled:
+                cache.emit_read(seq)
+        if layer_stats:
+            self._emit_stats(seqs, layer_stats)
+        return logits
+
+    def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
+        """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""
+        dev = self.device
+        if all(k == 1 for k in n):
+            return [self._group(seqs, list(range(len(n))), slice(0, len(n)), 1, kv_lens)]
+        groups = []
+        starts = [sum(n[:i]) for i in range(len(n))]
+        decode = [i for i, k in enumerate(n) if k == 1]
+        if decode:
+            tokens = torch.tensor([starts[i] for i in decode], device=dev)
+            groups.append(self._group(seqs, decode, tokens, 1, kv_lens))
+        for i, k in enumerate(n):
+            if k > 1:
+                groups.append(self._group(seqs, [i], slice(starts[i], starts[i] + k), k, kv_lens))
+        return groups
+
+    def _group(self, seqs: list[SeqId], rows: list[int], tokens: slice | torch.Tensor, q_len: int,
+               kv_lens: list[int]) -> _Group:
+        lens = [kv_lens[i] for i in rows]
+        layout = AttnLayout.build([q_len] * len(rows), lens, sink_tokens=self.block_size, device=self.device)
+        tables = [self.cache.slot_table(seqs[i]) for i in rows]
+        width = max(t.numel() for t in tables)
+        # Short rows point their missing blocks at slot 0: the mask hides whatever is there.
+        table = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
+        for r, t in enumerate(tables):
+            table[r, : t.numel()] = t
+        return _Group(rows, tokens, q_len, layout, table, max(lens))
+
+    def _attend_groups(self, layer: int, q: torch.Tensor, groups: list[_Group], scale: float, stats: bool,
+                       corrupt: Any) -> tuple[torch.Tensor, list[tuple[_Group, AttnStats]]]:
+        N, H, D = q.shape
+        out = q.new_empty(N, H * D) if len(groups) > 1 else None
+        got = []
+        kv = self.cache.layer_kv(layer)  # (slots, H_kv, 2, bs, D)
+        for g in groups:
+            B, nb = g.table.shape
+            blocks = kv[g.table]  # (B, nb, H_kv, 2, bs, D): paged gather of every row's blocks at once
+            k = blocks[:, :, :, 0].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
+            v = blocks[:, :, :, 1].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
+            qg = q[g.tokens].view(B, g.q_len, H, D).transpose(1, 2)  # (B, H, S, D)
+            o, st = attend(qg, k, v, g.layout, scale=scale, stats=stats, per_head=self.per_head, corrupt=corrupt)
+            o = o.transpose(1, 2).reshape(B * g.q_len, H * D)  # (tokens, H*D)
+            if out is None:
+                out = o
+            else:
+                out[g.tokens] = o
+            if st is not None:
+                got.append((g, st))
+        return out, got
+
+    def _emit_stats(self, seqs: list[SeqId], layer_stats: list[list[tuple[_Group, AttnStats]]]) -> None:
+        """One ``attn`` event per row and layer; numbers leave the tensors once per step."""
+        emit = self.bus.emit
+        for li, per_group in enumerate(layer_stats):
+            for g, st in per_group:
+                summary = st.summary.tolist()
+                he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
+                hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
+                for j, row in enumerate(g.rows):
+                    max_logit, entropy, sink, nonfinite = summary[j]
+                    emit(Attn, seq=seqs[row], layer=li, max_logit=max_logit, entropy=entropy, sink=sink,
+                         nonfinite=int(nonfinite), heads_entropy=he[j] if he else None,
+                         heads_max_logit=hm[j] if hm else None)
+
+    # ---- whole requests ----
+    def generate(self, prompts: Iterable[str | Sequence[int]], *, max_new_tokens: int = 32,
+                 sampling: SamplingParams | None = None, chat: bool = False, stop_token_ids: Iterable[int] = (),
+                 keep_logits: bool = False, max_batch: int = 8) -> list[Generation]:
+        """Run every prompt to completion with continuous batching; results in prompt order."""
+        from .scheduler import Request, Scheduler
+
+        sched = Scheduler(self, max_batch=max_batch, keep_logits=keep_logits)
+        seqs = []
+        for prompt in prompts:
+            ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+            seqs.append(sched.submit(Request(ids, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
+                                             stop_token_ids=tuple(stop_token_ids))))
+        done = sched.run()
+        return [done[s] for s in seqs]
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_supported(model: Any) -> None:
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if kind not in SUPPORTED or layers is None or not hasattr(model, "lm_head"):
+        raise UnsupportedModel(
+            f"model type {kind!r} is not a Llama-family decoder the runner can drive "
+            f"(supported: {', '.join(sorted(SUPPORTED))}); use kvdoctor.engine.hf.EngineCache with model.generate instead"
+        )
