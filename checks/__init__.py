@@ -1,0 +1,54 @@
+"""kvdoctor's checks: pure consumers of v1 events that turn them into findings.
+
+Each check is a small class holding only the state it needs; all of them share one
+``Ledger`` (the cache as the events describe it) inside a ``CheckSuite``. The same code
+runs live on an engine's bus, over a trace file and inside pytest. This package imports
+``kvdoctor.events`` and ``kvdoctor.findings`` only — no torch.
+
+    suite = make_suite()
+    for event in events:
+        for finding in suite.observe(event): ...
+    findings = suite.findings + suite.finish()   # suite.findings holds everything kept
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kvdoctor.findings import Severity
+
+from .accounting import AccountingCheck
+from .attention import AttentionCheck, AttentionSettings
+from .base import CheckBase, CheckSuite, Rule
+from .batch import BatchCheck
+from .leak import LeakCheck, LeakSettings
+from .ledger import Ledger
+from .stale import StaleCheck
+
+__all__ = [
+    "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
+    "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
+    "AccountingCheck",
+]
+
+ALL_CHECKS: tuple[type[CheckBase], ...] = (LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck)
+
+# "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
+RULES: dict[str, Rule] = {f"{c.name}/{r.id}": r for c in ALL_CHECKS for r in c.RULES}
+
+
+def make_suite(
+    *, leak: LeakSettings | None = None, attention: AttentionSettings | None = None,
+    disabled: Iterable[str] = (), severity: dict[str, Severity] | None = None,
+    max_per_rule: int = 100, history: int = 12,
+) -> CheckSuite:
+    """Every built-in check over one shared ledger. ``disabled`` holds check names or
+    ``check/rule`` ids; ``severity`` overrides a rule's default severity by id."""
+    ledger = Ledger(history=history)
+    checks = [
+        LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
+        AttentionCheck(attention, ledger), AccountingCheck(ledger),
+    ]
+    disabled = set(disabled)
+    return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,
+                      disabled=disabled, severity=severity, max_per_rule=max_per_rule)

@@ -1,0 +1,231 @@
+"""The cache as the events describe it: who owns each block, where it sits, what it holds.
+
+Every check judges an event against the state that the events *before* it built, so the
+state is kept once, here, and shared by all checks of a suite (a suite applies each event
+to the ledger after its checks have seen it). Hot fields are plain dicts keyed by block id,
+because the replay goal is hundreds of thousands of events per second: a dict lookup is
+the cheapest thing Python has. A block's history is a bounded deque of the events
+themselves (frozen, already allocated), turned into dicts only when a finding needs them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Any, Callable
+
+from kvdoctor.events import (
+    Alloc, Event, Evict, Free, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
+    Write, to_dict,
+)
+
+__all__ = ["Ledger", "SeqState"]
+
+_FREED_KEPT = 4096  # histories of freed blocks kept for "read after free" evidence
+_ENDED_KEPT = 65536  # ended sequence ids remembered, to tell "ended" from "never seen"
+
+
+class SeqState:
+    """One live sequence: its cache version, cached length and the blocks it owns.
+
+    ``version``/``length`` are ``None`` when the events cannot tell them (a sequence first
+    seen without ``seq_start``, or one that took shared blocks before writing anything).
+    """
+
+    __slots__ = ("seq", "version", "length", "blocks", "start")
+
+    def __init__(self, seq: Any, start: SeqStart | None) -> None:
+        self.seq = seq
+        self.start = start
+        self.version: int | None = 0 if start is not None else None
+        self.length: int | None = 0 if start is not None else None
+        self.blocks: set[int] = set()
+
+
+class Ledger:
+    """Applies events in order; checks read it (never write it) between events."""
+
+    def __init__(self, *, history: int = 12) -> None:
+        self.history_len = history
+        self.owners: dict[int, set] = {}  # allocated block -> its owner sequences
+        self.tier: dict[int, str] = {}  # allocated block -> tier it sits in
+        self.version: dict[int, int] = {}  # block -> version of the last write into it
+        self.alloc_event: dict[int, Alloc] = {}
+        self.hist: dict[int, deque] = {}  # block -> its latest events (bounded)
+        self.used: dict[str, int] = {}  # tier -> allocated blocks there
+        self.seqs: dict[Any, SeqState] = {}
+        self.ended: OrderedDict[Any, int] = OrderedDict()  # seq -> step it ended
+        # Recently freed ids -> (the free/evict, the alloc, its last events), for evidence.
+        self.freed: OrderedDict[int, tuple[Event, Alloc | None, deque]] = OrderedDict()
+        # Blocks left with no owner and not yet freed -> the step they lost their last owner;
+        # ``stranded`` are orphans past their deadline, already reported by the leak check.
+        self.orphans: dict[int, int] = {}
+        self.stranded: dict[int, int] = {}
+        self.step = 0
+        self._apply: dict[type, Callable[[Any], None]] = {
+            SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc,
+            Share: self._share, Release: self._release, Free: self._free, Evict: self._free,
+            Write: self._write, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
+        }
+
+    # ---- reading --------------------------------------------------------------------
+
+    def seq_state(self, seq: Any) -> SeqState | None:
+        return self.seqs.get(seq)
+
+    def block_history(self, block: int) -> list[dict]:
+        """The block's story as event dicts: its ``alloc`` first, then its latest events
+        (for a freed id, the story of its last life, ending with the ``free``/``evict``)."""
+        hist = self.hist.get(block)
+        first = self.alloc_event.get(block)
+        if hist is None:
+            kept = self.freed.get(block)
+            if kept is None:
+                return []
+            _, first, hist = kept
+        events = list(hist)
+        if first is not None and (not events or events[0] is not first):
+            events.insert(0, first)
+        return [to_dict(e) for e in events]
+
+    def strand(self, block: int) -> None:
+        """Mark an orphan as overdue (reported), so later steps do not look at it again."""
+        self.stranded[block] = self.orphans.pop(block)
+
+    def freed_by(self, block: int) -> Event | None:
+        """The ``free``/``evict`` that last released this id, if remembered."""
+        kept = self.freed.get(block)
+        return kept[0] if kept is not None else None
+
+    # ---- applying -------------------------------------------------------------------
+
+    def apply(self, event: Event) -> None:
+        handler = self._apply.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _seq(self, seq: Any) -> SeqState:
+        state = self.seqs.get(seq)
+        if state is None:
+            state = self.seqs[seq] = SeqState(seq, None)
+        return state
+
+    def _note(self, block: int, event: Event) -> None:
+        hist = self.hist.get(block)
+        if hist is not None:
+            hist.append(event)
+
+    def _seq_start(self, ev: SeqStart) -> None:
+        self.seqs[ev.seq] = SeqState(ev.seq, ev)
+        self.ended.pop(ev.seq, None)
+
+    def _seq_end(self, ev: SeqEnd) -> None:
+        state = self.seqs.pop(ev.seq, None)
+        self.ended[ev.seq] = ev.step
+        if len(self.ended) > _ENDED_KEPT:
+            self.ended.popitem(last=False)
+        if state is None:
+            return
+        # seq_end releases every block the sequence still owns.
+        for block in state.blocks:
+            owners = self.owners.get(block)
+            if owners is None:
+                continue
+            owners.discard(ev.seq)
+            self._note(block, ev)
+            if not owners:
+                self.orphans[block] = ev.step
+
+    def _alloc(self, ev: Alloc) -> None:
+        block = ev.block
+        old_tier = self.tier.get(block)
+        if old_tier is not None:  # an id reused while allocated: the accounting check reports it
+            self.used[old_tier] -= 1
+        self.owners[block] = {ev.seq}
+        self.tier[block] = ev.tier
+        self.used[ev.tier] = self.used.get(ev.tier, 0) + 1
+        self.version.pop(block, None)
+        self.alloc_event[block] = ev
+        self.hist[block] = deque((ev,), self.history_len)
+        self.orphans.pop(block, None)
+        self.stranded.pop(block, None)
+        self._seq(ev.seq).blocks.add(block)
+
+    def _share(self, ev: Share) -> None:
+        owners = self.owners.get(ev.block)
+        if owners is None:
+            return
+        owners.add(ev.seq)
+        self.orphans.pop(ev.block, None)
+        self.stranded.pop(ev.block, None)
+        self.hist[ev.block].append(ev)
+        state = self._seq(ev.seq)
+        if not state.blocks and not state.length:
+            state.length = None  # its cached length now depends on what it shared
+        state.blocks.add(ev.block)
+
+    def _release(self, ev: Release) -> None:
+        owners = self.owners.get(ev.block)
+        if owners is None or ev.seq not in owners:
+            return
+        owners.discard(ev.seq)
+        self.hist[ev.block].append(ev)
+        if not owners:
+            self.orphans[ev.block] = ev.step
+        state = self.seqs.get(ev.seq)
+        if state is not None:
+            state.blocks.discard(ev.block)
+            if not state.blocks:
+                state.length = 0  # preempted for recompute: nothing cached any more
+
+    def _free(self, ev: Free | Evict) -> None:
+        block = ev.block
+        owners = self.owners.pop(block, None)
+        if owners is None:
+            return
+        tier = self.tier.pop(block)
+        self.used[tier] -= 1
+        self.version.pop(block, None)
+        self.orphans.pop(block, None)
+        self.stranded.pop(block, None)
+        hist = self.hist.pop(block)
+        hist.append(ev)
+        self.freed[block] = (ev, self.alloc_event.pop(block, None), hist)
+        if len(self.freed) > _FREED_KEPT:
+            self.freed.popitem(last=False)
+        evicted = type(ev) is Evict
+        for seq in owners:
+            state = self.seqs.get(seq)
+            if state is not None:
+                state.blocks.discard(block)
+                if not state.blocks:
+                    state.length = 0  # nothing cached any more (preempted for recompute)
+                elif evicted:
+                    state.length = None  # it lost tokens it still needed
+
+    def _write(self, ev: Write) -> None:
+        self.version[ev.block] = ev.version
+        hist = self.hist.get(ev.block)
+        if hist is not None:
+            hist.append(ev)
+        state = self.seqs.get(ev.seq)
+        if state is None:
+            state = self._seq(ev.seq)
+        state.version = ev.version
+        state.length = ev.pos + ev.n
+
+    def _swap(self, ev: SwapOut | SwapIn) -> None:
+        block = ev.block
+        tier = self.tier.get(block)
+        if tier is None:
+            return
+        used = self.used
+        used[tier] -= 1
+        used[ev.dst] = used.get(ev.dst, 0) + 1
+        self.tier[block] = ev.dst
+        self.hist[block].append(ev)
+
+    def _rollback(self, ev: Rollback) -> None:
+        state = self._seq(ev.seq)
+        state.version = ev.version
+        if state.length is not None:
+            state.length = max(0, state.length - ev.n)
