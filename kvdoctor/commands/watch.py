@@ -49,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--fault applies to a workload kvdoctor starts (--demo or -- CMD), not to --trace")
     if args.model and not args.demo:
         raise UsageError("--model applies to --demo only")
+    if args.fault:
+        from ..engine.faults import FAULTS
+
+        if args.fault not in FAULTS:
+            raise UsageError(f"unknown fault {args.fault!r}: choose one of {', '.join(FAULTS)}")
     if args.trace and os.path.exists(args.trace):
         read_header(args.trace)  # a file that is not a trace fails here, as one line, before the screen opens
 

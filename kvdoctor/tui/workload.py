@@ -28,7 +28,8 @@ _TAIL_BYTES = 4000
 class Workload:
     """A child process with tracing switched on; ``trace`` is the file it writes."""
 
-    def __init__(self, argv: list[str], *, fault: str | None = None, workdir: str | None = None) -> None:
+    def __init__(self, argv: list[str], *, fault: str | None = None, probes: bool = True,
+                 workdir: str | None = None) -> None:
         if not argv:
             raise UsageError("no workload command given: use `kvdoctor watch -- python my_script.py`")
         self.argv = argv
@@ -38,6 +39,8 @@ class Workload:
         env = dict(os.environ, KVDOCTOR_TRACE=str(self.trace), PYTHONUNBUFFERED="1")
         if fault:
             env["KVDOCTOR_FAULT"] = fault
+        if probes:  # memory readings (mem events) from the engine's probe hook, unless the user chose
+            env.setdefault("KVDOCTOR_PROBES", "1")
         self._log_file = open(self.log, "wb")
         try:
             self.proc = subprocess.Popen(
@@ -54,13 +57,13 @@ class Workload:
 
     @classmethod
     def demo(cls, *, fault: str | None = None, model: str | None = None, seconds: float | None = None) -> "Workload":
-        """The embedded demo (``python -m kvdoctor.demo``) in a child process."""
+        """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes."""
         argv = [sys.executable, "-m", "kvdoctor.demo"]
         if model:
             argv += ["--model", model]
         if seconds is not None:
             argv += ["--seconds", str(seconds)]
-        return cls(argv, fault=fault)
+        return cls(argv, fault=fault, probes=False)
 
     @property
     def pid(self) -> int:

@@ -34,7 +34,7 @@ class AttentionView(LineList):
 
     def row_text(self, row: int, width: int) -> Text:
         s = self.snapshot
-        graph = max((width - 6 - 2 * 9 - 4) // 2, 4)
+        graph = max((width - 6 - 2 * 9 - 14) // 2, 4)
         if s is None or not s.layers:
             return Text("no attention statistics yet (attn events)", "dim")
         if row == 0:

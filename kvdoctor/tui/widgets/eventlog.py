@@ -64,6 +64,7 @@ class EventLog(LineList):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._rows: list[Any] = []
+        self._follow = True
 
     def watch_snapshot(self) -> None:
         self._refilter()
@@ -74,12 +75,18 @@ class EventLog(LineList):
     def _refilter(self) -> None:
         log = self.snapshot.log if self.snapshot is not None else ()
         keep = compile_filter(self.filter_text)
-        rows = list(log) if keep is None else [ev for ev in log if keep(ev)]
-        at_tail = self.scroll_offset.y >= self.max_scroll_y - 1
-        self._rows = rows
+        self._rows = list(log) if keep is None else [ev for ev in log if keep(ev)]
         self.rows_changed()
-        if at_tail:
-            self.scroll_end(animate=False, immediate=True)
+
+    def rows_changed(self) -> None:
+        super().rows_changed()
+        if self._follow:
+            self.scroll_to(y=self.max_scroll_y, animate=False, immediate=True)
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        # Scrolled up by the user: stop following the tail until they come back to the bottom.
+        self._follow = new >= self.max_scroll_y - 1
 
     def row_count(self) -> int:
         return len(self._rows)

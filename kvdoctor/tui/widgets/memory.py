@@ -32,7 +32,7 @@ class MemoryView(Widget):
         for i, (label, values) in enumerate(s.memory):
             color = _COLORS[i % len(_COLORS)]
             out.append(f"{label:<13}", "bold")
-            out.append(spark(values, graph, lo=0), color)
+            out.append(spark(values, graph), color)
             now = values[-1] if values else None
             peak = max(values) if values else None
             out.append(f" {human_bytes(now):>10} {human_bytes(peak):>10}\n")

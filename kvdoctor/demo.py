@@ -1,0 +1,116 @@
+"""The demo workload behind ``kvdoctor watch --demo``: a model serving a continuous stream of chat requests.
+
+It runs kvdoctor's own engine with a deliberately small device tier, so the scheduler
+preempts requests and swaps their blocks to host and back while you watch, and now and
+then a client gives up on a request that sits swapped out (an abort, as in real
+serving). With ``--fault NAME`` one of the engine's deliberate faults is switched on and
+its finding appears within seconds. Tracing is switched on by ``KVDOCTOR_TRACE``, like
+any workload; ``kvdoctor watch --demo`` sets it and follows the file.
+
+    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--seconds S] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["DemoConfig", "run_demo", "main", "PROMPTS"]
+
+PROMPTS = (
+    "What is a KV cache?",
+    "Explain paged attention to a new engineer in three sentences.",
+    "Write a haiku about memory leaks.",
+    "Why does swapping KV blocks to host memory cost latency?",
+    "List five things that can go wrong when batching requests of different lengths.",
+    "Summarize the plot of a detective story in which the culprit is a forgotten pointer.",
+    "How do I reverse a linked list in Python?",
+    "Give me a recipe for a quick tomato soup.",
+    "What is the capital of France, and why is it famous?",
+    "Describe continuous batching in LLM serving, with an example timeline of four requests.",
+    "Translate 'the cache is warm' into French and Spanish.",
+    "What are rotary position embeddings?",
+)
+
+
+@dataclass
+class DemoConfig:
+    model: str | None = None        # None: the embedded SmolLM2; "tiny": a small random Llama
+    fault: str | None = None
+    seconds: float | None = None    # stop after this long (None: until interrupted)
+    steps: int | None = None        # stop after this many steps
+    block_size: int = 16
+    device_blocks: int = 40         # small on purpose: preemption and swaps happen on screen
+    host_blocks: int = 512
+    concurrency: int = 8            # requests kept in flight
+    max_new_tokens: int = 96
+    abort_rate: float = 0.05        # chance per step that a swapped-out request is abandoned
+    seed: int = 0
+
+
+def run_demo(cfg: DemoConfig) -> int:
+    """Serve requests until time or steps run out (or Ctrl-C); returns the number of steps run."""
+    from .engine.model import load_model, tiny_llama
+    from .engine.runner import Runner, SamplingParams
+    from .engine.scheduler import Request, Scheduler
+    from .probes import ENV_PROBES, attach_to_cache
+
+    lm = tiny_llama(num_layers=4, max_position_embeddings=2048) if cfg.model == "tiny" else load_model(cfg.model)
+    runner = Runner.create(
+        lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
+        host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name},
+    )
+    if runner.bus.enabled and not os.environ.get(ENV_PROBES):
+        # Memory readings when a trace is being written, unless the engine's probe hook attached them.
+        attach_to_cache(runner.cache)
+    sched = Scheduler(runner, max_batch=cfg.concurrency)
+    rng = random.Random(cfg.seed)
+    vocab = lm.config.vocab_size
+    deadline = None if cfg.seconds is None else time.monotonic() + cfg.seconds
+    steps = 0
+    try:
+        while (cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline):
+            while len(sched.live) < cfg.concurrency:
+                if lm.tokenizer is not None:
+                    ids = runner.encode(rng.choice(PROMPTS), chat=True)
+                else:
+                    ids = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 6 * cfg.block_size))]
+                sampling = SamplingParams(greedy=False, temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 30))
+                sched.submit(Request(ids, max_new_tokens=rng.randint(16, cfg.max_new_tokens), sampling=sampling))
+            sched.step()
+            steps += 1
+            swapped = [seq for seq, live in sched.live.items() if live.state == "swapped"]
+            if swapped and rng.random() < cfg.abort_rate * len(swapped):
+                sched.abort(rng.choice(swapped))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.close()
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvdoctor.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="'tiny' for a small random model, or a local checkpoint (default: embedded SmolLM2)")
+    p.add_argument("--fault", help="switch on a deliberate engine fault, e.g. leak-swapped")
+    p.add_argument("--seconds", type=float, help="stop after this many seconds")
+    p.add_argument("--steps", type=int, help="stop after this many steps")
+    p.add_argument("--device-blocks", type=int, default=DemoConfig.device_blocks)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
+                     device_blocks=a.device_blocks, seed=a.seed)
+    try:
+        run_demo(cfg)
+    except (ValueError, OSError) as exc:
+        print(f"kvdoctor demo: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
