@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
 
@@ -217,7 +217,7 @@ class PagedKVCache:
         cow = tail is not None and len(tail.owners) > 1
         first_new = (last.index + 1) if last is not None else 0
         num_new = max((end - 1) // bs + 1 - first_new, 0)
-        need = num_new + int(cow) + int(tail is not None and not cow and tail.tier != "device")
+        need = num_new + int(cow) + int(tail is not None and tail.tier != "device")
         keep = {b.id for b in s.blocks}
         self.tiers.make_room("device", need, keep)
         if tail is not None:
@@ -313,7 +313,10 @@ class PagedKVCache:
             raise ValueError(f"rollback of {seq!r} with {s.pending} reserved tokens not committed")
         if not 1 <= n <= s.length:
             raise ValueError(f"rollback of {n} tokens for {seq!r}: must be in [1, {s.length}] (its length)")
-        s.length -= n
+        new_len = s.length - n
+        if new_len and s.blocks and all(b.index != (new_len - 1) // self.block_size for b in s.blocks):
+            raise ValueError(f"rollback of {seq!r} to {new_len} tokens: the block holding its new last token was evicted")
+        s.length = new_len
         s.version += n
         if self.bus.enabled:
             self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
@@ -344,11 +347,11 @@ class PagedKVCache:
                 self.tiers.prefetch_hits += 1
                 self.tiers.settle(b)
                 b.prefetched = False
+            elif b.tier != "device":
+                missing.append(b)
             elif b.prefetched:
                 self.tiers.prefetch_hits += 1
                 b.prefetched = False
-            elif b.tier != "device":
-                missing.append(b)
         if missing:
             self.tiers.prefetch_misses += len(missing)
             self.tiers.move(missing, "device", exclude=set(blocks))
@@ -420,6 +423,11 @@ class PagedKVCache:
             raise ValueError(f"observe_attention for {seq!r}: {len(scores)} scores for {len(s.blocks)} blocks")
         for b, w in zip(s.blocks, scores):
             b.importance = b.importance * IMPORTANCE_DECAY + float(w)
+
+    def score_hook(self, layer: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the runner passes as ``corrupt=`` to attention at ``layer``: None unless the
+        attention-nan fault is on and targets this layer and step."""
+        return self.faults.score_hook(layer, self.bus.step)
 
     # ---- explicit tier moves ----
     def _blocks(self, ids: Iterable[int]) -> list[Block]:

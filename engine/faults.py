@@ -10,7 +10,7 @@ real one. All faults are off unless ``EngineConfig(fault=NAME)`` or the
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["FAULTS", "ENV_VAR", "resolve_fault", "Faults"]
 
@@ -75,3 +75,10 @@ class Faults:
             return scores
         scores[..., 0, -1, -1] = float("nan")
         return scores
+
+    def score_hook(self, layer: int, step: int) -> Callable[[Any], Any] | None:
+        """The ``corrupt`` callable for ``engine.attention`` at ``layer`` this step, or None when
+        nothing would change (so the runner keeps the fused attention path)."""
+        if not self.attention_nan or layer != self.nan_layer or step < _NAN_FROM_STEP:
+            return None
+        return lambda scores: self.corrupt_scores(layer, scores, step)

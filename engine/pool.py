@@ -153,6 +153,7 @@ class BlockPool:
         for name, ts in self.tiers.items():
             held = [b.slot for b in self.blocks.values() if b.tier == name]
             held += [b.retained[1] for b in self.blocks.values() if b.retained and b.retained[0] == name]
+            held += [b.inflight.slot for b in self.blocks.values() if b.inflight is not None and b.inflight.dst == name]
             assert ts.used == len(held), f"tier {name}: used={ts.used} but {len(held)} slots held"
             assert len(set(held)) == len(held), f"tier {name}: a slot holds two blocks: {sorted(held)}"
             assert not set(held) & set(ts.free_slots), f"tier {name}: a held slot is also free"

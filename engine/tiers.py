@@ -57,10 +57,15 @@ def checksums(arena: Arena, slots: list[int]) -> list[int]:
     out: dict[int, int] = {}
     order = sorted(slots)
     for s0, _, n in runs(order, order, arena.chunk, arena.chunk):
-        words = arena.view(s0, n).view(torch.int64).reshape(n, -1)
-        for i, v in enumerate(words.sum(dim=1).tolist()):
-            out[s0 + i] = v & _MASK64
+        for i, v in enumerate(_sum64(arena.view(s0, n))):
+            out[s0 + i] = v
     return [out[s] for s in slots]
+
+
+def _sum64(blocks: torch.Tensor) -> list[int]:
+    """The checksum of each block of an ``(n, L, H, R)`` tensor."""
+    words = blocks.view(torch.int64).reshape(blocks.shape[0], -1)
+    return [v & _MASK64 for v in words.sum(dim=1).tolist()]
 
 
 @dataclass(slots=True)
@@ -143,7 +148,13 @@ class TierManager:
         if not blocks:
             return
         keep = set(exclude or ()) | {b.id for b in blocks}
-        self.make_room(dst, len(blocks), keep)
+        try:
+            self.make_room(dst, len(blocks), keep)
+        except OutOfBlocks:
+            if any(_RANK[b.tier] <= _RANK[dst] for b in blocks):
+                raise
+            self._exchange(blocks, dst, keep)
+            return
         dst_slots = self._take(dst, len(blocks))
         by_src: dict[str, list[int]] = {}
         for i, b in enumerate(blocks):
@@ -161,6 +172,44 @@ class TierManager:
             acc = self.moved.setdefault((src, dst), [0, 0.0])
             acc[0] += len(group)
             acc[1] += time.perf_counter() - t0
+        if bad is not None:
+            raise bad
+
+    def _exchange(self, blocks: list[Block], dst: str, keep: set[int]) -> None:
+        """Swap-in when ``dst`` is full and the tiers below have no room for its victims except
+        the slots the incoming blocks are leaving: stage the incoming copies, verify them, give
+        their slots up, demote the victims into that room, then land the staged copies."""
+        arena = self.arenas[dst]
+        staged = torch.empty((len(blocks), *arena.block_shape), dtype=self.config.torch_dtype, device=arena.device)
+        for i, b in enumerate(blocks):
+            staged[i].copy_(self.arenas[b.tier].view(b.slot, 1)[0])
+        actual = _sum64(staged) if self.config.checksums else [None] * len(blocks)
+        bad: ChecksumMismatch | None = None
+        good: list[tuple[int, Block, str]] = []
+        for i, (b, got) in enumerate(zip(blocks, actual)):
+            if got is not None and b.checksum is not None and got != b.checksum:
+                if self.bus.enabled:
+                    self.bus.emit(ChecksumError, block=b.id, tier=b.tier, expected=b.checksum, actual=got)
+                bad = bad or ChecksumMismatch(b.id, b.tier, b.checksum, got)
+            else:
+                good.append((i, b, b.tier))
+        for _, b, src in good:
+            self.pool.tiers[src].give(b.slot)
+        try:
+            self.make_room(dst, len(good), keep)
+        except OutOfBlocks:
+            for i, b, src in good:  # nothing moved: put the staged copies back where they came from
+                b.slot = self.pool.tiers[src].take()
+                self.arenas[src].view(b.slot, 1).copy_(staged[i : i + 1])
+            raise
+        for (i, b, src), slot in zip(good, self._take(dst, len(good))):
+            arena.view(slot, 1).copy_(staged[i : i + 1])
+            if actual[i] is not None:
+                b.checksum = actual[i]
+            b.tier, b.slot = dst, slot
+            self.pool.epoch += 1
+            if self.bus.enabled:
+                self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version)
         if bad is not None:
             raise bad
 
@@ -195,6 +244,7 @@ class TierManager:
                 if self.bus.enabled:
                     self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=emitted)
                 continue
+            b.prefetched = False  # a prefetch that goes back down before use was no hit
             copy_from.append(b.slot)
             copy_to.append(slot)
         copy_slots(self.arenas[src], copy_from, self.arenas[dst], copy_to)
