@@ -105,9 +105,51 @@ def _open_binary(path: Path) -> IO[bytes]:
         raise TraceError(f"cannot open trace {path}: {exc.strerror}") from None
     if f.read(2) == _GZIP_MAGIC:
         f.seek(0)
-        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
+        return _GzipStream(f)  # type: ignore[return-value]
     f.seek(0)
     return f
+
+
+class _GzipStream:
+    """Incremental gunzip that hands out every byte decompressed so far, so a stream cut short
+    by a killed writer yields its whole steps and then ``EOFError`` (gzip.GzipFile loses the last read)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        self._buf = b""
+
+    def _fill(self) -> bool:
+        data = self._raw.read(_CHUNK)
+        if not data:
+            if not self._z.eof:
+                raise EOFError("gzip stream ended before its end-of-stream marker")
+            return False
+        self._buf += self._z.decompress(data)  # raises zlib.error on corrupt data
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        while not self._buf and not self._z.eof:
+            if not self._fill():
+                break
+        out, self._buf = self._buf, b""
+        return out
+
+    def readline(self) -> bytes:
+        while b"\n" not in self._buf and not self._z.eof and self._fill():
+            pass
+        line, sep, rest = self._buf.partition(b"\n")
+        self._buf = rest
+        return line + sep
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> "_GzipStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _parse_header(path: Path, line: bytes) -> Header:
@@ -242,7 +284,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # an exited child that its parent has not reaped yet still answers kill(0)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class TraceFollower:
@@ -281,7 +327,7 @@ class TraceFollower:
         while True:
             if self._f is None and self.path.exists():
                 self._f = _open_binary(self.path)
-                if isinstance(self._f, gzip.GzipFile):
+                if isinstance(self._f, _GzipStream):
                     raise TraceError(f"{self.path} is gzip-compressed; follow a plain .kvtrace instead")
             if self._f is not None:
                 pending += self._f.read()

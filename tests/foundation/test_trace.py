@@ -1,0 +1,189 @@
+"""Trace files: written live, read back whole, cut short, corrupt, foreign, or still being written."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from kvdoctor import events as E
+from kvdoctor.errors import IncompatibleTraceError, TraceError, TraceFormatError
+from kvdoctor.trace import TraceReader, TraceWriter, follow, read_header
+
+HEADER = E.Header(block_size=16, num_layers=2, tiers=[E.TierSpec(name="device", capacity_blocks=8)])
+
+
+def _steps(num_steps: int) -> list[E.Event]:
+    out: list[E.Event] = []
+    for s in range(num_steps):
+        out += [E.Alloc(t=s * 10, step=s, block=s, tier="device", seq=1),
+                E.Write(t=s * 10 + 1, step=s, block=s, seq=1, pos=s * 16, n=16, version=(s + 1) * 16),
+                E.StepEnd(t=s * 10 + 2, step=s, num_tokens=16)]
+    return out
+
+
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.gz"])
+def test_write_then_read_back(tmp_path, name):
+    # GIVEN events written through the writer, plain and gzip
+    events = _steps(5)
+    with TraceWriter(tmp_path / name, HEADER) as w:
+        w.write_many(events)
+    # WHEN read back THEN the same events, then the closing event
+    reader = TraceReader(tmp_path / name)
+    got = list(reader)
+    assert got[:-1] == events and type(got[-1]) is E.TraceEnd
+    assert reader.header == HEADER and reader.closed and not reader.truncated
+    assert reader.num_events == len(events) + 1
+    if name.endswith(".gz"):
+        assert gzip.open(tmp_path / name).readline().startswith(b'{"kind":"header"')
+
+
+def test_writer_flushes_each_step_so_a_kill_loses_at_most_one_step(tmp_path):
+    # GIVEN a writer that has finished two steps and is inside a third
+    w = TraceWriter(tmp_path / "t.kvtrace", HEADER)
+    events = _steps(3)
+    w.write_many(events[:3])
+    w.write_many(events[3:6])
+    w.write(events[6])
+    # WHEN another reader looks before close THEN both complete steps are on disk
+    got = list(TraceReader(tmp_path / "t.kvtrace"))
+    assert got[:6] == events[:6]
+    w.close()
+
+
+def test_truncated_last_line_is_reported_and_the_rest_used(tmp_path):
+    path = tmp_path / "t.kvtrace"
+    with TraceWriter(path, HEADER) as w:
+        w.write_many(_steps(3))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 20])  # cut into the closing line
+    reader = TraceReader(path)
+    got = list(reader)
+    assert reader.truncated and not reader.closed
+    assert got == _steps(3)
+
+
+def test_truncated_gzip_keeps_what_came_before(tmp_path):
+    path = tmp_path / "t.kvtrace.gz"
+    w = TraceWriter(path, HEADER)
+    w.write_many(_steps(50))  # flushed as whole steps, with no gzip trailer yet: as if killed
+    reader = TraceReader(path)
+    got = list(reader)
+    assert reader.truncated
+    assert got == _steps(50)
+    w.close()
+
+
+def test_corrupt_line_names_file_and_line(tmp_path):
+    path = tmp_path / "t.kvtrace"
+    with TraceWriter(path, HEADER) as w:
+        w.write_many(_steps(3))
+    lines = path.read_bytes().split(b"\n")
+    lines[4] = b'{"kind":"write","block":"oops"}'
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(TraceFormatError) as err:
+        list(TraceReader(path))
+    assert err.value.line == 5 and str(path) in str(err.value)
+
+
+def test_other_major_version_is_refused(tmp_path):
+    path = tmp_path / "t.kvtrace"
+    path.write_text('{"kind":"header","format":"kvdoctor-trace","version":"2.0","block_size":16,'
+                    '"num_layers":1,"tiers":[]}\n')
+    with pytest.raises(IncompatibleTraceError, match="2.0"):
+        read_header(path)
+
+
+def test_newer_minor_version_unknown_kinds_and_fields_are_read(tmp_path):
+    # GIVEN a 1.7 trace written by hand with a kind and fields this version lacks
+    path = tmp_path / "t.kvtrace"
+    path.write_text(textwrap.dedent("""\
+        {"kind":"header","format":"kvdoctor-trace","version":"1.7","block_size":16,"num_layers":1,"tiers":[],"new":1}
+        {"kind":"seq_start","t":0,"step":0,"seq":"a","prompt_len":3,"tenant":"x"}
+        {"kind":"kernel_launch","t":5,"step":0,"grid":[1,2]}
+        {"kind":"seq_end","t":9,"step":0,"seq":"a","reason":"finished"}
+        """))
+    got = list(TraceReader(path))
+    assert got[0] == E.SeqStart(seq="a", prompt_len=3)
+    assert got[1] == E.Unknown(kind="kernel_launch", t=5, step=0, fields={"grid": [1, 2]})
+    assert got[2] == E.SeqEnd(t=9, seq="a", reason="finished")
+
+
+@pytest.mark.parametrize("content, error", [
+    (b"", IncompatibleTraceError),
+    (b"hello world\n", IncompatibleTraceError),
+    (b'{"kind":"header","format":"other","version":"1.0","block_size":1,"num_layers":1,"tiers":[]}\n',
+     IncompatibleTraceError),
+    (b"\x1f\x8b\x08garbage", TraceError),
+])
+def test_not_a_trace(tmp_path, content, error):
+    path = tmp_path / "x.kvtrace"
+    path.write_bytes(content)
+    with pytest.raises(error):
+        list(TraceReader(path))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TraceError, match="no such trace file"):
+        TraceReader(tmp_path / "nope.kvtrace")
+
+
+def test_full_disk_is_a_clear_error_and_keeps_earlier_steps(tmp_path):
+    # /dev/full fails every write with ENOSPC
+    w = TraceWriter(tmp_path / "t.kvtrace", HEADER)
+    w._f = open("/dev/full", "wb", buffering=0)
+    with pytest.raises(TraceError, match="No space left"):
+        w.write_many(_steps(1))
+    assert read_header(tmp_path / "t.kvtrace") == HEADER
+
+
+_WRITER = """
+import sys, time
+from kvdoctor import events as E
+from kvdoctor.trace import TraceWriter
+h = E.Header(block_size=16, num_layers=2, tiers=[], pid=None)
+w = TraceWriter(sys.argv[1], h)
+for s in range(int(sys.argv[2])):
+    w.write_many([E.Alloc(t=s, step=s, block=s, tier="device", seq=0), E.StepEnd(t=s, step=s)])
+    time.sleep(0.01)
+if sys.argv[3] == "close":
+    w.close()
+"""
+
+
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_follow_a_file_written_by_another_process(tmp_path, ending):
+    # GIVEN a writer process that starts after the follower and writes 40 steps over ~0.4 s
+    path = tmp_path / "live.kvtrace"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), "40", ending])
+    follower = follow(path, pid=proc.pid, poll_s=0.01, wait_s=30)
+    # WHEN followed THEN every event arrives in order, and it ends by the writer's close or its exit
+    got = list(follower)
+    proc.wait()
+    allocs = [e for e in got if type(e) is E.Alloc]
+    assert [e.block for e in allocs] == list(range(40))
+    assert follower.ended == ("closed" if ending == "close" else "writer-gone")
+
+
+def test_follow_stops_when_asked(tmp_path):
+    path = tmp_path / "t.kvtrace"
+    w = TraceWriter(path, HEADER)
+    w.write_many(_steps(1))
+    stop = threading.Event()
+    follower = follow(path, stop=stop, poll_s=0.01)
+    threading.Timer(0.2, stop.set).start()
+    t0 = time.monotonic()
+    got = list(follower)
+    assert got == _steps(1) and follower.ended == "stopped"
+    assert time.monotonic() - t0 < 5
+    w.close()
+
+
+def test_follow_gives_up_on_a_trace_that_never_appears(tmp_path):
+    with pytest.raises(TraceError, match="waited"):
+        list(follow(tmp_path / "never.kvtrace", wait_s=0.2, poll_s=0.01))
