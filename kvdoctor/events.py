@@ -78,7 +78,7 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="h
     pid: int | None = None
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):
     """Fields every event carries: ``t`` in ns since the trace started, and the engine ``step``."""
 
     t: int = 0
