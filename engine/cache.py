@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib.metadata
 import os
 from typing import Any, Callable, Iterable, Sequence as Seq
 
@@ -32,9 +33,12 @@ from .pool import Block, BlockPool, Sequence
 from .storage import Arena, TensorArena, make_arena
 from .tiers import TierManager
 
-__all__ = ["PagedKVCache", "TRACE_ENV"]
+__all__ = ["PagedKVCache", "TRACE_ENV", "HOOKS_GROUP"]
 
 TRACE_ENV = "KVDOCTOR_TRACE"
+# Entry points called with the cache when a trace is switched on by TRACE_ENV: consumers that
+# must run inside the workload (kvdoctor's memory probes) attach so, as the engine may not import them.
+HOOKS_GROUP = "kvdoctor.engine_hooks"
 
 
 class PagedKVCache:
@@ -67,6 +71,7 @@ class PagedKVCache:
             distance=self._distance, clock=lambda: self._tick,
         )
         self._writer: Any = None
+        self._attached: list[Any] = []  # what the hooks attached; each has detach()
         trace = os.environ.get(TRACE_ENV)
         if trace:
             self._open_trace(trace)
@@ -78,6 +83,10 @@ class PagedKVCache:
         self._writer = TraceWriter(path, self.header())
         self.bus.subscribe(self._writer.write_many)
         atexit.register(self.close)
+        for hook in importlib.metadata.entry_points(group=HOOKS_GROUP):
+            attached = hook.load()(self)
+            if attached is not None:
+                self._attached.append(attached)
 
     def header(self) -> Header:
         c = self.config
@@ -494,6 +503,8 @@ class PagedKVCache:
             return
         self._closed = True
         self.tiers.close()
+        for attached in self._attached:
+            attached.detach()
         self.bus.flush()
         if self._writer is not None:
             self.bus.unsubscribe(self._writer.write_many)

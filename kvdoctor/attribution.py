@@ -155,7 +155,8 @@ class Attributor:
             assert self.pid is not None
             try:
                 threads = dump_stacks(self.pid, timeout_s=self.pyspy_timeout_s)
-                result: dict[str, Any] = {"stacks": [t.to_dict() for t in threads], "stacks_pid": self.pid}
+                lines = [line for thread in threads for line in thread.lines()]
+                result: dict[str, Any] = {"stacks": lines, "stacks_pid": self.pid}
             except PySpyError as exc:
                 result = {"stacks_error": str(exc), "stacks_pid": self.pid}
             self._stacks = (now, result)

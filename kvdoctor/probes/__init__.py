@@ -30,7 +30,7 @@ __all__ = [
 
 ENV_PROBES = "KVDOCTOR_PROBES"  # "1" switches the probes on in a workload that builds the engine
 ENV_INTERVAL = "KVDOCTOR_PROBES_INTERVAL"  # seconds between readings (default DEFAULT_INTERVAL_S)
-ENV_HEAP = "KVDOCTOR_PROBES_HEAP"  # "0" leaves tracemalloc off
+ENV_HEAP = "KVDOCTOR_PROBES_HEAP"  # "1" also starts tracemalloc (py_heap, heap attribution; costly)
 
 
 def attach_probes(
@@ -49,10 +49,7 @@ def attach_probes(
 
 def attach_to_cache(cache: Any, interval_s: float = DEFAULT_INTERVAL_S, **options: Any) -> Prober:
     """``attach_probes`` on a ``PagedKVCache``: its bus, its ``stats()`` as the accounting."""
-    if "device_on_cpu" not in options:
-        device = getattr(getattr(cache, "config", None), "device", None)
-        if device is not None:
-            options["device_on_cpu"] = str(device).startswith("cpu")
+    options.setdefault("device_on_cpu", not cache.config.is_cuda)
     return attach_probes(cache.bus, cache_accounting(cache), interval_s, **options)
 
 
@@ -60,7 +57,7 @@ def from_env(cache: Any) -> Prober | None:
     """The engine hook: attach to ``cache`` when ``KVDOCTOR_PROBES`` is on, else do nothing."""
     if not _flag(ENV_PROBES, default=False):
         return None
-    return attach_to_cache(cache, _interval(), heap=_flag(ENV_HEAP, default=True))
+    return attach_to_cache(cache, _interval(), heap=_flag(ENV_HEAP, default=False))
 
 
 def _flag(name: str, *, default: bool) -> bool:

@@ -73,8 +73,10 @@ class Prober:
     """Takes readings and emits them on ``bus`` (anything with ``emit(cls, **fields)``).
 
     ``kv_bytes_fn`` is the engine's accounting (``torch_mem.AccountingFn``); ``device_on_cpu``
-    says whether the engine's device tier is host memory (no CUDA). ``heap=False`` leaves
-    tracemalloc off (its per-allocation cost is the only cost a reading does not bound).
+    says whether the engine's device tier is host memory (no CUDA). ``heap=True`` starts
+    tracemalloc for ``py_heap`` and heap attribution. It is off by default because its cost
+    is per allocation, not per reading: it slowed decode 4-5x on a small model
+    (benchmarks/probes.py --heap), while every other probe costs well under 1%.
     """
 
     def __init__(
@@ -83,7 +85,7 @@ class Prober:
         kv_bytes_fn: AccountingFn | None = None,
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
-        heap: bool = True,
+        heap: bool = False,
         frame_limit: int = DEFAULT_FRAME_LIMIT,
         gpu: bool = True,
         device_on_cpu: bool | None = None,

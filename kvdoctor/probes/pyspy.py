@@ -54,8 +54,11 @@ class ThreadStack:
     active: bool
     frames: tuple[str, ...]  # "function (file:line)", innermost first
 
-    def to_dict(self) -> dict[str, object]:
-        return {"thread_id": self.thread_id, "name": self.name, "active": self.active, "frames": list(self.frames)}
+    def lines(self) -> list[str]:
+        """A header line for the thread, then its frames indented: how a finding shows it."""
+        name = f" {self.name}" if self.name else ""
+        return [f"Thread {self.thread_id}{name} ({'active' if self.active else 'idle'})",
+                *(f"    {frame}" for frame in self.frames)]
 
 
 def find_py_spy() -> str:

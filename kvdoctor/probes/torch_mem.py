@@ -44,34 +44,20 @@ def engine_bytes(accounting: Mapping[str, int], device_on_cpu: bool) -> EngineBy
     return EngineBytes(kv=sum(by_tier.values()), cpu_tensors=cpu, by_tier=by_tier)
 
 
-def _tier_bytes(entry: Any) -> int | None:
-    if isinstance(entry, Mapping):
-        for key in ("bytes", "used_bytes", "kv_bytes"):
-            if isinstance(entry.get(key), int):
-                return entry[key]
-    return None
-
-
 def cache_accounting(cache: Any) -> AccountingFn:
-    """An ``AccountingFn`` over a ``PagedKVCache``: KV bytes per tier from ``cache.stats()``.
+    """An ``AccountingFn`` over a ``PagedKVCache``, from ``cache.stats()``.
 
-    Accepts the stats as ``{"tiers": {tier: {"bytes": n, ...}}}``, ``{tier: {"bytes": n}}``
-    or ``{"<tier>_bytes": n}``, plus an optional ``"cpu_tensor_bytes"`` / ``"cpu_tensors"``.
+    KV bytes per tier are the tier's ``used_bytes``; the CPU tensor bytes are the whole
+    ``arena_bytes`` of the arenas in host memory (the host arena, and the device arena
+    when the engine runs on the CPU): an arena holds its free capacity too.
     """
+    device_on_cpu = not cache.config.is_cuda
 
     def accounting() -> dict[str, int]:
-        stats = cache.stats()
-        tiers = stats.get("tiers", stats)
-        out: dict[str, int] = {}
-        for tier in TIERS:
-            n = _tier_bytes(tiers.get(tier)) if isinstance(tiers, Mapping) else None
-            if n is None and isinstance(stats.get(f"{tier}_bytes"), int):
-                n = stats[f"{tier}_bytes"]
-            if n is not None:
-                out[tier] = n
-        for key in ("cpu_tensor_bytes", "cpu_tensors"):
-            if isinstance(stats.get(key), int):
-                out["cpu_tensors"] = stats[key]
+        tiers = cache.stats()["tiers"]
+        out = {tier: int(entry["used_bytes"]) for tier, entry in tiers.items()}
+        cpu_tiers = ("host", "device") if device_on_cpu else ("host",)
+        out["cpu_tensors"] = sum(int(tiers[t]["arena_bytes"]) for t in cpu_tiers if t in tiers)
         return out
 
     return accounting

@@ -28,7 +28,7 @@ def _line(marker: str) -> int:
 def live():
     """A bus with probes and an attributor subscribed, as a live in-process session wires them."""
     bus = Bus()
-    prober = attach_probes(bus, lambda: {"device": 1 << 20}, interval_s=3600)
+    prober = attach_probes(bus, lambda: {"device": 1 << 20}, interval_s=3600, heap=True)
     attributor = Attributor(prober=prober, min_snapshot_interval_s=0.0)
     bus.subscribe(attributor)
     yield bus, attributor
@@ -96,8 +96,10 @@ def test_without_heap_or_prober_only_the_observed_memory_curve_is_attached():
 def test_a_workload_kvdoctor_started_gets_a_stack_dump(ptrace_permitted):
     attributor = Attributor(pid=ptrace_permitted.pid, pyspy_timeout_s=20)
     attribution = attributor.enrich(Finding(seq=1, **LEAK)).attribution
-    frames = [f for t in attribution["stacks"] for f in t["frames"]]
-    assert any(f.startswith("decode_forever (") for f in frames)
+    # THEN the stacks read as lines: a thread header, then its frames innermost first
+    stacks = attribution["stacks"]
+    assert stacks[0].startswith("Thread ")
+    assert any(line.strip().startswith("decode_forever (") and "workload.py:" in line for line in stacks)
     assert attribution["stacks_pid"] == ptrace_permitted.pid
 
 

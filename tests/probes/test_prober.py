@@ -1,6 +1,7 @@
 """The Prober: mem events on the engine's bus, at an interval and on demand, into a run's trace."""
 
 import tracemalloc
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_first_reading_at_attach_then_one_per_interval(bus):
 
 
 def test_reading_fields_add_up(bus):
-    prober = attach_probes(bus, lambda: ACCOUNTING, device_on_cpu=True)
+    prober = attach_probes(bus, lambda: ACCOUNTING, device_on_cpu=True, heap=True)
     try:
         bus.flush()
         (mem,) = _mems(bus.seen)
@@ -59,7 +60,7 @@ def test_reading_fields_add_up(bus):
 
 
 def test_on_demand_reading_says_why(bus):
-    prober = attach_probes(bus, None, heap=False)
+    prober = attach_probes(bus, None)
     try:
         reading = prober.read_now("finding:leak/unfreed")
         bus.flush()
@@ -71,7 +72,7 @@ def test_on_demand_reading_says_why(bus):
 
 def test_detach_stops_readings_and_the_tracing_it_started(bus):
     was_tracing = tracemalloc.is_tracing()
-    prober = attach_probes(bus, None, interval_s=1e-9)
+    prober = attach_probes(bus, None, interval_s=1e-9, heap=True)
     prober.detach()
     bus.end_step(1)
     assert len(_mems(bus.seen)) == 1
@@ -105,15 +106,16 @@ def test_mem_events_are_in_the_run_trace_in_time_order(tmp_path):
 
 
 class _Cache:
-    class config:
-        device = "cpu"
+    """The slice of ``PagedKVCache`` the probes use: ``bus``, ``config.is_cuda``, ``stats()``."""
 
-    def __init__(self):
+    def __init__(self, is_cuda=False):
+        self.config = SimpleNamespace(is_cuda=is_cuda)
         self.bus = Bus()
         self.bus.subscribe(lambda events: None)
 
     def stats(self):
-        return {"tiers": {"device": {"bytes": 64}, "host": {"bytes": 32}}}
+        return {"tiers": {"device": {"used_bytes": 64, "arena_bytes": 128},
+                          "host": {"used_bytes": 32, "arena_bytes": 256}}}
 
 
 def test_env_switches_probes_on_for_a_cache(monkeypatch):
@@ -121,16 +123,25 @@ def test_env_switches_probes_on_for_a_cache(monkeypatch):
     assert from_env(_Cache()) is None
     monkeypatch.setenv(ENV_PROBES, "1")
     monkeypatch.setenv(ENV_INTERVAL, "0.25")
-    monkeypatch.setenv(ENV_HEAP, "0")
     prober = from_env(_Cache())
     try:
-        assert prober.interval_s == 0.25 and prober.heap is None
-        assert prober.last.engine.kv == 96 and prober.last.engine.cpu_tensors == 96
+        assert prober.interval_s == 0.25 and prober.heap is None  # tracemalloc only when asked for
+        assert prober.last.engine.kv == 96 and prober.last.engine.cpu_tensors == 384
     finally:
         prober.detach()
 
 
-@pytest.mark.parametrize("name,value", [(ENV_PROBES, "maybe"), (ENV_INTERVAL, "0"), (ENV_INTERVAL, "fast")])
+def test_env_can_ask_for_tracemalloc(monkeypatch):
+    monkeypatch.setenv(ENV_PROBES, "1")
+    monkeypatch.setenv(ENV_HEAP, "1")
+    prober = from_env(_Cache())
+    try:
+        assert prober.heap is not None and prober.last.py_heap is not None
+    finally:
+        prober.detach()
+
+
+@pytest.mark.parametrize("name,value", [(ENV_PROBES, "maybe"), (ENV_HEAP, "2"), (ENV_INTERVAL, "0"), (ENV_INTERVAL, "fast")])
 def test_bad_env_values_are_usage_errors_naming_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(ENV_PROBES, "1")
     monkeypatch.setenv(name, value)
@@ -139,10 +150,8 @@ def test_bad_env_values_are_usage_errors_naming_the_variable(monkeypatch, name, 
 
 
 def test_attach_to_cache_knows_a_gpu_device_tier_is_not_host_memory():
-    cache = _Cache()
-    cache.config = type("C", (), {"device": "cuda:0"})
-    prober = attach_to_cache(cache, heap=False)
+    prober = attach_to_cache(_Cache(is_cuda=True), heap=False)
     try:
-        assert prober.last.engine.cpu_tensors == 32
+        assert prober.last.engine.cpu_tensors == 256
     finally:
         prober.detach()

@@ -1,5 +1,7 @@
 """The engine's own accounting folded into totals, and torch.cuda read without side effects."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from kvdoctor.probes.torch_mem import CudaAllocator, cache_accounting, engine_bytes
@@ -22,20 +24,24 @@ def test_an_explicit_cpu_tensor_figure_wins():
 
 
 class _Cache:
-    def __init__(self, stats):
-        self._stats = stats
+    """What ``PagedKVCache`` exposes to the accounting: ``config.is_cuda`` and ``stats()``."""
+
+    def __init__(self, is_cuda):
+        self.config = SimpleNamespace(is_cuda=is_cuda)
 
     def stats(self):
-        return self._stats
+        return {"tiers": {
+            "device": {"used_blocks": 2, "used_bytes": 10, "arena_bytes": 640},
+            "host": {"used_blocks": 4, "used_bytes": 20, "arena_bytes": 1280},
+            "disk": {"used_blocks": 1, "used_bytes": 5, "arena_bytes": 4096},
+        }, "fragmentation": 0.5}
 
 
-@pytest.mark.parametrize("stats", [
-    {"tiers": {"device": {"bytes": 10, "used_blocks": 1}, "host": {"bytes": 20}}, "cpu_tensor_bytes": 99},
-    {"device": {"bytes": 10}, "host": {"bytes": 20}, "cpu_tensors": 99},
-    {"device_bytes": 10, "host_bytes": 20, "cpu_tensor_bytes": 99, "fragmentation": 0.5},
-])
-def test_cache_accounting_reads_the_shapes_of_stats(stats):
-    assert cache_accounting(_Cache(stats))() == {"device": 10, "host": 20, "cpu_tensors": 99}
+def test_cache_accounting_counts_used_kv_and_whole_cpu_arenas():
+    # GIVEN an engine on the CPU THEN its CPU tensors are the device and host arenas, free capacity included
+    assert cache_accounting(_Cache(is_cuda=False))() == {"device": 10, "host": 20, "disk": 5, "cpu_tensors": 1920}
+    # GIVEN an engine on a GPU THEN only the host arena is CPU memory
+    assert cache_accounting(_Cache(is_cuda=True))()["cpu_tensors"] == 1280
 
 
 def test_cuda_allocator_reads_nothing_without_cuda():
