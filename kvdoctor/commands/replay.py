@@ -9,6 +9,8 @@ HELP = "replay a recorded trace in the TUI: play, pause, step and seek by step (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="check settings (default: [tool.kvdoctor] in the nearest pyproject.toml)")
     p.add_argument("trace", metavar="FILE", help="a .kvtrace (or .kvtrace.gz) file")
     p.add_argument("--speed", type=float, default=20.0, metavar="STEPS",
                    help="steps per second while playing; 0 plays to the end at once (default 20)")
@@ -17,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
     from ..errors import UsageError
     from ..trace import read_header
 
@@ -24,9 +27,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--speed must be >= 0 steps per second; got {args.speed:g}")
     read_header(args.trace)  # missing or not a trace: one line and exit code 3, before the screen opens
 
-    from ..tui.app import KvdoctorApp
-    from ..tui.feed import ReplayFeed
+    config = load_config(args.config)
 
-    app = KvdoctorApp(lambda publish: ReplayFeed(args.trace, publish, speed=args.speed, start=args.step))
+    from ..tui.app import KvdoctorApp
+    from ..tui.feed import ReplayFeed, suite_factory
+
+    app = KvdoctorApp(lambda publish: ReplayFeed(
+        args.trace, publish, speed=args.speed, start=args.step, checker_factory=suite_factory(config)))
     app.run()
     return 0

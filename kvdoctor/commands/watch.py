@@ -17,6 +17,8 @@ HELP = "live TUI of a workload's KV cache: --demo [--fault NAME], --trace FILE, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="check settings (default: [tool.kvdoctor] in the nearest pyproject.toml)")
     src = p.add_argument_group("source (exactly one)")
     src.add_argument("--demo", action="store_true",
                      help="run the embedded SmolLM2 serving a continuous stream of chat requests")
@@ -35,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
     from ..errors import UsageError
     from ..trace import read_header
 
@@ -57,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and os.path.exists(args.trace):
         read_header(args.trace)  # a file that is not a trace fails here, as one line, before the screen opens
 
+    config = load_config(args.config)
+
     from ..tui.app import KvdoctorApp
-    from ..tui.feed import LiveFeed
+    from ..tui.feed import LiveFeed, suite_factory
     from ..tui.workload import Workload
 
     workload = None
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     path = str(workload.trace) if workload is not None else args.trace
     wait = args.wait if args.wait is not None else (300.0 if workload is not None else 10.0)
     app = KvdoctorApp(
-        lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait),
+        lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait,
+                                 checker_factory=suite_factory(config)),
         workload=workload,
     )
     try:

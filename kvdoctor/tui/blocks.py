@@ -67,7 +67,7 @@ class BlockTable:
         self.records: dict[int, BlockRecord] = {}
         self.ids: list[int] = []          # cell index -> block id
         self.cells = bytearray()          # cell index -> cell code
-        self.code_counts = [0] * 256      # code -> number of cells with it
+        self.code_counts: dict[int, int] = {FREE: 0}  # code -> number of cells with it (few codes occur)
         self._ids_version = 0
 
     @property
@@ -93,12 +93,12 @@ class BlockTable:
             self.cells[rec.cell] = new
             counts = self.code_counts
             counts[old] -= 1
-            counts[new] += 1
+            counts[new] = counts.get(new, 0) + 1
 
     def tier_counts(self) -> dict[int, tuple[int, int, int]]:
         """Per tier code: (owned by one, shared, leaked or unowned) numbers of blocks."""
         out = {t: [0, 0, 0] for t in TIER_CODES.values()}
-        for code, n in enumerate(self.code_counts):
+        for code, n in self.code_counts.items():
             if not n or code == FREE:
                 continue
             bucket = out[code & 3]

@@ -25,7 +25,7 @@ from ..findings import Finding
 from .state import Monitor, Snapshot
 from .workload import Workload
 
-__all__ = ["Checker", "CheckerFactory", "Feed", "LiveFeed", "ReplayFeed", "all_checks"]
+__all__ = ["Checker", "CheckerFactory", "Feed", "LiveFeed", "ReplayFeed", "all_checks", "suite_factory"]
 
 _SLICE = 4096  # events processed per lock hold: bounds how long a UI query can wait
 
@@ -44,11 +44,19 @@ CheckerFactory = Callable[[Header], "Checker | None"]
 Publish = Callable[[Snapshot], None]
 
 
-def all_checks(header: Header) -> Checker:
-    """Every built-in check with default settings: the suite ``kvdoctor check`` runs."""
-    from ..checks import make_suite
+def suite_factory(config: Any = None) -> CheckerFactory:
+    """The checks ``kvdoctor check`` runs, with the same settings (a ``kvdoctor.config.Config``;
+    default settings when None). A fresh suite per (re)start: a replay that seeks back rebuilds."""
 
-    return make_suite()
+    def make(header: Header) -> Checker:
+        from ..config import Config
+
+        return (config or Config()).make_suite()
+
+    return make
+
+
+all_checks = suite_factory()
 
 
 class Feed(threading.Thread):

@@ -265,10 +265,16 @@ class Monitor:
                 rec.flags |= UNOWNED
                 table.recode(rec)
         self._unowned.clear()
-        counts = table.tier_counts()
+        # The engine's own count when it reports one (`usage`); else what the events leave allocated.
+        counts = None
         for name, code in TIER_CODES.items():
             used = self._usage.get(name)
-            self._tier_spark[name].append(sum(counts[code]) if used is None else used)
+            if used is None:
+                if name not in self._capacity:
+                    continue  # a tier this cache does not have
+                counts = counts or table.tier_counts()
+                used = sum(counts[code])
+            self._tier_spark[name].append(used)
         for name in self._mem_seen:
             if name.startswith("kv:"):
                 self._mem[name].append(self._usage_bytes.get(name[3:], 0))

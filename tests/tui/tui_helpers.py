@@ -1,0 +1,60 @@
+"""Helpers of the TUI tests: synthetic traces on disk, apps over them, waiting for the feed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.app import KvdoctorApp
+from kvdoctor.tui.feed import LiveFeed, ReplayFeed
+from kvdoctor.tui.synthetic import SyntheticWorkload
+
+RECORDED = Path(__file__).resolve().parent.parent / "data" / "tui-demo-leak-swapped.kvtrace"
+
+
+def write_synthetic(path: Path, **kwargs: Any) -> Path:
+    w = SyntheticWorkload(**kwargs)
+    with TraceWriter(path, w.header()) as writer:
+        writer.write_many(list(w.events()))
+    return path
+
+
+def replay_app(path: Path, **feed_kwargs: Any) -> KvdoctorApp:
+    """An app replaying ``path`` to its end at once (speed 0), without pids in the header."""
+    feed_kwargs.setdefault("speed", 0)
+    return KvdoctorApp(lambda publish: ReplayFeed(str(path), publish, **feed_kwargs), show_pid=False)
+
+
+def live_app(path: Path, **feed_kwargs: Any) -> KvdoctorApp:
+    return KvdoctorApp(lambda publish: LiveFeed(str(path), publish, **feed_kwargs), show_pid=False)
+
+
+async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Let the app run until ``predicate()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
+        await pilot.pause(0.05)
+
+
+async def wait_ended(pilot: Any, timeout: float = 20.0) -> None:
+    """Until the feed has read its whole source and the app shows that last snapshot."""
+    app = pilot.app
+    await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.ended is not None, timeout)
+    await pilot.pause(0.1)
+
+
+def screen_text(app: KvdoctorApp) -> str:
+    """What the terminal shows, as plain text (for assertions on rendered content)."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, force_terminal=True,
+                      color_system="truecolor", legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()
