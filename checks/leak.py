@@ -53,7 +53,7 @@ class LeakCheck(CheckBase):
     def __init__(self, settings: LeakSettings | None = None, ledger: Ledger | None = None) -> None:
         super().__init__(ledger)
         self.settings = settings or LeakSettings()
-        self._usage_delta: dict[str, int] = {}  # tier -> difference last reported
+        self._usage_delta: dict[str, int] = {}  # tier -> largest difference reported
 
     def handlers(self):
         return {Usage: self._usage}
@@ -101,11 +101,14 @@ class LeakCheck(CheckBase):
     def _usage(self, ev: Usage) -> Sequence[Finding]:
         counted = self.ledger.used.get(ev.tier, 0)
         delta = ev.used_blocks - counted
-        if delta == self._usage_delta.get(ev.tier, 0):
-            return NO_FINDINGS
-        self._usage_delta[ev.tier] = delta
         if delta == 0:
             return NO_FINDINGS
+        # Report a tier again only when the disagreement grows (or flips sign): a drift that
+        # comes and goes every step is one finding, not one per step.
+        worst = self._usage_delta.get(ev.tier, 0)
+        if (delta > 0) == (worst > 0) and abs(delta) <= abs(worst):
+            return NO_FINDINGS
+        self._usage_delta[ev.tier] = delta
         stranded = sorted(b for b in self.ledger.stranded if self.ledger.tier.get(b) == ev.tier)
         return [self.finding(
             "usage-mismatch",

@@ -1,0 +1,134 @@
+"""``kvdoctor check``: run every check over a trace, a running workload or the demo; gate CI on it.
+
+    kvdoctor check --trace run.kvtrace                  # a finished trace, or one still being written
+    kvdoctor check -- python serve.py --requests 100    # start a workload with tracing on, check it live
+    kvdoctor check --demo --fault leak-swapped          # the embedded model's demo workload
+    kvdoctor check --trace run.kvtrace --format sarif --output kvdoctor.sarif --fail-on warning
+
+Exit status: 0 no finding at or above --fail-on; 1 such findings; 2 usage or configuration
+error; 3 an unreadable or incompatible trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "check"
+HELP = "check a trace, a running workload or the demo for KV-cache bugs (leaks, stale data, misaligned batches, attention anomalies)"
+
+_DEMO_STEPS = 150
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (
+        "sources: --trace FILE | --demo | -- CMD ARGS...\n"
+        "exit status: 0 ok, 1 findings at or above --fail-on, 2 usage or configuration error, "
+        "3 unreadable or incompatible trace"
+    )
+    src = p.add_argument_group("source (exactly one)")
+    src.add_argument("--trace", metavar="FILE", help="a trace file; followed while its writer is still running")
+    src.add_argument("--demo", action="store_true", help="run the embedded model's demo workload and check it")
+    src.add_argument("workload", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                     help="a workload to start with KVDOCTOR_TRACE set, checked as it runs")
+    p.add_argument("--follow", action="store_true",
+                   help="with --trace: keep following the file until its writer closes it (or Ctrl-C)")
+    p.add_argument("--wait", type=float, default=10.0, metavar="S",
+                   help="with --trace --follow: seconds to wait for the file to appear (default 10)")
+    p.add_argument("--fault", metavar="NAME", help="with --demo or a command: switch on an engine fault (KVDOCTOR_FAULT)")
+    p.add_argument("--model", metavar="tiny|PATH", help="with --demo: 'tiny' random model or a local checkpoint")
+    p.add_argument("--steps", type=int, default=_DEMO_STEPS, help=f"with --demo: engine steps to run (default {_DEMO_STEPS})")
+    p.add_argument("--fail-on", choices=("error", "warning", "info"),
+                   help="lowest severity that fails the run (default: error, or fail_on in the config)")
+    p.add_argument("--format", choices=("text", "json", "junit", "sarif"), default="text")
+    p.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of standard output")
+    p.add_argument("--config", metavar="FILE.toml", help="settings file (default: [tool.kvdoctor] in the nearest pyproject.toml)")
+    p.add_argument("--disable", action="append", metavar="RULE", help="switch off a check or check/rule (repeatable)")
+    p.add_argument("--baseline", metavar="FILE", help="accept the findings listed in this baseline")
+    p.add_argument("--write-baseline", metavar="FILE", help="write the findings of this run as a baseline and exit 0")
+    p.add_argument("--list-rules", action="store_true", help="list every check/rule with its severity and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..errors import UsageError
+    from ..findings import Finding
+    from ..report import load_baseline, render, summary_line, write_baseline
+    from ..session import CommandSource, Session, open_source
+
+    if args.list_rules:
+        return _list_rules()
+    command = list(args.workload or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    chosen = [name for name, on in (("--trace", args.trace), ("--demo", args.demo), ("a command", command)) if on]
+    if len(chosen) != 1:
+        raise UsageError("give exactly one source: --trace FILE, --demo, or -- CMD ARGS..."
+                         + (f" (got {' and '.join(chosen)})" if chosen else ""))
+    if args.fault and args.trace:
+        raise UsageError("--fault applies to --demo or a command; a trace was recorded with whatever faults it had")
+    if args.fault:
+        from ..engine.faults import FAULTS  # light: no torch
+
+        if args.fault not in FAULTS:
+            raise UsageError(f"unknown fault {args.fault!r}: use one of {', '.join(FAULTS)}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+
+    config = load_config(args.config).with_overrides(fail_on=args.fail_on, disable=args.disable)
+    baseline_path = args.baseline or (config.baseline if not args.write_baseline else None)
+    baseline = load_baseline(baseline_path) if baseline_path else None
+
+    if args.trace:
+        source = open_source(args.trace, follow=True if args.follow else None, wait_s=args.wait)
+    elif args.demo:
+        argv = [sys.executable, "-m", "kvdoctor.demo", "--steps", str(args.steps)]
+        if args.model:
+            argv += ["--model", args.model]
+        source = CommandSource(argv, fault=args.fault)
+        source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
+    else:
+        source = CommandSource(command, fault=args.fault)
+
+    session = Session(source, config)
+    try:
+        session.run()
+    except KeyboardInterrupt:
+        session.stop()
+        session.close()
+        print("kvdoctor check: interrupted; reporting what was checked so far", file=sys.stderr)
+    if isinstance(source, CommandSource) and source.returncode not in (0, None):
+        session.findings.append(Finding(
+            check="workload", rule="exit-status", severity="error",
+            message=f"{source.exit_message()}: {source.name}", evidence={"returncode": source.returncode},
+        ))
+
+    if args.write_baseline:
+        n = write_baseline(args.write_baseline, session.findings)
+        print(f"kvdoctor check: wrote {n} findings to baseline {args.write_baseline}", file=sys.stderr)
+        return 0
+
+    report = session.report(fail_on=config.fail_on, baseline=baseline)
+    text = render(report, args.format)
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    if args.output or args.format != "text":
+        print(summary_line(report), file=sys.stderr)
+    return report.exit_code
+
+
+def _list_rules() -> int:
+    from ..checks import RULES
+
+    width = max(len(r) for r in RULES)
+    for rid, rule in RULES.items():
+        print(f"{rid:{width}}  {rule.severity:7}  {rule.summary}")
+    return 0
