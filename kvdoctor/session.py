@@ -223,8 +223,11 @@ class BusSource:
             yield item
 
     def close(self) -> None:
-        """Flush what the bus still holds and end the stream."""
-        self._bus.unsubscribe(self._queue.put)
+        """Flush what the bus still holds and end the stream (safe to call twice)."""
+        if self._bus is None:
+            return
+        bus, self._bus = self._bus, None
+        bus.unsubscribe(self._queue.put)
         self._queue.put(_STOP)
 
 
