@@ -11,6 +11,7 @@ the rates the workload had, and a recorded trace renders the same on every run.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +30,7 @@ _LOG_LEN = 2000           # events kept for the log tail
 _MAX_FINDINGS = 5000      # findings kept for the list (the counts keep going)
 _ENDED_SEQS = 2000        # finished sequences kept for search and detail
 _RATE_WINDOW_NS = 2_000_000_000
+_SERIALS = itertools.count(1)  # shared by all monitors: a replay that rebuilds its monitor keeps counting up
 
 # Memory timeline rows: (label, Mem field or "kv:<tier>" for a tier's KV bytes from `usage`).
 MEM_SERIES: tuple[tuple[str, str], ...] = (
@@ -150,7 +152,6 @@ class Monitor:
         self._rate: deque[tuple[int, int, int]] = deque()  # (t, tokens, events) per closed step
         self._step_events = 0
         self._step_tokens = 0
-        self._serial = 0
         self._ids_cache: tuple[int, tuple[int, ...]] = (-1, ())
         self._handlers: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._share,
@@ -212,7 +213,6 @@ class Monitor:
     # ---- snapshot -----------------------------------------------------------------------
 
     def snapshot(self, *, status: str = "", ended: str | None = None) -> Snapshot:
-        self._serial += 1
         table = self.blocks
         counts = table.tier_counts()
         tiers = []
@@ -236,7 +236,7 @@ class Monitor:
         memory = tuple((label, tuple(self._mem[f])) for label, f in MEM_SERIES if f in self._mem_seen)
         tokens_s, events_s = self._rates()
         return Snapshot(
-            serial=self._serial, header=self.header, step=self.step, num_events=self.num_events,
+            serial=next(_SERIALS), header=self.header, step=self.step, num_events=self.num_events,
             tokens_per_s=tokens_s, events_per_s=events_s, active_seqs=len(self.seqs),
             num_seqs=len(self.seqs) + len(self._ended), batch_rows=self.batch_rows, tiers=tuple(tiers),
             cells=bytes(table.cells), cell_ids=self._ids_cache[1], findings=tuple(self.findings),

@@ -58,3 +58,15 @@ def screen_text(app: KvdoctorApp) -> str:
                       color_system="truecolor", legacy_windows=False, safe_box=False)
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return console.export_text()
+
+
+def sync(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an async test function in its own event loop (no pytest asyncio plugin needed)."""
+    import asyncio
+    import functools
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return asyncio.run(test(*args, **kwargs))
+
+    return run

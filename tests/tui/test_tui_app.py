@@ -1,0 +1,226 @@
+"""Pilot tests of the TUI: keys, mouse and navigation over synthetic and recorded traces."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input, TabbedContent
+
+from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.screens import DetailScreen, HelpScreen
+from kvdoctor.tui.synthetic import SyntheticWorkload
+from kvdoctor.tui.widgets.blockmap import BlockMap
+from kvdoctor.tui.widgets.eventlog import EventLog
+from kvdoctor.tui.widgets.findings import FindingDetail, FindingsList
+from kvdoctor.tui.widgets.header import StatusHeader
+from tui_helpers import RECORDED, live_app, replay_app, screen_text, sync, wait_ended, wait_for
+
+
+@sync
+async def test_number_keys_switch_screens(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ended(pilot)
+        tabs = app.query_one(TabbedContent)
+        for key, pane in (("2", "findings"), ("3", "attention-tab"), ("4", "memory-tab"), ("5", "events"), ("1", "overview")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert tabs.active == pane
+
+
+@sync
+async def test_findings_are_listed_newest_first_with_a_detail_pane(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        await pilot.press("2")
+        await pilot.pause()
+        flist = app.query_one("#findings-list", FindingsList)
+        steps = [flist.finding(i).step for i in range(flist.row_count())]
+        assert steps and steps == sorted(steps, reverse=True)
+        # WHEN the cursor moves down THEN the detail pane follows the selected finding
+        await pilot.press("down")
+        await pilot.pause()
+        assert flist.cursor == 1
+        detail = str(app.query_one("#detail", FindingDetail).content)
+        assert flist.selected.message in detail and "block history" in detail
+        assert flist.selected.message[:30] in screen_text(app)
+
+
+@sync
+async def test_detail_key_opens_the_selected_finding_in_full_and_escape_closes_it(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        await pilot.press("2", "d")
+        await pilot.pause()
+        assert isinstance(app.screen, DetailScreen)
+        assert "leak/" in screen_text(app) and "evidence" in screen_text(app)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, DetailScreen)
+
+
+@sync
+async def test_search_finds_a_block_and_a_sequence(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        await pilot.press("s")
+        await pilot.press(*"b3", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, DetailScreen)
+        text = screen_text(app)
+        assert "block 3" in text and "history" in text
+        assert app.query_one("#blocks", BlockMap).selected == 3
+        await pilot.press("escape", "s", *"s5", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, DetailScreen) and "prompt tokens" in screen_text(app)
+
+
+@sync
+async def test_search_for_an_unknown_block_says_so(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        await pilot.press("s", *"b99999", "enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, DetailScreen)
+        assert any("no block 99999" in str(n.message) for n in app._notifications)
+
+
+@sync
+async def test_filter_narrows_the_event_log(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        await pilot.press("slash")
+        await pilot.pause()
+        assert isinstance(app.focused, Input) and app.query_one(TabbedContent).active == "events"
+        await pilot.press(*"swap -swap_in", "enter")
+        await pilot.pause()
+        log = app.query_one("#log", EventLog)
+        kinds = {type(ev).__name__ for ev in log._rows}
+        assert kinds == {"SwapOut"}
+        assert isinstance(app.focused, EventLog)
+
+
+@sync
+async def test_help_opens_and_closes(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen) and "search a block" in screen_text(app)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@sync
+async def test_clicking_a_block_on_the_map_opens_its_history(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        blocks = app.query_one("#blocks", BlockMap)
+        first = app.snapshot.cell_ids[2]
+        assert await pilot.click("#blocks", offset=(3, 1))  # border 1, so content cell (2, 0)
+        await pilot.pause()
+        assert blocks.selected == first
+        assert isinstance(app.screen, DetailScreen) and f"block {first}" in screen_text(app)
+
+
+@sync
+async def test_clicking_a_finding_selects_it(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        await pilot.press("2")
+        await pilot.pause()
+        assert await pilot.click("#findings-list", offset=(5, 3))  # the third row
+        await pilot.pause()
+        assert app.query_one("#findings-list", FindingsList).cursor == 2
+
+
+@sync
+async def test_replay_steps_and_seeks_by_step(leak_trace: Path):
+    app = replay_app(leak_trace, start=100)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None and "step 100 of 299" in app.snapshot.status)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: "step 101 of" in app.snapshot.status)
+        await pilot.press("b", "b")
+        await wait_for(pilot, lambda: "step 99 of" in app.snapshot.status)
+        await pilot.press("g", *"250", "enter")
+        await wait_for(pilot, lambda: "step 250 of" in app.snapshot.status)
+        assert app.snapshot.step == 251  # the state after step 250
+        await pilot.press("p")  # play
+        await wait_for(pilot, lambda: app.snapshot.ended == "end of trace")
+
+
+@sync
+async def test_pause_freezes_the_display_while_the_checks_keep_up(tmp_path: Path):
+    # GIVEN a workload that is writing its trace
+    w = SyntheticWorkload(num_steps=200, fault="leak-swapped")
+    events = list(w.events())
+    path = tmp_path / "live.kvtrace"
+    writer = TraceWriter(path, w.header())
+    writer.write_many(events[:1000])
+    app = live_app(path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.num_events >= 1000)
+        # WHEN paused, and the workload writes the rest and closes
+        await pilot.press("p")
+        await pilot.pause()
+        shown = app.snapshot
+        assert "PAUSED" in screen_text(app) and app.query_one(StatusHeader).paused
+        thread = threading.Thread(target=lambda: (writer.write_many(events[1000:]), writer.close()))
+        thread.start()
+        thread.join()
+        await wait_for(pilot, lambda: not app.feed.is_alive())
+        await pilot.pause(0.2)
+        # THEN the display still shows the old state, but the checks saw every event
+        assert app.snapshot is shown
+        assert app.feed.monitor.num_events == len(events) + 1
+        # WHEN resumed THEN the newest state appears, with the leak found meanwhile
+        await pilot.press("p")
+        await pilot.pause()
+        assert app.snapshot.num_events == len(events) + 1 and app.snapshot.num_findings["error"] > 0
+
+
+@sync
+async def test_missing_trace_is_a_clear_message_on_screen(tmp_path: Path):
+    app = live_app(tmp_path / "absent.kvtrace", wait_s=0.2)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        text = screen_text(app)
+        assert "no trace at" in text and "Traceback" not in text
+
+
+@sync
+async def test_quit_key_exits(leak_trace: Path):
+    app = replay_app(leak_trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0 and not app.feed.is_alive()
+
+
+@pytest.mark.skipif(not RECORDED.exists(), reason="recorded trace missing")
+@sync
+async def test_recorded_demo_trace_shows_the_leaked_swapped_blocks():
+    # GIVEN a trace recorded from the real engine (tiny model) with the leak-swapped fault
+    app = replay_app(RECORDED)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        s = app.snapshot
+        leaks = [f for f in s.findings if f.check == "leak" and f.rule == "unreachable-swapped"]
+        assert leaks, "the recorded leak is found"
+        host = next(t for t in s.tiers if t.name == "host")
+        assert host.leaked == len({f.block for f in leaks})
+        await pilot.press("2", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, DetailScreen) and "swap_out" in screen_text(app)
