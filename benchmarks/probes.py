@@ -91,6 +91,7 @@ class Rate:
     wall: float  # decode tokens per wall-clock second
     cpu: float  # decode tokens per CPU second of this process (robust to other load on the machine)
     num_mem: int
+    probe_share: float  # the probes' own time (Prober.total_ns) over the run's wall time
 
 
 def decode_rate(model: Any, prompts: list[list[int]], tokens: int, probes: dict[str, Any] | None,
@@ -118,14 +119,17 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, probes: dict[
         bus.subscribe(writer.write_many)
         bus.subscribe(meter)
         prober = attach_to_cache(runner.cache, **probes) if probes is not None else None
+        t0 = time.perf_counter()
         runner.generate(prompts, max_new_tokens=tokens, max_batch=len(prompts))
+        elapsed = time.perf_counter() - t0
         if prober is not None:
             prober.detach()
     runner.close()
     decode = marks[1:]  # the first step is the prefill
     tokens_decoded = sum(n for _, _, n in decode)
     wall, cpu = decode[-1][0] - marks[0][0], decode[-1][1] - marks[0][1]
-    return Rate(wall=tokens_decoded / wall, cpu=tokens_decoded / cpu, num_mem=num_mem)
+    share = prober.total_ns / 1e9 / elapsed if prober is not None else 0.0
+    return Rate(wall=tokens_decoded / wall, cpu=tokens_decoded / cpu, num_mem=num_mem, probe_share=share)
 
 
 def main() -> int:
@@ -167,6 +171,7 @@ def main() -> int:
             **probes, **med,
             "ratio_wall": med["on_wall"] / med["off_wall"], "ratio_cpu": med["on_cpu"] / med["off_cpu"],
             "mem_events_per_run": statistics.median(r.num_mem for r in on),
+            "probe_time_share": statistics.median(r.probe_share for r in on),
         }
     if args.json:
         print(json.dumps(result, indent=1))
@@ -181,6 +186,7 @@ def main() -> int:
               f"({d['mem_events_per_run']:.0f} mem events per run):")
         print(f"  per wall second: off {d['off_wall']:.1f} tok/s, on {d['on_wall']:.1f} tok/s, ratio {d['ratio_wall']:.3f}")
         print(f"  per CPU second:  off {d['off_cpu']:.1f} tok/s, on {d['on_cpu']:.1f} tok/s, ratio {d['ratio_cpu']:.3f}")
+        print(f"  time spent in readings: {100 * d['probe_time_share']:.3f}% of the run (noise-free bound on the cost)")
     return 0
 
 

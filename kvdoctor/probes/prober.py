@@ -106,6 +106,7 @@ class Prober:
         self._detached = False
         self.last: Reading | None = None
         self.num_readings = 0
+        self.total_ns = 0  # time spent taking readings: the probes' whole cost on the engine's thread
 
     def take(self) -> Reading:
         """A reading, without emitting it."""
@@ -122,6 +123,7 @@ class Prober:
         )
         self.last = reading
         self.num_readings += 1
+        self.total_ns += reading.duration_ns
         return reading
 
     def read_now(self, source: str = "demand") -> Reading:
