@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
@@ -32,40 +33,57 @@ from .policy import EvictionPolicy
 from .pool import Block, BlockPool
 from .storage import Arena, runs
 
-__all__ = ["TierManager", "checksums", "copy_slots"]
+__all__ = ["TierManager", "copy_slots"]
 
 _RANK = {t: i for i, t in enumerate(TIER_NAMES)}
 _MASK64 = (1 << 64) - 1
 
 
-def copy_slots(src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], non_blocking: bool = False) -> None:
-    """Copy blocks slot by slot, one slice copy per run of neighbouring slots."""
+_PIECE_BYTES = 1 << 20  # copy and checksum in pieces this size, so the checksum reads from cache
+
+
+def copy_slots(
+    src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], *, checksum: bool = False,
+    non_blocking: bool = False,
+) -> list[int | None]:
+    """Copy blocks slot by slot, one slice copy per run of neighbouring slots.
+
+    With ``checksum``, returns each copied block's checksum (in the order given), taken
+    from the destination piece by piece right after it is written, while it is still in
+    cache: the check then costs a fraction of the copy instead of a second trip to memory.
+    """
     order = sorted(range(len(src_slots)), key=src_slots.__getitem__)
     s = [src_slots[i] for i in order]
     d = [dst_slots[i] for i in order]
+    sums: dict[int, int] = {}
+    piece = max(1, _PIECE_BYTES // src.config.bytes_per_block) if checksum else max(len(s), 1)
+    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     for s0, d0, n in runs(s, d, src.chunk, dst.chunk):
-        dst.view(d0, n).copy_(src.view(s0, n), non_blocking=non_blocking)
-
-
-def checksums(arena: Arena, slots: list[int]) -> list[int]:
-    """64-bit additive checksum of each block's bytes (padding included), one reduction per run.
-
-    A wrapping sum of 64-bit words: any change of one word, a block's bytes landing in
-    another slot, a zeroed or truncated page all change it; it costs one read of the
-    bytes at memory bandwidth, which a cryptographic hash would not.
-    """
-    out: dict[int, int] = {}
-    order = sorted(slots)
-    for s0, _, n in runs(order, order, arena.chunk, arena.chunk):
-        for i, v in enumerate(_sum64(arena.view(s0, n))):
-            out[s0 + i] = v
-    return [out[s] for s in slots]
+        for off in range(0, n, piece):
+            m = min(piece, n - off)
+            out = dst.view(d0 + off, m)
+            if on_cpu:  # one memcpy: torch's parallel copy stalls on a busy machine for pieces this size
+                np.copyto(out.view(torch.uint8).numpy(), src.view(s0 + off, m).view(torch.uint8).numpy())
+            else:
+                out.copy_(src.view(s0 + off, m), non_blocking=non_blocking)
+            if checksum:
+                for i, v in enumerate(_sum64(out)):
+                    sums[d0 + off + i] = v
+    return [sums.get(x) for x in dst_slots]
 
 
 def _sum64(blocks: torch.Tensor) -> list[int]:
-    """The checksum of each block of an ``(n, L, H, R)`` tensor."""
+    """64-bit additive checksum of each block of an ``(n, L, H, R)`` tensor, padding included.
+
+    A wrapping sum of 64-bit words: any change of one word, a block's bytes landing in
+    another slot, a zeroed or truncated page all change it, and it runs at memory speed,
+    which a cryptographic hash would not. On the CPU numpy's integer reduction is several
+    times faster than torch's.
+    """
     words = blocks.view(torch.int64).reshape(blocks.shape[0], -1)
-    return [v & _MASK64 for v in words.sum(dim=1).tolist()]
+    if words.is_cuda:
+        return [v & _MASK64 for v in words.sum(dim=1).tolist()]
+    return [v & _MASK64 for v in np.add.reduce(words.numpy(), axis=1).tolist()]
 
 
 @dataclass(slots=True)
@@ -226,11 +244,7 @@ class TierManager:
         return taken
 
     def _swap_out(self, group: list[Block], src: str, dst: str, slots: list[int]) -> None:
-        if self.config.checksums:
-            dirty = [b for b in group if b.checksum is None]
-            for b, c in zip(dirty, checksums(self.arenas[src], [b.slot for b in dirty])):
-                b.checksum = c
-        copy_from, copy_to = [], []
+        copy_from, copy_to, copied = [], [], []
         for b, slot in zip(group, slots):
             if b.retained is not None and b.retained[0] == dst:
                 # stale-version fault: "the copy is already there" - reuse the one left at the
@@ -247,17 +261,21 @@ class TierManager:
             b.prefetched = False  # a prefetch that goes back down before use was no hit
             copy_from.append(b.slot)
             copy_to.append(slot)
-        copy_slots(self.arenas[src], copy_from, self.arenas[dst], copy_to)
-        moving = {s: d for s, d in zip(copy_from, copy_to)}
-        for b in group:
-            if b.tier == src and b.slot in moving:
-                self.pool.move(b, dst, moving[b.slot])
-                if self.bus.enabled:
-                    self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version)
+            copied.append(b)
+        # the checksum of the bytes that left, taken as they land, is what the swap-in will expect;
+        # a block not written since its last checksum keeps it
+        need = self.config.checksums and any(b.checksum is None for b in copied)
+        sums = copy_slots(self.arenas[src], copy_from, self.arenas[dst], copy_to, checksum=need)
+        for b, slot, c in zip(copied, copy_to, sums):
+            if c is not None:
+                b.checksum = c
+            self.pool.move(b, dst, slot)
+            if self.bus.enabled:
+                self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version)
 
     def _swap_in(self, group: list[Block], src: str, dst: str, slots: list[int]) -> ChecksumMismatch | None:
-        copy_slots(self.arenas[src], [b.slot for b in group], self.arenas[dst], slots)
-        actual = checksums(self.arenas[dst], slots) if self.config.checksums else [None] * len(group)
+        actual = copy_slots(self.arenas[src], [b.slot for b in group], self.arenas[dst], slots,
+                            checksum=self.config.checksums)
         bad = None
         for b, slot, got in zip(group, slots, actual):
             err = self._arrive(b, src, dst, slot, got)
@@ -321,14 +339,14 @@ class TierManager:
 
     def _copy_job(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]) -> list[int | None]:
         """Runs on the worker thread: bytes only, no bookkeeping."""
+        check = self.config.checksums
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, non_blocking=True)
-                out = checksums(self.arenas[dst], dst_slots) if self.config.checksums else [None] * len(dst_slots)
+                out = copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, checksum=check,
+                                 non_blocking=True)
             self._stream.synchronize()
             return out
-        copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots)
-        return checksums(self.arenas[dst], dst_slots) if self.config.checksums else [None] * len(dst_slots)
+        return copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, checksum=check)
 
     def settle(self, b: Block) -> None:
         """Wait for ``b``'s prefetch and book it (raises ``ChecksumMismatch`` for a bad copy)."""
