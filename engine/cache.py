@@ -25,6 +25,7 @@ import torch
 
 from ..events import Evict, Header, Read, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
 from .bus import Bus
+from .codecs import make_codec
 from .config import EngineConfig
 from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
@@ -47,6 +48,7 @@ class PagedKVCache:
         self.bus = bus if bus is not None else Bus()
         self.faults = Faults(resolve_fault(config.fault), config.num_layers)
         self.block_size = config.block_size
+        self.codec = make_codec(config.codec, config.block_size, config.head_dim, config.dtype, config.calibration)
         self._closed = True  # until every arena exists, close() has nothing to undo
         self.arenas: dict[str, Arena] = {}
         try:
@@ -275,9 +277,13 @@ class PagedKVCache:
         return own
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``, ``v`` (each ``(N, H_kv, D)``) for one layer at ``slots`` from ``reserve``."""
-        kv = self._layer_kv(layer)  # (P, H, 2, bs, D)
+        """Write ``k``, ``v`` (each ``(N, H_kv, D)``) for one layer at ``slots`` from ``reserve``
+        (encoded by the codec when it quantizes)."""
         blk, off = slots // self.block_size, slots % self.block_size
+        if not self.codec.native:
+            self.codec.write(self._dev.data[:, layer], layer, blk, off, k, v)
+            return
+        kv = self._layer_kv(layer)  # (P, H, 2, bs, D)
         dtype = kv.dtype
         kv[blk, :, 0, off] = k.to(dtype)
         kv[blk, :, 1, off] = v.to(dtype)
@@ -384,8 +390,18 @@ class PagedKVCache:
     def layer_kv(self, layer: int) -> torch.Tensor:
         """``(num_slots, H, 2, block_size, D)`` view of the device arena for one layer ([:, :, 0] K, [:, :, 1] V).
 
-        For paged attention over ``slot_table``; valid until the next allocation."""
+        For paged attention over ``slot_table``; valid until the next allocation. Only for codecs
+        that store the dtype as it is: quantized blocks are read with ``read_blocks``."""
+        if not self.codec.native:
+            raise ValueError(f"layer_kv is a raw view and the {self.codec.name} codec stores codes: use read_blocks")
         return self._layer_kv(layer)
+
+    def read_blocks(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the device-arena ``slots`` (any shape ``S``) for ``layer``, decoded to the compute
+        dtype: each ``(*S, H_kv, block_size, D)``. The paged read of attention under any codec."""
+        rows = self._dev.data[:, layer].index_select(0, slots.reshape(-1))  # (n, H, R)
+        k, v = self.codec.read(rows, layer)  # (n, H, bs, D) each
+        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
     def num_tokens(self, seq: Any) -> int:
         """Tokens ``gather`` returns: committed and reserved, less any evicted blocks."""
@@ -404,10 +420,10 @@ class PagedKVCache:
             s.last_access = self._tick
         c = self.config
         T = self.num_tokens(seq)
-        x = self._layer_kv(layer)[idx]  # (nb, H, 2, bs, D)
-        nb = x.shape[0]
-        k = x[:, :, 0].transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
-        v = x[:, :, 1].transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
+        kb, vb = self.read_blocks(layer, idx)  # (nb, H, bs, D) each
+        nb = kb.shape[0]
+        k = kb.transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
+        v = vb.transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
         return k, v
 
     def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None) -> None:

@@ -21,6 +21,7 @@ TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest to slowest
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 ROW_ALIGN_BYTES = 128  # one (layer, head) K+V row of a block starts on a 128-byte boundary
 POLICIES = ("lru", "hybrid")
+IMPORTANCE_MODES = ("h2o", "streaming")  # importance eviction: heavy hitters (H2O), sliding window with sinks (StreamingLLM)
 
 
 def _bad(name: str, value: Any, accepted: str) -> ValueError:
@@ -67,6 +68,13 @@ class EngineConfig:
     disk_dir: str | None = None  # parent of the private spill directory; None -> the system temp dir
     checksums: bool = True
     fault: str | None = None
+    codec: str | None = None  # how blocks are stored (codecs.CODECS); None: ``dtype`` as it is
+    calibration: Any = None  # codecs.Calibration: the per-channel key scales int8 and nf4 need
+    topk: int = 0  # block-sparse attention reads this many blocks chosen by key summary (+ sinks, window); 0: dense
+    sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
+    local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
+    importance: str | None = None  # importance eviction: "h2o" or "streaming" (None: off)
+    kv_budget_blocks: int = 0  # importance eviction keeps each sequence within this many blocks
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes carried into the trace header
 
     def __post_init__(self) -> None:
@@ -78,6 +86,7 @@ class EngineConfig:
             raise _bad("block_size", self.block_size, "a power of two in [1, 256] (16 by default; 64 and 128 for block-sparse retrieval)")
         self.dtype = self._dtype_name(self.dtype)
         self.device = self._device_name(self.device)
+        self._check_compression()  # before any size is derived: the codec fixes the row layout
         for tier in TIER_NAMES:
             nbytes = getattr(self, f"{tier}_bytes")
             if nbytes is not None:
@@ -98,6 +107,30 @@ class EngineConfig:
             raise _bad("disk_dir", self.disk_dir, "a directory path or None")
         if self.fault is not None and self.fault not in FAULTS:
             raise _bad("fault", self.fault, f"None or one of {', '.join(FAULTS)}")
+
+    def _check_compression(self) -> None:
+        from .codecs import CODECS, NATIVE, codec_of_dtype
+
+        if self.codec is None:
+            self.codec = codec_of_dtype(self.dtype)
+        if self.codec not in CODECS:
+            raise _bad("codec", self.codec, f"None or one of {', '.join(CODECS)}")
+        if self.codec == "nf4" and self.head_dim % 2:
+            raise _bad("codec", self.codec, f"not nf4 for an odd head_dim ({self.head_dim}): nf4 packs two codes per byte")
+        if self.codec not in NATIVE:
+            want = (self.num_layers, self.num_kv_heads, self.head_dim)
+            got = tuple(getattr(getattr(self.calibration, "key_scale", None), "shape", ()))
+            if got != want:
+                raise _bad("calibration", self.calibration,
+                           f"a codecs.Calibration with key scales of shape {want} for codec {self.codec!r}")
+        _int_in("topk", self.topk, 0, 1 << 20)
+        _int_in("sink_blocks", self.sink_blocks, 0, 1 << 10)
+        _int_in("local_blocks", self.local_blocks, 1, 1 << 10)
+        if self.importance is not None and self.importance not in IMPORTANCE_MODES:
+            raise _bad("importance", self.importance, f"None or one of {', '.join(IMPORTANCE_MODES)}")
+        if self.importance is not None:
+            lo = self.sink_blocks + self.local_blocks + (1 if self.importance == "h2o" else 0)
+            _int_in("kv_budget_blocks", self.kv_budget_blocks, lo, 1 << 24)
 
     @staticmethod
     def _dtype_name(value: Any) -> str:
@@ -127,19 +160,36 @@ class EngineConfig:
     # ---- derived sizes ----
     @property
     def torch_dtype(self) -> Any:
+        """Element type of the arenas: ``dtype`` or the codec's (bytes for a quantized codec)."""
+        import torch
+
+        from .codecs import NATIVE
+
+        return getattr(torch, NATIVE.get(self.codec, "uint8"))
+
+    @property
+    def compute_dtype(self) -> Any:
+        """What ``store`` takes and attention reads: K/V decoded from any codec come back as this."""
         import torch
 
         return getattr(torch, self.dtype)
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPES[self.dtype]
+        """Bytes of one arena element."""
+        return self.torch_dtype.itemsize
+
+    @property
+    def row_payload_bytes(self) -> int:
+        """Bytes of one (layer, head) row of a block under the codec, before padding."""
+        from .codecs import row_payload_bytes
+
+        return row_payload_bytes(self.codec, self.block_size, self.head_dim)
 
     @property
     def row_elems(self) -> int:
-        """Elements of one (layer, head) row of a block: its K then its V, padded to 128 bytes."""
-        payload = 2 * self.block_size * self.head_dim * self.dtype_bytes
-        return -(-payload // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES // self.dtype_bytes
+        """Elements of one (layer, head) row of a block: its K then its V (codes and scales), padded to 128 bytes."""
+        return -(-self.row_payload_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES // self.dtype_bytes
 
     @property
     def row_bytes(self) -> int:
@@ -152,8 +202,8 @@ class EngineConfig:
 
     @property
     def payload_bytes_per_token(self) -> int:
-        """K and V bytes of one token across all layers, without padding."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V bytes of one token across all layers under the codec (scales included), without padding."""
+        return self.num_layers * self.num_kv_heads * self.row_payload_bytes // self.block_size
 
     @property
     def tiers(self) -> tuple[str, ...]:
