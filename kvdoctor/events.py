@@ -51,6 +51,8 @@ __all__ = [
     "to_dict",
 ]
 
+_NAN = float("nan")
+
 FORMAT = "kvdoctor-trace"
 VERSION = "1.0"
 
@@ -166,14 +168,26 @@ class Batch(Event, tag="batch"):
 
 
 class Attn(Event, tag="attn"):
+    # JSON has no NaN or infinity: the encoder writes them as null, and null decodes back to
+    # NaN here, so a trace of broken attention stays readable and consumers always see floats.
     seq: SeqId
     layer: int
-    max_logit: float
-    entropy: float
-    sink: float
+    max_logit: float | None
+    entropy: float | None
+    sink: float | None
     nonfinite: int
-    heads_entropy: list[float] | None = None
-    heads_max_logit: list[float] | None = None
+    heads_entropy: list[float | None] | None = None
+    heads_max_logit: list[float | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_logit is None or self.entropy is None or self.sink is None:
+            for name in ("max_logit", "entropy", "sink"):
+                if getattr(self, name) is None:
+                    msgspec.structs.force_setattr(self, name, _NAN)
+        for name in ("heads_entropy", "heads_max_logit"):
+            values = getattr(self, name)
+            if values is not None and None in values:
+                msgspec.structs.force_setattr(self, name, [_NAN if v is None else v for v in values])
 
 
 class Usage(Event, tag="usage"):

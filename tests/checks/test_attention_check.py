@@ -113,3 +113,19 @@ def test_bad_settings_are_refused():
         AttentionSettings(persist=0)
     with pytest.raises(ValueError, match="attention.refresh"):
         AttentionSettings(window=10, refresh=20)
+
+
+def test_non_finite_statistics_survive_a_trace_file_and_are_reported(tmp_path):
+    # JSON has no NaN: the writer stores null, the reader gives NaN back, the check reports it
+    from kvdoctor.events import Attn, Header, TierSpec
+    from kvdoctor.trace import TraceReader, TraceWriter
+
+    path = tmp_path / "nan.kvtrace"
+    with TraceWriter(path, Header(block_size=4, num_layers=2, tiers=[TierSpec(name="device", capacity_blocks=4)])) as w:
+        w.write(Attn(seq="A", layer=1, max_logit=float("nan"), entropy=float("inf"), sink=0.5, nonfinite=0,
+                     heads_entropy=[1.0, float("nan")]))
+    trace = TraceBuilder()
+    trace.events = list(TraceReader(path))
+    findings = trace.run()
+    assert rules(findings) == ["attention/nonfinite"]
+    assert (findings[0].seq, findings[0].layer) == ("A", 1)
