@@ -44,11 +44,13 @@ def test_speedscope_profile_until_the_workload_exits(tmp_path):
     assert "busy_decode" in {frame["name"] for frame in profile["shared"]["frames"]}
 
 
-def test_a_workload_too_short_to_profile_is_a_one_line_error(tmp_path, capsys):
-    code = main(["profile", "-o", str(tmp_path / "x.svg"), "--", sys.executable, "-c", "pass"])
+def test_a_workload_py_spy_cannot_profile_is_a_one_line_error(tmp_path, capsys):
+    # GIVEN a workload that is not Python WHEN profiled THEN py-spy's reason is the last line, and no file
+    code = main(["profile", "-o", str(tmp_path / "x.svg"), "--", "sleep", "3"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("kvdoctor profile: no profile written")
+    assert err.startswith("kvdoctor profile: no profile written: Error: Failed to find python version")
+    assert not (tmp_path / "x.svg").exists()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -66,4 +66,4 @@ def run(args: argparse.Namespace) -> int:
     if "permission denied" in text or "operation not permitted" in text:
         raise UsageError(f"py-spy was not permitted to read the workload; to fix: {PTRACE_FIX}")
     reason = next((line for line in tail if line.startswith("Error:")), f"py-spy exited with status {code}")
-    raise UsageError(f"no profile written: {reason} (a workload that exits before py-spy attaches leaves nothing to record)")
+    raise UsageError(f"no profile written: {reason} (is the workload Python, and still running when py-spy attaches?)")

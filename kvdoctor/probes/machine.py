@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from .nvml import Nvml
-from .pyspy import PySpyError, dump_stacks, find_py_spy, ptrace_status
+from .pyspy import PySpyError, dump_stacks, find_py_spy, let_parent_trace, ptrace_status
 
 __all__ = ["Item", "inspect_machine", "INSPECTIONS"]
 
@@ -111,9 +111,9 @@ def pyspy_item(*, try_dump: bool = True, timeout_s: float = 10.0) -> Item:
 
 
 def _try_dump(timeout_s: float) -> tuple[bool, str, str | None]:
-    """Dump a throwaway child's stacks: the only sure test of what the kernel permits."""
+    """Dump a throwaway child's stacks, started as kvdoctor starts workloads: the only sure test."""
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; print('ready', flush=True); time.sleep(60)"],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, preexec_fn=let_parent_trace())
     try:
         assert child.stdout is not None
         child.stdout.readline()  # the interpreter is up: py-spy can find its state

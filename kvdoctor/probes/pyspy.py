@@ -8,6 +8,7 @@ says how to fix it; a missing binary becomes ``PySpyNotFound``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -15,12 +16,13 @@ import subprocess
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import KvdoctorError
 
 __all__ = [
     "PySpyError", "PySpyNotFound", "PtraceDenied", "ThreadStack", "find_py_spy", "ptrace_status",
-    "dump_stacks", "record_command", "PTRACE_FIX",
+    "dump_stacks", "record_command", "let_parent_trace", "PTRACE_FIX",
 ]
 
 PTRACE_FIX = (
@@ -29,6 +31,7 @@ PTRACE_FIX = (
     "Kubernetes securityContext.capabilities.add: [SYS_PTRACE])"
 )
 _CAP_SYS_PTRACE = 19
+_PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama LSM
 _DENIED_MARKERS = ("permission denied", "operation not permitted", "os error 1)", "os error 13)")
 
 
@@ -93,6 +96,26 @@ def ptrace_status() -> dict[str, object]:
         may = False
     return {"euid": os.geteuid() if hasattr(os, "geteuid") else None, "root": root,
             "ptrace_scope": scope, "cap_sys_ptrace": cap, "may_attach_child": may}
+
+
+def let_parent_trace() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a workload kvdoctor starts, so that py-spy may read it under ptrace_scope=1.
+
+    Scope 1 (Ubuntu's default) lets only ancestors ptrace, and py-spy, started by kvdoctor
+    later, is the workload's sibling. Before exec the child declares kvdoctor its tracer
+    (``prctl(PR_SET_PTRACER)``); Yama then admits kvdoctor's descendants as well. None where
+    it is not needed (no Yama, scope 0) or cannot help (scope 2 and 3 ignore declarations).
+    """
+    status = ptrace_status()
+    if status["ptrace_scope"] != 1:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only makes one call
+    parent = os.getpid()
+
+    def declare_tracer() -> None:
+        libc.prctl(_PR_SET_PTRACER, parent, 0, 0, 0)
+
+    return declare_tracer
 
 
 def _has_capability(bit: int) -> bool | None:

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from kvdoctor.probes.pyspy import PySpyError, dump_stacks
+from kvdoctor.probes.pyspy import PySpyError, dump_stacks, let_parent_trace
 
 WORKLOAD = textwrap.dedent("""
     import time
@@ -25,7 +25,8 @@ def child_workload(tmp_path):
     """A running child Python process parked in ``decode_forever``; killed afterwards."""
     script = tmp_path / "workload.py"
     script.write_text(WORKLOAD)
-    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             preexec_fn=let_parent_trace())  # as kvdoctor starts workloads
     assert child.stdout.readline().strip() == "ready"
     yield child
     child.kill()

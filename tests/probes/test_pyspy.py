@@ -2,6 +2,8 @@
 
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -63,3 +65,12 @@ def test_ptrace_status_describes_this_process():
 
 def test_py_spy_is_found_beside_the_interpreter():
     assert os.access(pyspy.find_py_spy(), os.X_OK)
+
+
+def test_parent_is_declared_tracer_only_under_ptrace_scope_1(monkeypatch):
+    for scope, wanted in ((None, False), (0, False), (1, True), (2, False), (3, False)):
+        monkeypatch.setattr(pyspy, "ptrace_status", lambda scope=scope: {"ptrace_scope": scope})
+        assert (pyspy.let_parent_trace() is not None) is wanted
+    # the declaration runs in the forked child before exec and never stops it from starting
+    monkeypatch.setattr(pyspy, "ptrace_status", lambda: {"ptrace_scope": 1})
+    subprocess.run([sys.executable, "-c", "pass"], preexec_fn=pyspy.let_parent_trace(), check=True)
