@@ -184,7 +184,8 @@ class EngineCache(Cache):
         eng = self.engine
         _active.cache = self
         eng.store(layer, self._slots, k.transpose(1, 2).reshape(B * S, H_kv, D), v.transpose(1, 2).reshape(B * S, H_kv, D))
-        kv = eng.layer_kv(layer)[self._table]  # (B, nb, H_kv, 2, bs, D)
+        arena = eng.layer_kv(layer)  # (slots, H_kv, 2, bs, D)
+        kv = arena.index_select(0, self._table.view(-1)).view(B, -1, *arena.shape[1:])  # (B, nb, H_kv, 2, bs, D)
         nb, bs = kv.shape[1], kv.shape[4]
         keys = kv[:, :, :, 0].transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, : self._kv_len]
         values = kv[:, :, :, 1].transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, : self._kv_len]

@@ -281,7 +281,9 @@ class Runner:
         kv = self.cache.layer_kv(layer)  # (slots, H_kv, 2, bs, D)
         for g in groups:
             B, nb = g.table.shape
-            blocks = kv[g.table]  # (B, nb, H_kv, 2, bs, D): paged gather of every row's blocks at once
+            # Paged gather of every row's blocks at once; index_select, as advanced indexing with a 2-D
+            # index over this strided view is orders of magnitude slower on CPU.
+            blocks = kv.index_select(0, g.table.view(-1)).view(B, nb, *kv.shape[1:])  # (B, nb, H_kv, 2, bs, D)
             k = blocks[:, :, :, 0].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
             v = blocks[:, :, :, 1].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
             qg = q[g.tokens].view(B, g.q_len, H, D).transpose(1, 2)  # (B, H, S, D)

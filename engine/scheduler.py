@@ -35,6 +35,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # run to max_new_tokens even past the model's end-of-sequence token (benchmarks)
     seq: SeqId | None = None  # the id in events; assigned by the scheduler when None
 
     def __post_init__(self) -> None:
@@ -178,7 +179,7 @@ class Scheduler:
                 new_tokens[live.seq] = tok
                 if self.on_token is not None:
                     self.on_token(live.seq, tok)
-                if tok in self._eos or tok in live.request.stop_token_ids:
+                if (tok in self._eos and not live.request.ignore_eos) or tok in live.request.stop_token_ids:
                     finished.append(self._finish(live, "stop"))
                 elif len(live.generated) >= live.request.max_new_tokens:
                     finished.append(self._finish(live, "length"))

@@ -1,0 +1,169 @@
+"""Decode throughput: kvdoctor's runner against transformers' ``generate`` with its default cache.
+
+Same model (the embedded SmolLM2-135M-Instruct unless ``--model``), same process,
+greedy decoding of ``--new-tokens`` tokens per row, end-of-sequence ignored so every
+run decodes the same number of tokens:
+
+- batch 1: one prompt;
+- batch 8: eight prompts of different lengths, continuously batched by the runner and
+  left-padded into one batch for transformers;
+- the runner with events off (nobody listening: no statistics, no trace) and with
+  every event, attention statistics included, written to a trace file.
+
+Decode tokens/s counts the tokens generated after the first one, over the time after
+the first token (prefill excluded). Runs alternate and repeat; the median is reported
+with the peak RSS of the process. Usage::
+
+    .venv/bin/python benchmarks/decode.py [--new-tokens 64] [--repeats 3] [--threads N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+_TEXT = (
+    "The history of computing is a story of layers: transistors make gates, gates make adders and memories, "
+    "memories and adders make processors, and processors run the programs that people write to solve problems "
+    "in science, business and daily life. Each layer hides the details of the one below it, which lets engineers "
+    "build large systems without keeping every detail in mind at once. Caches are a good example of this idea."
+)
+
+
+def _prompts(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
+    ids = tokenizer(_TEXT)["input_ids"]
+    while len(ids) < max(lengths):
+        ids = ids + ids
+    return [ids[:n] for n in lengths]
+
+
+class _FirstToken:
+    """A logits processor that only notes when transformers finished its prefill."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.t is None:
+            self.t = time.perf_counter()
+        return scores
+
+
+def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Decode tokens/s of ``model.generate`` with its default cache on a left-padded batch."""
+    from transformers import LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    first = _FirstToken()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([first]))
+    end = time.perf_counter()
+    assert out.shape[1] == width + new_tokens
+    return len(prompts) * (new_tokens - 1) / (end - first.t)
+
+
+def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of the runner with continuous batching over the unpadded prompts."""
+    from kvdoctor.engine.scheduler import Request, Scheduler
+
+    sched = Scheduler(runner, max_batch=len(prompts))
+    for p in prompts:
+        sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
+    sched.step()  # every prompt's prefill and first token
+    t0 = time.perf_counter()
+    sched.run()
+    end = time.perf_counter()
+    assert all(len(g.token_ids) == new_tokens for g in sched.done.values())
+    return len(prompts) * (new_tokens - 1) / (end - t0)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a local checkpoint directory (default: the embedded SmolLM2)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--batch-lengths", default="24,40,56,72,88,104,120,136",
+                    help="prompt lengths of the batch-8 run (comma separated)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.runner import Runner
+    from kvdoctor.trace import TraceWriter
+
+    lm = load_model(args.model)
+    model, tok = lm.model, lm.tokenizer
+    lengths = [int(x) for x in args.batch_lengths.split(",")]
+    batch8 = _prompts(tok, lengths)
+    batch1 = [batch8[len(batch8) // 2]]
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else model.config.eos_token_id
+    runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0)
+    trace_path = os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "decode.kvtrace")
+
+    def events_on(fn: Callable[[], float]) -> float:
+        writer = TraceWriter(trace_path, runner.cache.header())
+        runner.bus.subscribe(writer.write_many)
+        try:
+            return fn()
+        finally:
+            runner.bus.unsubscribe(writer.write_many)
+            writer.close()
+
+    cases: dict[str, dict[str, Callable[[], float]]] = {}
+    for name, prompts in (("batch1", batch1), ("batch8", batch8)):
+        cases[name] = {
+            "transformers": lambda p=prompts: hf_decode(model, p, args.new_tokens, pad),
+            "runner_events_off": lambda p=prompts: runner_decode(runner, p, args.new_tokens),
+            "runner_events_on": lambda p=prompts: events_on(lambda: runner_decode(runner, p, args.new_tokens)),
+        }
+    # Warm both paths once (allocator, kernels) before timing anything.
+    hf_decode(model, batch1, 4, pad)
+    runner_decode(runner, batch1, 4)
+    results: dict[str, Any] = {"model": lm.name, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+                               "repeats": args.repeats, "batch8_prompt_lengths": lengths, "tokens_per_s": {}}
+    for name, fns in cases.items():
+        runs: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(args.repeats):
+            for k, fn in fns.items():  # alternate, so drifting machine load hits every variant alike
+                runs[k].append(fn())
+        med = {k: _median(v) for k, v in runs.items()}
+        results["tokens_per_s"][name] = {k: round(v, 2) for k, v in med.items()}
+        results["tokens_per_s"][name]["runs"] = {k: [round(x, 2) for x in v] for k, v in runs.items()}
+        results[f"{name}_speedup"] = round(med["runner_events_off"] / med["transformers"], 3)
+        results[f"{name}_events_overhead"] = round(1 - med["runner_events_on"] / med["runner_events_off"], 4)
+    results["trace_bytes"] = os.path.getsize(trace_path)
+    results["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    runner.close()
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for name in cases:
+            t = results["tokens_per_s"][name]
+            print(f"{name}: transformers {t['transformers']:.2f} tok/s, runner {t['runner_events_off']:.2f} tok/s "
+                  f"({results[f'{name}_speedup']:.2f}x), events on {t['runner_events_on']:.2f} tok/s "
+                  f"(overhead {100 * results[f'{name}_events_overhead']:.1f}%)")
+        print(f"peak RSS {results['peak_rss_mb']} MB, threads {results['threads']}, new tokens {args.new_tokens}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

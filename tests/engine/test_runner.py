@@ -1,0 +1,115 @@
+"""The runner against transformers' own generate on a tiny random Llama: same tokens, same logits."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.runner import Runner, SamplingParams, UnsupportedModel, sample
+from kvdoctor.events import Attn, Batch, Read, Write
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama().model
+
+
+def _reference(model, prompt, n=16):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+
+
+def _events(runner):
+    seen = []
+    runner.bus.subscribe(seen.extend)
+    return seen
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_greedy_tokens_and_logits_match_generate(model, listening):
+    # GIVEN a runner over a small paged cache (blocks of 4), with or without a listener (fused vs explicit attention)
+    refs = [_reference(model, p) for p in PROMPTS]
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        if listening:
+            _events(runner)
+        # WHEN all prompts are generated together with continuous batching
+        gens = runner.generate(PROMPTS, max_new_tokens=16, keep_logits=True)
+    # THEN every row's tokens equal transformers' batch-1 greedy output, and the logits agree
+    for (tokens, logits), gen in zip(refs, gens):
+        assert gen.token_ids == tokens[: len(gen.token_ids)]
+        assert gen.finish_reason == ("stop" if len(gen.token_ids) < 16 else "length")
+        torch.testing.assert_close(torch.stack(gen.logits), logits[: len(gen.logits)], atol=1e-4, rtol=0)
+
+
+def test_every_step_emits_batch_write_read_and_attn(model):
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        seen = _events(runner)
+        runner.generate(PROMPTS[:2], max_new_tokens=5)
+        runner.bus.flush()
+    batches = [e for e in seen if isinstance(e, Batch)]
+    # THEN each step's batch lists its rows at their current lengths, shaped (rows, H_kv, T, D)
+    assert batches[0].rows == [0, 1] and batches[0].positions == [0, 0] and batches[0].n == [7, 2]
+    assert batches[1].positions == [7, 2] and batches[1].n == [1, 1] and batches[1].shape == [2, 2, 8, 16]
+    kinds = Counter(type(e) for e in seen)
+    # 5 steps x 2 rows: one read per row and step, one attn event per row, layer (2) and step
+    assert kinds[Read] == 10
+    assert kinds[Attn] == 20
+    writes = [e for e in seen if isinstance(e, Write) and e.seq == 0]
+    assert [(w.pos, w.n) for w in writes[:3]] == [(0, 4), (4, 3), (7, 1)]
+    assert all(isinstance(e.entropy, float) and e.nonfinite == 0 for e in seen if isinstance(e, Attn))
+
+
+def test_stats_every_n_steps(model):
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, stats_every=3) as runner:
+        seen = _events(runner)
+        runner.generate([PROMPTS[0]], max_new_tokens=7)
+        runner.bus.flush()
+    steps = sorted({e.step for e in seen if isinstance(e, Attn)})
+    assert steps == [0, 3, 6]
+
+
+def test_attention_nan_fault_shows_as_nonfinite_stats(model):
+    # GIVEN the attention-nan fault
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, fault="attention-nan") as runner:
+        seen = _events(runner)
+        runner.generate([PROMPTS[0]], max_new_tokens=4)
+        runner.bus.flush()
+    # THEN from step 2 on the middle layer reports non-finite scores
+    bad = {(e.step, e.layer) for e in seen if isinstance(e, Attn) and e.nonfinite}
+    assert bad and all(step >= 2 and layer == 1 for step, layer in bad)
+
+
+def test_forward_rejects_a_row_listed_twice(model):
+    with Runner.create(model, block_size=4, device_blocks=8, host_blocks=0) as runner:
+        runner.cache.add_sequence("a", prompt_len=2)
+        with pytest.raises(ValueError, match="twice"):
+            runner.forward([("a", [1, 2]), ("a", [3])])
+
+
+def test_sampling_is_reproducible_with_a_seed(model):
+    params = SamplingParams(greedy=False, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        a = runner.generate([PROMPTS[0]], max_new_tokens=10, sampling=params)[0].token_ids
+        b = runner.generate([PROMPTS[0]], max_new_tokens=10, sampling=params)[0].token_ids
+    assert a == b and len(a) >= 1
+
+
+def test_top_k_1_sampling_is_greedy():
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    assert all(sample(logits, SamplingParams(greedy=False, top_k=1), g) == 1 for _ in range(5))
+    assert sample(logits, SamplingParams(greedy=False, top_p=0.01), g) == 1
+
+
+def test_unsupported_models_are_refused_with_a_reason():
+    class NotLlama(torch.nn.Module):
+        config = type("C", (), {"model_type": "gpt2"})()
+
+    with pytest.raises(UnsupportedModel, match="gpt2"):
+        Runner(NotLlama(), cache=None)
