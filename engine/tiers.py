@@ -329,7 +329,11 @@ class TierManager:
         for src, idx in by_src.items():
             group = [blocks[i] for i in idx]
             slots = [dst_slots[i] for i in idx]
-            fut = self._worker.submit(self._copy_job, src, [b.slot for b in group], dst, slots)
+            ready = None
+            if self._stream is not None:  # the side stream must not overtake work queued on the slots it writes
+                ready = torch.cuda.Event()
+                ready.record()
+            fut = self._worker.submit(self._copy_job, src, [b.slot for b in group], dst, slots, ready)
             for i, (b, slot) in enumerate(zip(group, slots)):
                 b.inflight = _Inflight(fut, src, dst, slot, i)
                 self.inflight[b.id] = b
@@ -337,11 +341,12 @@ class TierManager:
                 self.bus.emit(Prefetch, blocks=[b.id for b in group], src=src, dst=dst)
         return len(blocks)
 
-    def _copy_job(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]) -> list[int | None]:
+    def _copy_job(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int], ready: Any) -> list[int | None]:
         """Runs on the worker thread: bytes only, no bookkeeping."""
         check = self.config.checksums
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
                 out = copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, checksum=check,
                                  non_blocking=True)
             self._stream.synchronize()

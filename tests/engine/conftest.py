@@ -30,7 +30,7 @@ class Recorder:
         for layer in range(c.num_layers):
             k = torch.randn(n, c.num_kv_heads, c.head_dim, generator=self._gen)
             v = torch.randn(n, c.num_kv_heads, c.head_dim, generator=self._gen)
-            self.cache.store(layer, slots, k, v)
+            self.cache.store(layer, slots, k.to(self.cache.device), v.to(self.cache.device))
             layers[layer] = (torch.cat([layers[layer][0], k]), torch.cat([layers[layer][1], v]))
         self.cache.commit(seq, n)
 
@@ -56,7 +56,7 @@ class Recorder:
     def assert_intact(self, seq: Any) -> None:
         self.cache.ensure_resident([seq])
         for layer in range(self.cache.config.num_layers):
-            k, v = self.cache.gather(seq, layer)
+            k, v = (t.cpu() for t in self.cache.gather(seq, layer))
             ek, ev = self.expected(seq, layer)
             assert torch.equal(k, ek) and torch.equal(v, ev), f"seq {seq!r} layer {layer}: bytes differ"
 
