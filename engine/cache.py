@@ -129,7 +129,7 @@ class PagedKVCache:
         end = max(s.length + s.pending, 1)
         return min(max(end - b.index * self.block_size, 0) / end, 1.0)
 
-    def _evict(self, victims: list[Block], tier: str) -> None:
+    def _evict(self, victims: list[Block], tier: str, reason: str = "capacity") -> None:
         for b in victims:
             for o in b.owners:
                 s = self.seqs.get(o)
@@ -137,7 +137,7 @@ class PagedKVCache:
                     s.blocks.remove(b)
                     s.index_cache = None
             if self.bus.enabled:
-                self.bus.emit(Evict, block=b.id, tier=tier, reason="capacity")
+                self.bus.emit(Evict, block=b.id, tier=tier, reason=reason)
             self.pool.drop(b)
 
     def _seq(self, seq: Any) -> Sequence:
@@ -396,12 +396,21 @@ class PagedKVCache:
             raise ValueError(f"layer_kv is a raw view and the {self.codec.name} codec stores codes: use read_blocks")
         return self._layer_kv(layer)
 
-    def read_blocks(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_blocks(self, layer: int, slots: torch.Tensor, heads: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the device-arena ``slots`` (any shape ``S``) for ``layer``, decoded to the compute
-        dtype: each ``(*S, H_kv, block_size, D)``. The paged read of attention under any codec."""
-        rows = self._dev.data[:, layer].index_select(0, slots.reshape(-1))  # (n, H, R)
-        k, v = self.codec.read(rows, layer)  # (n, H, bs, D) each
-        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+        dtype: each ``(*S, H_kv, block_size, D)``. The paged read of attention under any codec.
+
+        With ``heads`` (shape ``S``), only that KV head of each slot is read: each ``(*S, block_size, D)``
+        (block-sparse attention reads different blocks per head)."""
+        if heads is None:
+            rows = self._dev.data[:, layer].index_select(0, slots.reshape(-1))  # (n, H, R)
+            k, v = self.codec.read(rows, layer)  # (n, H, bs, D) each
+            return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+        flat_heads = heads.reshape(-1)
+        rows = self._dev.data[:, layer][slots.reshape(-1), flat_heads]  # (n, R)
+        k, v = self.codec.read(rows[:, None], layer, flat_heads)  # (n, 1, bs, D) each
+        return k.view(*slots.shape, *k.shape[2:]), v.view(*slots.shape, *v.shape[2:])
 
     def num_tokens(self, seq: Any) -> int:
         """Tokens ``gather`` returns: committed and reserved, less any evicted blocks."""
@@ -465,6 +474,18 @@ class PagedKVCache:
         if dst not in self.pool.tiers or dst == "device":
             raise ValueError(f"swap_out to {dst!r}: must be one of {', '.join(self.config.tiers[1:])}")
         self.tiers.move(self._blocks(blocks), dst)
+
+    def evict(self, blocks: Iterable[int], reason: str = "importance") -> None:
+        """Drop blocks for good, from every owner (importance eviction: H2O, StreamingLLM); an ``evict``
+        event per block. The caller keeps a sequence's newest block: its next token goes there."""
+        victims = self._blocks(blocks)
+        for b in victims:
+            if b.inflight is not None:
+                try:
+                    self.tiers.settle(b)
+                except ChecksumMismatch:
+                    pass  # the block is being dropped anyway; its corrupt copy was discarded
+            self._evict([b], b.tier, reason)
 
     def swap_in(self, blocks: Iterable[int]) -> None:
         self.tiers.move(self._blocks(blocks), "device")

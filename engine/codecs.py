@@ -272,13 +272,17 @@ class Codec:
             self._region(out, name, val.dtype, self.block_size, val.shape[-1]).copy_(val)
         return out
 
-    def read(self, rows: torch.Tensor, layers: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode rows ``(n, H, R)`` of ``layers`` (one int, or (n,)) to K and V, each ``(n, H, bs, D)`` in the compute dtype."""
+    def read(self, rows: torch.Tensor, layers: int | torch.Tensor, heads: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows ``(n, H, R)`` of ``layers`` (one int, or (n,)) to K and V, each ``(n, H, bs, D)`` in the
+        compute dtype. With ``heads`` (n,), each row is one head's: ``rows`` is ``(n, 1, R)``."""
         bs, D = self.block_size, self.head_dim
         if self.native:
             kv = rows[..., : 2 * bs * D].unflatten(-1, (2, bs, D))  # (n, H, 2, bs, D)
             return kv[:, :, 0].to(self.compute_dtype), kv[:, :, 1].to(self.compute_dtype)
-        if isinstance(layers, int):
+        if heads is not None:
+            scale = self._key_scale(layers, rows.device)[heads][:, None, None]  # (n, 1, 1, D)
+        elif isinstance(layers, int):
             scale = self._key_scale(layers, rows.device)[None, :, None]  # (1, H, 1, D)
         else:
             scale = self._key_scale(layers, rows.device)[:, :, None]  # (n, H, 1, D)
