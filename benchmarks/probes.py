@@ -49,21 +49,24 @@ class _NullBus:
         pass
 
 
-def reading_costs(cache: Any, n: int) -> dict[str, float]:
-    """Microseconds per reading of each probe, with tracemalloc on (as the default Prober runs)."""
+def reading_costs(cache: Any, n: int) -> dict[str, float | None]:
+    """Microseconds per reading of each probe; tracemalloc is off except for the last three."""
     rss, cuda, nvml = RssProbe(), CudaAllocator(), Nvml()
-    heap = HeapProbe()
-    prober = Prober(_NullBus(), cache_accounting(cache), heap=True)
-    costs = {
+    prober = Prober(_NullBus(), cache_accounting(cache))
+    costs: dict[str, float | None] = {
         "rss": per_call_us(rss.read, n),
-        "py_heap (tracemalloc counter)": per_call_us(heap.read, n),
         "engine accounting (cache.stats)": per_call_us(cache_accounting(cache), n),
         "torch.cuda allocated/reserved": per_call_us(cuda.read, n) if cuda.available else None,
         "nvml (device + process)": per_call_us(nvml.read, max(1, n // 10)) if nvml.available else None,
         "full reading (Prober.take)": per_call_us(prober.take, n),
-        "heap snapshot (attribution, on demand)": per_call_us(heap.snapshot, 3) if heap.tracing else None,
     }
     prober.close()
+    heap = HeapProbe()
+    with_heap = Prober(_NullBus(), cache_accounting(cache), heap=True)
+    costs["py_heap (tracemalloc counter)"] = per_call_us(heap.read, n)
+    costs["full reading, tracemalloc on"] = per_call_us(with_heap.take, n)
+    costs["heap snapshot (attribution, on demand)"] = per_call_us(heap.snapshot, 3)
+    with_heap.close()
     heap.close()
     rss.close()
     nvml.close()

@@ -15,7 +15,6 @@ snapshot was dropped is compared with the oldest one kept, and the result says s
 from __future__ import annotations
 
 import time
-import tracemalloc
 from collections import OrderedDict, deque
 from typing import Any, Iterable
 
@@ -23,7 +22,7 @@ import msgspec
 
 from .events import Event, Mem, SeqStart, Unknown, to_dict
 from .findings import Finding
-from .probes.heap import HeapProbe, top_growth
+from .probes.heap import HeapProbe, HeapSnapshot, top_growth
 from .probes.prober import Prober
 from .probes.pyspy import PySpyError, dump_stacks
 
@@ -61,11 +60,11 @@ class Attributor:
         self.pyspy_timeout_s = pyspy_timeout_s
         self._mem: deque[Mem] = deque(maxlen=num_mem)
         # snapshot id -> (monotonic time, step, snapshot); oldest first
-        self._snapshots: OrderedDict[int, tuple[float, int, tracemalloc.Snapshot]] = OrderedDict()
+        self._snapshots: OrderedDict[int, tuple[float, int, HeapSnapshot]] = OrderedDict()
         self._next_id = 0
         self._seq_snapshot: dict[Any, int] = {}
         self._pending: list[Any] = []  # sequences started in the batch being observed
-        self._now: tuple[float, tracemalloc.Snapshot] | None = None
+        self._now: tuple[float, HeapSnapshot] | None = None
         self._stacks: tuple[float, dict[str, Any]] | None = None
 
     # ---- observing -------------------------------------------------------------------------
@@ -140,7 +139,7 @@ class Attributor:
         sites = top_growth(old, self._current_snapshot(not_before=taken), self.top)
         return {"since": since, "since_step": step, "sites": [s.to_dict() for s in sites]}
 
-    def _current_snapshot(self, not_before: float) -> tracemalloc.Snapshot:
+    def _current_snapshot(self, not_before: float) -> HeapSnapshot:
         """One snapshot serves every finding of the same moment (findings come in bursts)."""
         now = time.monotonic()
         if self._now is None or self._now[0] <= not_before or now - self._now[0] >= self.min_snapshot_interval_s:
