@@ -145,9 +145,6 @@ class BlockPool:
         blk.tier, blk.slot = tier, slot
         self.epoch += 1
 
-    def in_tier(self, tier: str) -> list[Block]:
-        return [b for b in self.blocks.values() if b.tier == tier]
-
     def check(self) -> None:
         """Assert the accounting invariants (tests and debugging; O(blocks))."""
         for name, ts in self.tiers.items():

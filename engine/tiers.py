@@ -363,6 +363,7 @@ class TierManager:
         if err is not None:
             raise err
         b.prefetched = True
+        self.moved.setdefault((job.src, job.dst), [0, 0.0])[0] += 1  # copy time overlapped: not counted
 
     def poll(self) -> None:
         """Book every prefetch that has finished (a bad copy stays behind; its next swap-in reports it)."""
