@@ -14,6 +14,7 @@ snapshot was dropped is compared with the oldest one kept, and the result says s
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, deque
 from typing import Any, Iterable
@@ -33,8 +34,9 @@ class Attributor:
     """Enriches findings with heap growth, a stack dump and the memory curve.
 
     ``heap``: the in-process heap probe (None when the workload is another process);
-    ``prober``: takes a fresh ``mem`` reading when a finding fires; ``pid``: a workload
-    kvdoctor started, whose stacks py-spy dumps (None for none).
+    ``prober``: takes a fresh ``mem`` reading when a finding fires on the engine's thread
+    (from another thread, e.g. a TUI worker, its latest reading is attached instead);
+    ``pid``: a workload kvdoctor started, whose stacks py-spy dumps (None for none).
     """
 
     def __init__(
@@ -114,8 +116,11 @@ class Attributor:
         """The finding with ``attribution`` filled in (what could not be had says why)."""
         extra: dict[str, Any] = {}
         if self.prober is not None:
-            reading = self.prober.read_now(source=f"finding:{finding.check}/{finding.rule}")
-            extra["mem_now"] = reading.to_dict()
+            if threading.get_ident() == self.prober.thread_id:
+                reading = self.prober.read_now(source=f"finding:{finding.check}/{finding.rule}")
+                extra["mem_now"] = reading.to_dict()
+            elif self.prober.last is not None:  # a consumer thread must not touch the engine or its bus
+                extra["mem_last"] = self.prober.last.to_dict()
         if self._mem:
             extra["mem_recent"] = [to_dict(m) for m in self._mem]
         heap = self._heap_growth(finding.seq)

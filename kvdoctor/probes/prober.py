@@ -14,6 +14,7 @@ allocator slack, the interpreter itself. Its level is a baseline; its slope is t
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
@@ -94,6 +95,8 @@ class Prober:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.bus = bus
         self.interval_s = interval_s
+        # The engine's thread: only there may a reading call the accounting and emit.
+        self.thread_id = threading.get_ident()
         self._kv_bytes_fn = kv_bytes_fn
         self.rss = RssProbe()
         self.heap = HeapProbe(frame_limit) if heap else None
@@ -127,7 +130,10 @@ class Prober:
         return reading
 
     def read_now(self, source: str = "demand") -> Reading:
-        """Take a reading and emit it as a ``mem`` event whose ``source`` says why it was taken."""
+        """Take a reading and emit it as a ``mem`` event whose ``source`` says why it was taken.
+
+        Call it on the engine's thread (``thread_id``), like the bus's sinks are called.
+        """
         self._last = time.monotonic()
         reading = self.take()
         self.bus.emit(Mem, source=source, **reading.mem_fields())

@@ -1,5 +1,7 @@
 """Attribution: a finding carries the heap growth since its sequence started, stacks and memory."""
 
+import threading
+
 import pytest
 
 from kvdoctor.attribution import Attributor
@@ -55,6 +57,18 @@ def test_growing_structure_is_attributed_to_its_file_and_line(live):
     bus.flush()
     assert finding.attribution["mem_recent"][0]["source"] == "start"
     assert finding.key == Finding(seq=7, **LEAK).key  # attribution never changes identity
+
+
+def test_from_another_thread_the_latest_reading_is_attached_without_touching_the_bus(live):
+    bus, attributor = live
+    bus.flush()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(attributor.enrich(Finding(seq=1, **LEAK))))
+    worker.start()
+    worker.join()
+    attribution = results[0].attribution
+    assert "mem_now" not in attribution and attribution["mem_last"]["kv_bytes"] == 1 << 20
+    assert attributor.prober.num_readings == 1  # only the one taken at attach
 
 
 def test_unknown_sequence_falls_back_to_the_oldest_snapshot_and_says_so(live):
