@@ -111,6 +111,9 @@ class TensorArena(Arena):
         if new == old:
             return range(old, old)
         data = self._empty(new)
+        # Never-written memory may hold NaN bit patterns; masked key slots (a partial block's
+        # tail, padding rows) still meet V in probs @ v, and 0 * NaN is NaN.
+        data[old:].zero_()
         if old:
             data[:old].copy_(self.data)
         self.data, self.num_slots = data, new
