@@ -506,8 +506,13 @@ class PagedKVCache:
         self.tiers.poll()
         if self.bus.enabled:
             bpb = self.config.bytes_per_block
+            landing = {t: 0 for t in self.pool.tiers}  # slots held for prefetches still in flight
+            for b in self.tiers.inflight.values():
+                landing[b.inflight.dst] += 1
             for t, ts in self.pool.tiers.items():
-                self.bus.emit(Usage, tier=t, used_blocks=ts.used, capacity_blocks=ts.capacity, bytes=ts.used * bpb)
+                # blocks as the events place them: an in-flight copy counts where it comes from until it lands
+                used = ts.used - landing[t]
+                self.bus.emit(Usage, tier=t, used_blocks=used, capacity_blocks=ts.capacity, bytes=used * bpb)
         self.bus.end_step(num_tokens)
         self._pinned.clear()
         self._reserved.clear()

@@ -314,10 +314,8 @@ class TierManager:
         keep = set(exclude or ()) | {b.id for b in blocks}
         try:
             self.make_room(dst, len(blocks), keep)
-        except OutOfBlocks as exc:
-            blocks = blocks[: max(exc.free, 0)]
-            if blocks:
-                self.make_room(dst, len(blocks), keep)
+        except OutOfBlocks:  # a hint, not a demand: take what already fits (make_room moved nothing)
+            blocks = blocks[: self.pool.tiers[dst].num_free]
         if not blocks:
             return 0
         dst_slots = self._take(dst, len(blocks))
