@@ -21,6 +21,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -150,6 +151,8 @@ class DiskArena(Arena):
                                exc.strerror or str(exc)) from exc
         self._maps: list[mmap.mmap] = []
         self._chunks: list[torch.Tensor] = []
+        # spill files must not outlive the process even if nobody calls close()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
 
     def path(self, chunk: int) -> str:
         return os.path.join(self.dir, f"chunk-{chunk:05d}.kv")
@@ -192,7 +195,7 @@ class DiskArena(Arena):
                 pass
         self._maps.clear()
         self.num_slots = 0
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._cleanup()
 
 
 def make_arena(tier: str, config: EngineConfig) -> Arena:

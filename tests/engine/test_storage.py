@@ -109,3 +109,14 @@ def test_real_permission_denied(tmp_path):
     with pytest.raises(StorageError) as exc:
         DiskArena("disk", cfg(disk_dir=str(ro)))
     assert exc.value.errno == errno.EACCES
+
+
+def test_spill_dir_goes_even_without_close(tmp_path):
+    import gc
+
+    a = DiskArena("disk", cfg(disk_dir=str(tmp_path)))
+    a.grow()
+    d = a.dir
+    del a
+    gc.collect()
+    assert not os.path.exists(d)
