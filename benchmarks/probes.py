@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/probes.py --model tiny         # a tiny random Llama (seconds)
     .venv/bin/python benchmarks/probes.py --readings-only
 
-Decode runs alternate probes off / on (same model, same prompts, greedy, a trace being
-written in both), so drift on a shared machine hits both sides alike; the figure is the
+Decode runs alternate probes off / on, in ABBA order (same model, same prompts, greedy,
+a trace being written in both), so drift on a shared machine hits both sides alike; the figure is the
 median tokens/s of each side and their ratio. The goal is on/off >= 0.98 at the
 default interval.
 """
@@ -164,9 +164,10 @@ def main() -> int:
         on: list[Rate] = []
         with tempfile.TemporaryDirectory() as tmp:
             decode_rate(model, prompts, 4, None, tmp)  # warm-up
-            for _ in range(args.rounds):
-                off.append(decode_rate(model, prompts, args.tokens, None, tmp))
-                on.append(decode_rate(model, prompts, args.tokens, probes, tmp))
+            for i in range(args.rounds):
+                # off-on, on-off, ...: whatever favours the first or second run of a pair cancels out
+                for arm in ((None, off), (probes, on))[:: 1 if i % 2 == 0 else -1]:
+                    arm[1].append(decode_rate(model, prompts, args.tokens, arm[0], tmp))
         med = {f"{side}_{k}": statistics.median(getattr(r, k) for r in runs)
                for side, runs in (("off", off), ("on", on)) for k in ("wall", "cpu")}
         result["decode"] = {
