@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 
@@ -72,7 +72,7 @@ class Attributor:
     # ---- observing -------------------------------------------------------------------------
 
     def observe(self, event: Event | Unknown) -> None:
-        if isinstance(event, SeqStart):
+        if isinstance(event, SeqStart) and self.heap is not None:
             self._pending.append(event.seq)
         elif isinstance(event, Mem):
             self._mem.append(event)
@@ -129,9 +129,6 @@ class Attributor:
         if self.pid is not None:
             extra.update(self._stacks_now())
         return msgspec.structs.replace(finding, attribution={**finding.attribution, **extra})
-
-    def enrich_all(self, findings: Iterable[Finding]) -> list[Finding]:
-        return [self.enrich(f) for f in findings]
 
     def _heap_growth(self, seq: Any) -> dict[str, Any] | None:
         if self.heap is None or not self.heap.tracing or not self._snapshots:
