@@ -17,6 +17,8 @@ from .state import Monitor
 
 __all__ = ["describe_finding", "describe_block", "describe_seq", "block_story_of", "seq_story_of"]
 
+_NBSP = "\u00a0"  # indentation that survives wrapping
+
 
 def describe_finding(f: Finding, block_story: list[Any] | None = None, seq_story: dict[str, Any] | None = None) -> Text:
     """A finding as the detail pane shows it; ``block_story`` and ``seq_story`` come from the monitor."""
@@ -36,18 +38,18 @@ def describe_finding(f: Finding, block_story: list[Any] | None = None, seq_story
         out.append("\nsequence\n", "bold underline")
         for key, value in seq_story.items():
             if key != "stack":
-                out.append(f"  {key}: {value}\n")
+                out.append(f"{_NBSP * 2}{key}: {value}\n")
     if block_story:
         out.append("\nblock history (newest last)\n", "bold underline")
         for ev in block_story:
-            out.append(f"  {ev.step:>6} ", "dim")
+            out.append(f"{_NBSP * 2}{ev.step:>6} ", "dim")
             out.append(f"{event_kind(ev):<10}", "bold")
             out.append(f" {event_fields(ev)}\n")
     stacks = _stacks(f, block_story, seq_story)
     if stacks:
         out.append("\nPython stack\n", "bold underline")
         for frame in stacks:
-            out.append(f"  {frame}\n", "green")
+            out.append(f"{_NBSP * 2}{frame}\n", "green")
     if f.attribution:
         out.append("\nattribution\n", "bold underline")
         for key, value in f.attribution.items():
@@ -73,19 +75,21 @@ def _stacks(f: Finding, block_story: list[Any] | None, seq_story: dict[str, Any]
     return []
 
 
-def _value(key: str, value: Any, indent: str = "  ") -> Text:
+def _value(key: str, value: Any, indent: str = _NBSP * 2) -> Text:
     out = Text()
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         out.append(f"{indent}{key}:\n", "bold")
         for item in value[-24:]:
             kind = item.get("kind", "")
-            rest = " ".join(f"{k}={v}" for k, v in item.items() if k not in ("kind", "t"))
-            out.append(f"{indent}  {kind:<10} {rest}\n")
+            rest = " ".join(f"{k}={v}" for k, v in item.items() if k not in ("kind", "t", "step") and v is not None)
+            out.append(f"{indent}{_NBSP * 2}{item.get('step', ''):>6} ", "dim")
+            out.append(f"{kind:<10}", "bold")
+            out.append(f" {rest}\n")
         return out
     if isinstance(value, dict):
         out.append(f"{indent}{key}:\n", "bold")
         for k, v in value.items():
-            out.append_text(_value(str(k), v, indent + "  "))
+            out.append_text(_value(str(k), v, indent + _NBSP * 2))
         return out
     out.append(f"{indent}{key}: ", "bold")
     out.append(f"{value}\n")
@@ -130,17 +134,17 @@ def describe_block(m: Monitor, block: int) -> Text | None:
     if mine:
         out.append("\nfindings\n", "bold underline")
         for f in mine[-10:]:
-            out.append(f"  {f.severity:<8} step {f.step}: {f.check}/{f.rule} {f.message}\n")
+            out.append(f"{_NBSP * 2}{f.severity:<8} step {f.step}: {f.check}/{f.rule} {f.message}\n")
     out.append("\nhistory (newest last)\n", "bold underline")
     for ev in block_story_of(m, block) or ():
-        out.append(f"  {ev.step:>6} ", "dim")
+        out.append(f"{_NBSP * 2}{ev.step:>6} ", "dim")
         out.append(f"{event_kind(ev):<10}", "bold")
         out.append(f" {event_fields(ev)}\n")
     stack = rec.born.stack if rec.born is not None else None
     if stack:
         out.append("\nallocated from\n", "bold underline")
         for frame in stack:
-            out.append(f"  {frame}\n", "green")
+            out.append(f"{_NBSP * 2}{frame}\n", "green")
     return out
 
 
@@ -158,9 +162,9 @@ def describe_seq(m: Monitor, key: str) -> Text | None:
     if mine:
         out.append("\nfindings\n", "bold underline")
         for f in mine[-10:]:
-            out.append(f"  {f.severity:<8} step {f.step}: {f.check}/{f.rule} {f.message}\n")
+            out.append(f"{_NBSP * 2}{f.severity:<8} step {f.step}: {f.check}/{f.rule} {f.message}\n")
     if rec.stack:
         out.append("\nadmitted from\n", "bold underline")
         for frame in rec.stack:
-            out.append(f"  {frame}\n", "green")
+            out.append(f"{_NBSP * 2}{frame}\n", "green")
     return out

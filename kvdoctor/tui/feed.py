@@ -75,6 +75,10 @@ class Feed(threading.Thread):
         self._checker: Checker | None = None
         self.status = ""
         self.failed: str | None = None  # set when the source could not be read at all
+        # Set while the feed has nothing to do until it is told (a replay waiting for a key, a
+        # finished live source): what tests and scripts wait for before reading the screen.
+        self.settled = threading.Event()
+        self.last_serial = 0  # of the newest snapshot published
 
     # ---- for the UI thread ------------------------------------------------------------
 
@@ -142,6 +146,7 @@ class Feed(threading.Thread):
             snap = self.monitor.snapshot(status=self.status, ended=self.failed)
         self._last_publish = now
         self._dirty = False
+        self.last_serial = snap.serial
         self._publish_cb(snap)
 
 
@@ -164,6 +169,12 @@ class LiveFeed(Feed):
         self.wait_s = wait_s
 
     def run(self) -> None:
+        try:
+            self._follow()
+        finally:
+            self.settled.set()
+
+    def _follow(self) -> None:
         from ..trace import follow
 
         pid = self.workload.pid if self.workload is not None else None
@@ -262,6 +273,7 @@ class ReplayFeed(Feed):
             self._load()
         except KvdoctorError as exc:
             self._fail(str(exc))
+            self.settled.set()
             return
         assert self._header is not None
         self._reset(self._header)
@@ -272,18 +284,24 @@ class ReplayFeed(Feed):
             at_end = self._k >= len(self._steps)
             if self.playing and not at_end:
                 self._advance_to(self._k + 1)
-                self._show(force=self.speed > 0)
+                if self._k >= len(self._steps):
+                    self.playing = False  # the end: stop there, paused, with the last step shown
+                self._show(force=self.speed > 0 or not self.playing)
                 timeout = 1.0 / self.speed if self.speed > 0 else 0.0
             else:
                 if at_end and self.playing:
                     self.playing = False
                     self._show(force=True)
                 timeout = None
+            if timeout is None and self._commands.empty():
+                self.settled.set()
             try:
                 cmd, arg = self._commands.get(timeout=timeout) if timeout != 0.0 else self._commands.get_nowait()
             except queue.Empty:
                 continue
+            self.settled.clear()
             self._command(cmd, arg)
+        self.settled.set()
 
     def _command(self, cmd: str, arg: int) -> None:
         if cmd == "toggle":

@@ -14,24 +14,19 @@ __all__ = ["HelpScreen", "PromptScreen", "DetailScreen", "HELP"]
 HELP = """\
 [b]kvdoctor[/b] — a live view of an LLM's KV cache
 
-[b]Screens[/b]   [b]1[/b] overview   [b]2[/b] findings   [b]3[/b] attention   [b]4[/b] memory   [b]5[/b] events
-          (or click a tab)
+[b]1[/b] overview  [b]2[/b] findings  [b]3[/b] attention  [b]4[/b] memory  [b]5[/b] events (or click)
 
-[b]Keys[/b]
-  [b]p[/b] / space   pause the display (the checks keep running; replay: pause playback)
-  [b]/[/b]           filter the event log: kinds (swap), -kind (-attn), field=value (seq=3 block=17)
-  [b]s[/b]           search a block or a sequence: b17, s3, or a number (a block)
-  [b]enter[/b], [b]d[/b]    details of the selected finding (or of the block picked on the map)
-  [b]↑ ↓[/b] j k     move in a list;  [b]tab[/b] next pane
-  [b]?[/b]           this help;  [b]q[/b] quit (a workload kvdoctor started is stopped)
+[b]p[/b] space  pause the display (checks keep running); replay: play/pause
+[b]/[/b]        filter the log: swap  -attn  seq=3  block=17
+[b]s[/b]        search: b17 (block), s3 (sequence), 17 (block)
+[b]d[/b] enter  details of the finding or block selected
+[b]↑↓[/b] [b]jk[/b]    move;  [b]tab[/b] next pane;  the mouse works too
+[b]?[/b]        this help;  [b]q[/b] quit (stops a workload kvdoctor started)
+[b]n b g[/b]    replay: next step, previous step, go to step
 
-[b]Replay[/b]    [b]n[/b] / → next step   [b]b[/b] / ← previous step   [b]g[/b] go to step   [b]p[/b] play/pause
-
-[b]Block map[/b] [green]█[/] device  [dodger_blue1]▓[/] host  [magenta]▒[/] disk  [b]▞[/b] shared  \
-[bold white on red]L[/] leaked (no owner, never freed)  [bold black on yellow]S[/] stale copy  · free
-          Click a cell for that block's history.
-
-[b]Findings[/b]  [bold red]E[/] error  [yellow]W[/] warning  [cyan]I[/] info — newest first
+[green]█[/]dev [dodger_blue1]▓[/]host [magenta]▒[/]disk [b]▞[/]shared \
+[bold white on red]L[/]leaked [bold black on yellow]S[/]stale ·free
+Findings: [bold red]E[/]rror [yellow]W[/]arning [cyan]I[/]nfo, newest first
 """
 
 
@@ -39,13 +34,13 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 90%; max-width: 100; height: auto; max-height: 90%;
+    HelpScreen > VerticalScroll { width: 78; max-width: 100%; height: auto; max-height: 100%;
         border: round $accent; background: $surface; padding: 0 1; }
     """
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Static(HELP)
+            yield Static(HELP.rstrip())
 
     def on_click(self) -> None:
         self.dismiss()

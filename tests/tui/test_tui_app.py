@@ -114,7 +114,7 @@ async def test_help_opens_and_closes(leak_trace: Path):
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("question_mark")
         await pilot.pause()
-        assert isinstance(app.screen, HelpScreen) and "search a block" in screen_text(app)
+        assert isinstance(app.screen, HelpScreen) and "search: b17 (block)" in screen_text(app)
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, HelpScreen)

@@ -40,11 +40,18 @@ async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 2
         await pilot.pause(0.05)
 
 
+async def wait_settled(pilot: Any, timeout: float = 20.0) -> None:
+    """Until the feed waits for a command (or has finished) and the app shows its newest snapshot."""
+    app = pilot.app
+    await wait_for(pilot, lambda: app.feed is not None and app.feed.settled.is_set()
+                   and app.snapshot is not None and app.snapshot.serial == app.feed.last_serial, timeout)
+    await pilot.pause()
+
+
 async def wait_ended(pilot: Any, timeout: float = 20.0) -> None:
     """Until the feed has read its whole source and the app shows that last snapshot."""
-    app = pilot.app
-    await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.ended is not None, timeout)
-    await pilot.pause(0.1)
+    await wait_settled(pilot, timeout)
+    assert pilot.app.snapshot.ended is not None, pilot.app.snapshot.status
 
 
 def screen_text(app: KvdoctorApp) -> str:

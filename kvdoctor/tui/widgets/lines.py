@@ -34,6 +34,7 @@ class LineList(ScrollView, can_focus=True):
     ]
     COMPONENT_CLASSES = {"linelist--cursor"}
     DEFAULT_CSS = """
+    LineList { scrollbar-gutter: stable; overflow-x: hidden; }
     LineList > .linelist--cursor { background: $accent 40%; text-style: bold; }
     LineList:focus > .linelist--cursor { background: $accent; }
     """
