@@ -36,7 +36,7 @@ class AttentionSettings:
 
     warmup: int = 64  # observations of a layer before its baseline judges anything
     window: int = 256  # recent observations per layer that form the baseline
-    refresh: int = 64  # recompute median and MAD every this many observations
+    refresh: int = 128  # recompute median and MAD every this many observations
     z_threshold: float = 10.0  # robust z-score beyond which max_logit or entropy is an outlier
     persist: int = 3  # consecutive steps of one sequence that an anomaly must last
     min_scale_logit: float = 0.5  # floor of the robust sigma of max_logit (a flat layer)
@@ -60,23 +60,37 @@ class AttentionSettings:
 
 
 class _Layer:
-    """One layer's baseline and the per-sequence streaks judged against it."""
+    """One layer's baseline and the per-sequence streaks judged against it.
 
-    __slots__ = ("count", "logits", "entropies", "logit_med", "logit_scale", "ent_med", "ent_scale", "seqs")
+    The baseline is kept as bounds (median -/+ z * robust sigma) so that judging a value is
+    one chained comparison; they are recomputed every ``refresh`` observations.
+    """
 
-    def __init__(self, window: int) -> None:
+    __slots__ = ("count", "next_refresh", "logits", "entropies", "logit_med", "logit_scale", "ent_med",
+                 "ent_scale", "logit_lo", "logit_hi", "ent_lo", "ent_hi", "can_collapse", "seqs")
+
+    def __init__(self, s: AttentionSettings) -> None:
         self.count = 0
-        self.logits: deque[float] = deque(maxlen=window)
-        self.entropies: deque[float] = deque(maxlen=window)
+        self.next_refresh = min(s.refresh, s.warmup) or s.refresh
+        self.logits: deque[float] = deque(maxlen=s.window)
+        self.entropies: deque[float] = deque(maxlen=s.window)
         self.logit_med = self.logit_scale = self.ent_med = self.ent_scale = 0.0
+        self.logit_lo = self.ent_lo = -_INF
+        self.logit_hi = self.ent_hi = _INF
+        self.can_collapse = False
         # seq -> [observations, logit streak, entropy streak, collapse streak, sink level, sink streak]
         self.seqs: dict = {}
 
     def refresh(self, s: AttentionSettings) -> None:
+        self.next_refresh = self.count + s.refresh
+        z = s.z_threshold
         self.logit_med, mad = _median_mad(self.logits)
         self.logit_scale = max(_MAD_TO_SIGMA * mad, s.min_scale_logit)
+        self.logit_lo, self.logit_hi = self.logit_med - z * self.logit_scale, self.logit_med + z * self.logit_scale
         self.ent_med, mad = _median_mad(self.entropies)
         self.ent_scale = max(_MAD_TO_SIGMA * mad, s.min_scale_entropy)
+        self.ent_lo, self.ent_hi = self.ent_med - z * self.ent_scale, self.ent_med + z * self.ent_scale
+        self.can_collapse = self.ent_med > s.collapse_baseline
 
 
 class AttentionCheck(CheckBase):
@@ -91,8 +105,11 @@ class AttentionCheck(CheckBase):
 
     def __init__(self, settings: AttentionSettings | None = None, ledger: Ledger | None = None) -> None:
         super().__init__(ledger)
-        self.settings = settings or AttentionSettings()
+        self.settings = s = settings or AttentionSettings()
         self._layers: dict[int, _Layer] = {}
+        # settings read on every event, as plain attributes
+        self._warmup, self._seq_warmup, self._persist = s.warmup, s.seq_warmup, s.persist
+        self._collapse_entropy, self._sink_shift = s.collapse_entropy, s.sink_shift
 
     def handlers(self):
         return {Attn: self._attn, SeqEnd: self._seq_end}
@@ -104,42 +121,42 @@ class AttentionCheck(CheckBase):
 
     def _attn(self, ev: Attn) -> Sequence[Finding]:
         logit, ent, sink = ev.max_logit, ev.entropy, ev.sink
-        if ev.nonfinite or not (-_INF < logit < _INF and -_INF < ent < _INF and -_INF < sink < _INF):
+        total = logit + ent + sink
+        if ev.nonfinite or total - total:  # x - x is 0.0 for a finite x, NaN otherwise
             return self._nonfinite(ev)
-        s = self.settings
         layer = self._layers.get(ev.layer)
         if layer is None:
-            layer = self._layers[ev.layer] = _Layer(s.window)
+            layer = self._layers[ev.layer] = _Layer(self.settings)
         layer.logits.append(logit)
         layer.entropies.append(ent)
-        layer.count += 1
-        if layer.count % s.refresh == 0 or layer.count == s.warmup:
-            layer.refresh(s)
+        count = layer.count = layer.count + 1
+        if count >= layer.next_refresh:
+            layer.refresh(self.settings)
         st = layer.seqs.get(ev.seq)
         if st is None:
             st = layer.seqs[ev.seq] = [0, 0, 0, 0, None, 0]
-        st[0] += 1
-        if layer.count <= s.warmup:
+        seen = st[0] = st[0] + 1
+        if count <= self._warmup:
             return NO_FINDINGS
         out: list[Finding] | tuple = NO_FINDINGS
-        persist = s.persist
+        persist = self._persist
         # max_logit outlier
-        if abs(logit - layer.logit_med) > s.z_threshold * layer.logit_scale:
+        if not layer.logit_lo <= logit <= layer.logit_hi:
             st[1] += 1
             if st[1] == persist:
                 out = self._outlier(ev, "max-logit-outlier", "max logit", logit, layer.logit_med,
                                     layer.logit_scale, out)
-        else:
+        elif st[1]:
             st[1] = 0
         # entropy outlier (a collapse onto one key is the collapse rule's, judged below)
-        collapsed = ent < s.collapse_entropy and layer.ent_med > s.collapse_baseline
-        if not collapsed and abs(ent - layer.ent_med) > s.z_threshold * layer.ent_scale:
+        collapsed = layer.can_collapse and ent < self._collapse_entropy
+        if not collapsed and not layer.ent_lo <= ent <= layer.ent_hi:
             st[2] += 1
             if st[2] == persist:
                 out = self._outlier(ev, "entropy-outlier", "entropy", ent, layer.ent_med, layer.ent_scale, out)
-        else:
+        elif st[2]:
             st[2] = 0
-        if st[0] <= s.seq_warmup:
+        if seen <= self._seq_warmup:
             st[4] = sink if sink < _FULL_SINK else None
             return out
         # entropy collapse: near zero where this layer normally spreads its attention
@@ -147,7 +164,7 @@ class AttentionCheck(CheckBase):
             st[3] += 1
             if st[3] == persist:
                 out = self._collapse(ev, layer, out)
-        else:
+        elif st[3]:
             st[3] = 0
         # sink shift, judged against the sequence's own running level once its first block
         # no longer holds every token
@@ -155,10 +172,10 @@ class AttentionCheck(CheckBase):
         if level is None:
             if sink < _FULL_SINK:
                 st[4] = sink
-        elif abs(sink - level) > s.sink_shift:
+        elif not -self._sink_shift <= sink - level <= self._sink_shift:
             st[5] += 1
             if st[5] == persist:
-                out = self._sink_shift(ev, level, out)
+                out = self._sink_shift_finding(ev, level, out)
                 st[4], st[5] = sink, 0  # the new level is the reference from here on
         else:
             st[5] = 0
@@ -200,7 +217,7 @@ class AttentionCheck(CheckBase):
             events=[_attn_dict(ev)],
         )]
 
-    def _sink_shift(self, ev: Attn, level: float, out):
+    def _sink_shift_finding(self, ev: Attn, level: float, out):
         if not self.once("sink-shift", ev.seq, ev.layer):
             return out
         return [*out, self.finding(
@@ -214,10 +231,11 @@ class AttentionCheck(CheckBase):
 
 def _median_mad(values) -> tuple[float, float]:
     ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-    dev = sorted(abs(v - median) for v in ordered)
-    mad = dev[mid] if len(dev) % 2 else 0.5 * (dev[mid - 1] + dev[mid])
+    n = len(ordered)
+    mid = n // 2
+    median = ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+    dev = sorted([median - v if v < median else v - median for v in ordered])
+    mad = dev[mid] if n % 2 else 0.5 * (dev[mid - 1] + dev[mid])
     return median, mad
 
 

@@ -147,8 +147,12 @@ class CheckSuite:
         for check in self.checks:
             for cls, handler in check.handlers().items():
                 dispatch.setdefault(cls, []).append(handler)
-        self._dispatch = {cls: tuple(hs) for cls, hs in dispatch.items()}
-        self._apply = self.ledger.apply
+        # One lookup per event: the checks' handlers, then the ledger's update (which returns
+        # None, so the loop treats it like a handler that found nothing).
+        for cls, apply in self.ledger.appliers().items():
+            dispatch.setdefault(cls, []).append(apply)
+        dispatch.setdefault(StepEnd, []).append(self._step_end)
+        self._route: dict[type, tuple[Handler, ...]] = {cls: tuple(hs) for cls, hs in dispatch.items()}
         self._by_name = {c.name: c for c in self.checks}
 
     @property
@@ -161,26 +165,38 @@ class CheckSuite:
         out: Sequence[Finding] = NO_FINDINGS
         if event.step != self._step:
             out = self._new_step(event.step)
-        handlers = self._dispatch.get(type(event))
+        handlers = self._route.get(type(event))
         if handlers is not None:
             for handler in handlers:
                 found = handler(event)
                 if found:
                     out = self._accept(found, out)
-        self._apply(event)
-        if type(event) is StepEnd:
-            out = self._close_step(out)
         self.num_events += 1
         return out
 
     def observe_many(self, events: Iterable[Event | Unknown]) -> list[Finding]:
-        """A Bus sink: judge a batch, return everything it completed."""
+        """Judge a batch (a Bus sink, or a trace's chunk); returns everything it completed.
+
+        The same as ``observe`` per event, written out once more because this loop is the
+        replay and live hot path: no call per event beyond the handlers themselves.
+        """
         out: list[Finding] = []
-        observe = self.observe
-        for event in events:
-            found = observe(event)
-            if found:
-                out.extend(found)
+        route = self._route.get
+        index = self.num_events - 1  # stays so when the batch is empty
+        step = self._step
+        for index, event in enumerate(events, index + 1):
+            if event.step != step:
+                self.num_events = index
+                out.extend(self._new_step(event.step))
+                step = self._step
+            handlers = route(type(event))
+            if handlers is not None:
+                for handler in handlers:
+                    found = handler(event)
+                    if found:
+                        self.num_events = index
+                        out.extend(self._accept(found, NO_FINDINGS))
+        self.num_events = index + 1
         return out
 
     def finish(self) -> list[Finding]:
@@ -206,6 +222,16 @@ class CheckSuite:
         self._step = self.ledger.step = step
         self._step_closed = False
         return out
+
+    def _step_end(self, event: StepEnd) -> list[Finding]:
+        """The last handler of a ``step_end``: the step's end-of-step rules (not yet accepted)."""
+        if self._step_closed:
+            return []
+        self._step_closed = True
+        found: list[Finding] = []
+        for check in self.checks:
+            found.extend(check.end_step(self._step))
+        return found
 
     def _close_step(self, out: Sequence[Finding]) -> Sequence[Finding]:
         if self._step_closed:

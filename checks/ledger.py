@@ -103,6 +103,10 @@ class Ledger:
         if handler is not None:
             handler(event)
 
+    def appliers(self) -> dict[type, Callable[[Any], None]]:
+        """Event type -> the update it makes (for a suite's single dispatch table)."""
+        return dict(self._apply)
+
     def _seq(self, seq: Any) -> SeqState:
         state = self.seqs.get(seq)
         if state is None:
