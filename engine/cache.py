@@ -270,7 +270,7 @@ class PagedKVCache:
         """Give ``s`` a private copy of the shared block it is about to append to."""
         own = self.pool.alloc("device", s.id, shared.index)
         self._dev.view(own.slot, 1).copy_(self._dev.view(shared.slot, 1))
-        own.version, own.filled = shared.version, start - shared.index * self.block_size
+        own.version = shared.version
         own.last_access = self._tick
         s.blocks[-1] = own
         self._free_or_keep(shared, s.id, emit_release=True)
@@ -296,7 +296,6 @@ class PagedKVCache:
         if not 0 <= n <= s.pending:
             raise ValueError(f"commit of {n} tokens for {seq!r}: must be in [0, {s.pending}] (reserved)")
         left = n
-        bs = self.block_size
         for b, pos, m in s.writes:
             if left <= 0:
                 break
@@ -304,8 +303,6 @@ class PagedKVCache:
             left -= m
             s.version += m  # every write advances the version, so a stale copy shows up as an older one
             b.version = s.version
-            local = pos - b.index * bs if b.index == pos // bs else pos % bs
-            b.filled = max(b.filled, local + m)
             b.checksum = None
             if self.bus.enabled:
                 self.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version)
@@ -525,14 +522,19 @@ class PagedKVCache:
                 "capacity_blocks": ts.capacity, "used_blocks": ts.used, "free_blocks": ts.num_free,
                 "used_bytes": ts.used * bpb, "arena_bytes": self.arenas[t].nbytes,
             }
-        slots_held = sum(ts.used for ts in self.pool.tiers.values()) * bs
-        tokens = sum(b.filled for b in self.pool.blocks.values())
+        held: dict[int, int] = {}  # block -> token slots in use (the longest owner's view of a shared block)
+        for q in self.seqs.values():
+            end = q.length + q.pending
+            for b in q.blocks:
+                held[b.id] = max(held.get(b.id, 0), min(bs, end - b.index * bs))
+        tokens = sum(held.values())
+        slots = len(self.pool.blocks) * bs
         return {
             "tiers": tiers,
             "sequences": len(self.seqs),
             "blocks": len(self.pool.blocks),
             "tokens": tokens,
-            "fragmentation": (1 - tokens / slots_held) if slots_held else 0.0,
+            "fragmentation": (1 - tokens / slots) if slots else 0.0,  # empty slots in allocated blocks
             "prefetch_hits": self.tiers.prefetch_hits,
             "prefetch_misses": self.tiers.prefetch_misses,
             "prefetch_hit_rate": self.tiers.hit_rate,

@@ -29,7 +29,6 @@ class Block:
     index: int  # position of the block in its sequences: tokens index*block_size …
     owners: list[Any]  # sequence ids; the reference count is len(owners)
     version: int = 0  # version of the last write into the copy the block now has
-    filled: int = 0  # token slots ever written (an owner's own length may be shorter after a rollback)
     checksum: int | None = None  # of the current bytes; None while they may still change
     last_access: int = 0  # cache tick of the last reserve/gather/ensure_resident touching it
     importance: float = 0.0  # decayed attention mass (hybrid policy)

@@ -245,3 +245,17 @@ def test_close_removes_spill_dir(make_cache):
     r.cache.close()
     assert not os.path.exists(d)
     r.cache.close()  # idempotent
+
+
+def test_stats_count_tokens_and_fragmentation_of_partial_blocks(make_cache):
+    r = make_cache()
+    r.add("a", 6)  # 2 blocks, 2 empty slots
+    r.fork("a", "b")  # shared: counted once
+    r.add("c", 4)
+    st = r.cache.stats()
+    assert (st["blocks"], st["tokens"]) == (3, 10)
+    assert st["fragmentation"] == pytest.approx(2 / 12)
+    r.rollback("a", 3)  # a now uses 3 slots of block 0; b still holds all 6 tokens
+    assert r.cache.stats()["tokens"] == 10
+    r.cache.remove_sequence("b")
+    assert r.cache.stats()["tokens"] == 7
