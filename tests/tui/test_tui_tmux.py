@@ -48,6 +48,12 @@ class Tmux:
                 raise AssertionError(f"{text!r} never appeared; the screen shows:\n{screen}")
             time.sleep(0.2)
 
+    def wait_gone(self, text: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text in self.screen():
+            assert time.monotonic() < deadline, f"{text!r} is still on screen"
+            time.sleep(0.2)
+
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True, timeout=30)
 
@@ -79,6 +85,7 @@ def test_replay_in_tmux_navigates_and_quits(tmux_factory, leak_trace: Path):
     t.keys("b3", "Enter")
     assert "history" in t.wait_for("block 3")
     t.keys("Escape")
+    t.wait_gone("owners:")  # escape alone (a key right after it would read as alt+key)
     # WHEN q is pressed THEN the program ends with status 0 (the shell's sleep keeps the pane)
     t.keys("q")
     assert "exit status 0" in t.wait_for("exit status", timeout=20)
