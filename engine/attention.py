@@ -6,11 +6,12 @@ batch may have different query and key lengths; ``AttnLayout`` holds the padding
 mask once per step so every layer reuses it.
 
 When statistics are due, attention is computed explicitly (scores, softmax,
-weighted sum) and the statistics of each row's newest query come from those very
-scores: the largest scaled logit, the mean over heads of the Shannon entropy in
-nats, the probability mass on the sequence's first block (attention sinks), and
-the number of non-finite scores or probabilities. When they are not due, the
-cheap path is PyTorch's fused ``scaled_dot_product_attention``.
+weighted sum) and the scaled scores of each row's newest query are handed back;
+``attention_stats`` turns the scores of every layer of a step into statistics in
+one vectorized pass: the largest scaled logit, the mean over heads of the Shannon
+entropy in nats, the probability mass on the sequence's first block (attention
+sinks), and the number of non-finite scores or probabilities. When they are not
+due, the cheap path is PyTorch's fused ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttnLayout", "AttnStats", "attend", "STAT_FIELDS"]
+__all__ = ["AttnLayout", "AttnStats", "attend", "attention_stats", "STAT_FIELDS"]
 
 STAT_FIELDS = ("max_logit", "entropy", "sink", "nonfinite")
 
@@ -37,8 +38,10 @@ class AttnLayout:
 
     allowed: torch.Tensor | None  # (B, 1, S, T) bool, or None when no row needs masking
     last_query: torch.Tensor  # (B,) index of each row's newest query within S
+    keep: torch.Tensor | None  # (B, T) bool: the keys each row's newest query sees; None: all
     sink_tokens: int
     causal: bool  # no mask, and the queries are the whole fresh sequence: query i sees keys 0 … i
+    uniform_last: bool  # every row's newest query is the last of S
 
     @classmethod
     def build(
@@ -64,7 +67,10 @@ class AttnLayout:
             allowed[:, :, 0] |= ~(q_idx[None, :] < q_len[:, None])
             allowed = allowed[:, None]  # (B, 1, S, T)
         last = torch.tensor([q - 1 for q in q_lens], device=device)
-        return cls(allowed, last, sink_tokens, allowed is None and S > 1)
+        keep = None
+        if len(set(kv_lens)) > 1:
+            keep = torch.arange(T, device=device)[None, :] < torch.tensor(kv_lens, device=device)[:, None]
+        return cls(allowed, last, keep, sink_tokens, allowed is None and S > 1, len(set(q_lens)) == 1)
 
     @classmethod
     def from_mask(cls, allowed: torch.Tensor | None, batch: int, q_len: int, *, sink_tokens: int) -> AttnLayout:
@@ -73,19 +79,21 @@ class AttnLayout:
         Every row's newest query is the last one, as in transformers' left-padded batches.
         """
         last = torch.full((batch,), q_len - 1, dtype=torch.long)
+        keep = None
         if allowed is not None:
             allowed = allowed.expand(batch, 1, *allowed.shape[-2:])
             last = last.to(allowed.device)
-        return cls(allowed, last, sink_tokens, allowed is None and q_len > 1)
+            keep = allowed[:, 0, -1]  # (B, T)
+        return cls(allowed, last, keep, sink_tokens, allowed is None and q_len > 1, True)
 
 
 @dataclass(frozen=True)
 class AttnStats:
-    """One layer's statistics per row, still as tensors: converted to numbers once per step, not per layer."""
+    """Statistics of every layer and row of one step, still as tensors: they leave for Python once per step."""
 
-    summary: torch.Tensor  # (B, 4) float32: max_logit, entropy, sink, nonfinite
-    heads_entropy: torch.Tensor | None = None  # (B, H)
-    heads_max_logit: torch.Tensor | None = None  # (B, H)
+    summary: torch.Tensor  # (L, B, 4) float32: max_logit, entropy, sink, nonfinite
+    heads_entropy: torch.Tensor | None = None  # (L, B, H)
+    heads_max_logit: torch.Tensor | None = None  # (L, B, H)
 
 
 def attend(
@@ -95,67 +103,77 @@ def attend(
     layout: AttnLayout,
     *,
     scale: float,
-    stats: bool = False,
-    per_head: bool = False,
+    scores: bool = False,
     corrupt: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, AttnStats | None]:
-    """Attention of ``q`` (B, H, S, D) over ``k``, ``v`` (B, H_kv, T, D); returns (B, H, S, D) and the statistics.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``q`` (B, H, S, D) over ``k``, ``v`` (B, H_kv, T, D); returns (B, H, S, D) and the scores.
 
-    ``stats=False`` takes the fused SDPA path and returns no statistics. ``corrupt`` sees the
-    scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan fault's hook) and
-    forces the explicit path.
+    With ``scores`` attention is computed explicitly and the scaled pre-softmax scores of
+    each row's newest query come back as (B, H, T) for ``attention_stats``; without it (and
+    without ``corrupt``) the fused SDPA kernel runs and no scores come back. ``corrupt``
+    sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan fault's hook).
     """
     B, H, S, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     if H % H_kv:
         raise ValueError(f"{H} query heads are not a multiple of {H_kv} key/value heads")
-    if not stats and corrupt is None:
+    if not scores and corrupt is None:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=layout.allowed, scale=scale, is_causal=layout.causal, enable_gqa=H != H_kv
         )
         return out, None
     g = H // H_kv
     qg = q.reshape(B, H_kv, g * S, D)  # query head h uses kv head h // g, as repeat_kv lays them out
-    scores = (qg @ k.transpose(-1, -2)).mul_(scale).view(B, H_kv, g, S, T)  # (B, H_kv, g, S, T)
+    raw = (qg @ k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g*S, T)
     if corrupt is not None:
-        scores = corrupt(scores.view(B, H, S, T)).view(B, H_kv, g, S, T)
-    if layout.allowed is not None:
-        valid = layout.allowed[:, :, None]  # (B, 1, 1, S, T)
-    elif layout.causal:
-        valid = torch.ones(S, T, dtype=torch.bool, device=q.device).tril_(T - S)
-    else:
-        valid = None
+        raw = corrupt(raw.view(B, H, S, T)).view(B, H_kv, g * S, T)
+    newest = None
+    if scores:
+        full = raw.view(B, H, S, T)
+        if S == 1:
+            newest = full[:, :, 0]  # a view: the masking below does not write into ``raw``
+        elif layout.uniform_last:
+            newest = full[:, :, -1].clone()  # a copy, so the (S, T) scores of a prefill are not kept alive
+        else:
+            newest = full[torch.arange(B, device=q.device), :, layout.last_query]
     # The most negative finite value rather than -inf: a query row with every key masked (left
     # padding in transformers' batches) then averages V instead of turning the row into NaN.
-    masked = scores if valid is None else scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(masked, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = (probs.view(B, H_kv, g * S, T) @ v).view(B, H, S, D)
-    if not stats:
-        return out, None
-    return out, _row_stats(scores.view(B, H, S, T), probs.view(B, H, S, T), valid, layout, per_head)
+    low = torch.finfo(raw.dtype).min
+    if layout.allowed is not None:
+        raw = raw.view(B, H_kv, g, S, T).masked_fill(~layout.allowed[:, :, None], low)
+    elif layout.causal:
+        raw = raw.view(B, H_kv, g, S, T).masked_fill(
+            torch.ones(S, T, dtype=torch.bool, device=q.device).triu_(T - S + 1), low
+        )
+    probs = torch.softmax(raw, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs.view(B, H_kv, g * S, T) @ v).view(B, H, S, D), newest
 
 
-def _row_stats(
-    scores: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None, layout: AttnLayout, per_head: bool
-) -> AttnStats:
-    """Statistics of each row's newest query from the scores and probabilities already computed."""
-    B, H, S, T = scores.shape
-    rows = torch.arange(B, device=scores.device)
-    last = layout.last_query
-    s = scores[rows, :, last].float()  # (B, H, T)
-    p = probs[rows, :, last].float()  # (B, H, T)
-    if valid is None:
-        keep = torch.ones(B, 1, T, dtype=torch.bool, device=s.device)
-    elif valid.dim() == 2:  # causal (S, T): the newest query sees every key
-        keep = valid[S - 1][None, None, :].expand(B, 1, T)
-    else:
-        keep = valid.reshape(B, S, T)[rows, last][:, None, :]  # (B, 1, T)
-    finite_s = torch.isfinite(s)
-    nonfinite = ((~finite_s | ~torch.isfinite(p)) & keep).sum(dim=(1, 2)).float()  # (B,)
-    heads_max = torch.where(keep & finite_s, s, float("-inf")).amax(dim=-1)  # (B, H)
-    heads_entropy = -torch.special.xlogy(p, p).where(keep, 0.0).sum(dim=-1)  # (B, H)
-    sink = p[:, :, : layout.sink_tokens].sum(dim=-1).mean(dim=-1)  # (B,)
-    summary = torch.stack([heads_max.amax(dim=-1), heads_entropy.mean(dim=-1), sink, nonfinite], dim=-1)
+def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tokens: int,
+                    per_head: bool = False) -> AttnStats:
+    """Statistics of the newest query of each row from its scaled pre-softmax scores ``(L, B, H, T)``.
+
+    ``keep`` (B, T) marks the keys that query may see (None: all). Non-finite scores are
+    counted, along with every probability of a head whose softmax they break (NaN or +inf);
+    the other statistics are taken over the finite scores, so they stay numbers a trace can hold.
+    """
+    L, B, H, T = scores.shape
+    keep4 = torch.ones(1, B, 1, T, dtype=torch.bool, device=scores.device) if keep is None else keep[None, :, None, :]
+    finite = torch.isfinite(scores)
+    bad = ~finite & keep4
+    breaks = (torch.isnan(scores) | (scores == float("inf"))) & keep4
+    valid_len = keep4.sum(-1)  # (1, B, 1)
+    nonfinite = bad.sum(dim=(-1, -2)) + (breaks.any(-1) * valid_len).sum(-1)  # (L, B)
+    usable = finite & keep4
+    masked = scores.masked_fill(~usable, float("-inf"))
+    heads_max = masked.amax(dim=-1)  # (L, B, H)
+    probs = torch.softmax(masked, dim=-1).nan_to_num_(0.0)  # a head with no finite score has no distribution
+    heads_entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # (L, B, H)
+    sink = probs[..., :sink_tokens].sum(dim=-1).mean(dim=-1)  # (L, B)
+    top = heads_max.amax(dim=-1)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    summary = torch.stack([top, heads_entropy.mean(dim=-1), sink, nonfinite.float()], dim=-1)
     if per_head:
+        heads_max = torch.where(torch.isfinite(heads_max), heads_max, torch.zeros_like(heads_max))
         return AttnStats(summary, heads_entropy, heads_max)
     return AttnStats(summary)

@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..events import Attn, Batch, SeqId
-from .attention import AttnLayout, attend
+from .attention import AttnLayout, attend, attention_stats
 from .cache import PagedKVCache
 from .config import EngineConfig
 
@@ -116,6 +116,8 @@ class EngineCache(Cache):
         self._table: torch.Tensor | None = None
         self._kv_len = 0
         self._in_step = False
+        self._scores: list[torch.Tensor] = []  # newest queries' scores per layer, for this step's statistics
+        self._keep: torch.Tensor | None = None
         num_layers = cache.config.num_layers
         super().__init__(layers=[_EngineLayer(self, i) for i in range(num_layers)])
 
@@ -184,11 +186,10 @@ class EngineCache(Cache):
         eng = self.engine
         _active.cache = self
         eng.store(layer, self._slots, k.transpose(1, 2).reshape(B * S, H_kv, D), v.transpose(1, 2).reshape(B * S, H_kv, D))
-        arena = eng.layer_kv(layer)  # (slots, H_kv, 2, bs, D)
-        kv = arena.index_select(0, self._table.view(-1)).view(B, -1, *arena.shape[1:])  # (B, nb, H_kv, 2, bs, D)
-        nb, bs = kv.shape[1], kv.shape[4]
-        keys = kv[:, :, :, 0].transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, : self._kv_len]
-        values = kv[:, :, :, 1].transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, : self._kv_len]
+        kb, vb = eng.read_blocks(layer, self._table)  # (B, nb, H_kv, bs, D) each, decoded by the codec
+        nb, bs = kb.shape[1], kb.shape[3]
+        keys = kb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, : self._kv_len]
+        values = vb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, : self._kv_len]
         if layer == len(self.layers) - 1:
             for seq in self.seqs:
                 eng.commit(seq, S)
@@ -202,7 +203,26 @@ class EngineCache(Cache):
     def _end_step(self) -> None:
         if self._in_step:
             self._in_step = False
+            self._emit_stats()
             self.engine.end_step(int(self._slots.numel()))
+
+    def _emit_stats(self) -> None:
+        """One ``attn`` event per row and layer, computed once per step from the scores attention kept."""
+        per_layer, self._scores = self._scores, []
+        if len(per_layer) != len(self.layers):
+            return  # not the kvdoctor attention implementation, or statistics not due this step
+        st = attention_stats(torch.stack(per_layer), self._keep, sink_tokens=self.engine.block_size,
+                             per_head=self.per_head)
+        summary = st.summary.tolist()
+        he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
+        hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
+        emit = self.engine.bus.emit
+        for layer, rows in enumerate(summary):
+            for b, seq in enumerate(self.seqs):
+                max_logit, entropy, sink, nonfinite = rows[b]
+                emit(Attn, seq=seq, layer=layer, max_logit=max_logit, entropy=entropy, sink=sink,
+                     nonfinite=int(nonfinite), heads_entropy=he[layer][b] if he else None,
+                     heads_max_logit=hm[layer][b] if hm else None)
 
     def finish(self) -> None:
         """End the current step and release every row's sequence (``seq_end``): call after ``generate``."""
@@ -249,17 +269,10 @@ def kvdoctor_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     stats = owner is not None and owner.stats_due()
     corrupt = owner.engine.score_hook(layer) if owner is not None else None
     scale = scaling if scaling is not None else D ** -0.5
-    out, st = attend(query, key, value, layout, scale=scale, stats=stats, per_head=owner is not None and owner.per_head,
-                     corrupt=corrupt)
-    if st is not None:
-        summary = st.summary.tolist()
-        he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
-        hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
-        for b, seq in enumerate(owner.seqs):
-            max_logit, entropy, sink_mass, nonfinite = summary[b]
-            owner.engine.bus.emit(Attn, seq=seq, layer=layer, max_logit=max_logit, entropy=entropy, sink=sink_mass,
-                                  nonfinite=int(nonfinite), heads_entropy=he[b] if he else None,
-                                  heads_max_logit=hm[b] if hm else None)
+    out, newest = attend(query, key, value, layout, scale=scale, scores=stats, corrupt=corrupt)
+    if newest is not None:
+        owner._scores.append(newest.float())
+        owner._keep = layout.keep
     return out.transpose(1, 2).contiguous(), None
 
 

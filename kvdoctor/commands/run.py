@@ -20,24 +20,22 @@ HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedd
 FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {lo}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

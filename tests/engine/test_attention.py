@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.attention import AttnLayout, attend
+from kvdoctor.engine.attention import AttnLayout, attend, attention_stats
 
 
 def _reference(q, k, v, q_len, kv_len, scale):
@@ -40,21 +40,22 @@ def test_padded_batches_match_per_row_reference(rows, stats):
     q, k, v = _batch(q_lens, kv_lens)
     layout = AttnLayout.build(q_lens, kv_lens, sink_tokens=4)
     # WHEN attention runs on the padded batch (explicit or fused path)
-    out, st_ = attend(q, k, v, layout, scale=0.3, stats=stats, per_head=True)
+    out, newest = attend(q, k, v, layout, scale=0.3, scores=stats)
+    st_ = attention_stats(newest[None], layout.keep, sink_tokens=4, per_head=True) if stats else None
     # THEN every row's valid queries match the per-row reference
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         ref, scores, probs = _reference(q[b], k[b], v[b], ql, kl, 0.3)
         torch.testing.assert_close(out[b, :, :ql], ref, atol=1e-5, rtol=1e-5)
         if stats:
-            max_logit, entropy, sink, nonfinite = st_.summary[b].tolist()
+            max_logit, entropy, sink, nonfinite = st_.summary[0, b].tolist()
             assert max_logit == pytest.approx(scores.max().item(), abs=1e-5)
             ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
             assert entropy == pytest.approx(ent.mean().item(), abs=1e-5)
             assert sink == pytest.approx(probs[:, :4].sum(-1).mean().item(), abs=1e-5)
             assert nonfinite == 0
-            torch.testing.assert_close(st_.heads_entropy[b], ent, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st_.heads_entropy[0, b], ent, atol=1e-5, rtol=1e-5)
     if not stats:
-        assert st_ is None
+        assert newest is None
 
 
 def test_uniform_attention_has_log_t_entropy_and_sink_share():
@@ -63,8 +64,8 @@ def test_uniform_attention_has_log_t_entropy_and_sink_share():
     k.zero_()
     layout = AttnLayout.build([1], [32], sink_tokens=16)
     # WHEN the statistics are taken
-    _, st_ = attend(q, k, v, layout, scale=0.125, stats=True)
-    max_logit, entropy, sink, nonfinite = st_.summary[0].tolist()
+    _, newest = attend(q, k, v, layout, scale=0.125, scores=True)
+    max_logit, entropy, sink, nonfinite = attention_stats(newest[None], layout.keep, sink_tokens=16).summary[0, 0].tolist()
     # THEN attention is uniform: entropy ln 32, half the mass on the first block, logits 0
     assert entropy == pytest.approx(math.log(32), abs=1e-5)
     assert sink == pytest.approx(0.5, abs=1e-6)
@@ -77,10 +78,14 @@ def test_nan_in_keys_is_counted_as_nonfinite():
     k[1, 0, 2, 0] = float("nan")
     layout = AttnLayout.build([1, 1], [5, 5], sink_tokens=16)
     # WHEN attention runs with statistics
-    _, st_ = attend(q, k, v, layout, scale=0.5, stats=True)
-    # THEN only the corrupted row reports non-finite values
-    assert st_.summary[0, 3].item() == 0
-    assert st_.summary[1, 3].item() > 0
+    _, newest = attend(q, k, v, layout, scale=0.5, scores=True)
+    summary = attention_stats(newest[None], layout.keep, sink_tokens=16).summary[0]
+    # THEN only the corrupted row reports non-finite values: the key's NaN score in both query heads
+    # sharing its KV head, and the 5 probabilities of each head whose softmax it breaks; the other
+    # statistics stay finite numbers
+    assert summary[0, 3].item() == 0
+    assert summary[1, 3].item() == 2 * (1 + 5)
+    assert torch.isfinite(summary).all()
 
 
 def test_fresh_prefill_uses_no_mask_and_is_causal():
@@ -88,10 +93,22 @@ def test_fresh_prefill_uses_no_mask_and_is_causal():
     assert layout.allowed is None and layout.causal
     q, k, v = _batch([7], [7])
     fast, _ = attend(q, k, v, layout, scale=0.3)
-    slow, _ = attend(q, k, v, layout, scale=0.3, stats=True)
+    slow, _ = attend(q, k, v, layout, scale=0.3, scores=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
 def test_layout_rejects_more_queries_than_keys():
     with pytest.raises(ValueError, match="q_len <= kv_len"):
         AttnLayout.build([3], [2], sink_tokens=4)
+
+
+def test_corrupt_hook_sees_scores_before_softmax_and_forces_the_explicit_path():
+    q, k, v = _batch([1], [6])
+    layout = AttnLayout.build([1], [6], sink_tokens=4)
+
+    def poison(scores):
+        scores[..., 0, -1, -1] = float("nan")
+        return scores
+
+    out, newest = attend(q, k, v, layout, scale=0.5, corrupt=poison)
+    assert newest is None and torch.isnan(out[0, 0]).all() and not torch.isnan(out[0, 1:]).any()
