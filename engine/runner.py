@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..events import Attn, Batch, SeqId
-from .attention import AttnLayout, AttnStats, attend
+from .attention import AttnLayout, attend, attention_stats
 from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
@@ -184,11 +184,12 @@ class Runner:
 
     # ---- one step ----
     @torch.inference_mode()
-    def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]]) -> torch.Tensor:
+    def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False) -> torch.Tensor:
         """Compute one step: every row's new tokens go through all layers and into the cache.
 
         Each row's sequence must have been added to the cache; its new tokens start at
-        the sequence's current length. Returns the fp32 logits of each row's last token (B, V).
+        the sequence's current length. Returns the fp32 logits of each row's last token (B, V),
+        or with ``all_logits`` of every new token, rows one after another (N, V) (perplexity).
         """
         if not rows:
             raise ValueError("forward needs at least one row")
@@ -218,7 +219,8 @@ class Runner:
         cos, sin = self._base.rotary_emb(x[None], pos[None])  # (1, N, D) each
         cos, sin = cos[0], sin[0]  # (N, D)
         N, H, H_kv, D = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
-        layer_stats: list[list[tuple[_Group, AttnStats]]] = []
+        # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
+        scores: list[list[torch.Tensor]] = [[] for _ in groups]
         for li, layer in enumerate(self._layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
@@ -229,20 +231,21 @@ class Runner:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = self._apply_rope(q, k, cos, sin, unsqueeze_dim=1)  # (N, H, D), (N, H_kv, D)
             cache.store(li, slots, k, v)
-            out, got = self._attend_groups(li, q, groups, a.scaling, stats, cache.score_hook(li))
-            if got:
-                layer_stats.append(got)
+            out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats else None, cache.score_hook(li))
             x = x + a.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
-        logits = self.model.lm_head(self._base.norm(x[last])).float()  # (B, V)
+        if all_logits:
+            logits = self.model.lm_head(self._base.norm(x)).float()  # (N, V)
+        else:
+            last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
+            logits = self.model.lm_head(self._base.norm(x[last])).float()  # (B, V)
 
         for seq, k in zip(seqs, n):
             cache.commit(seq, k)
             if bus.enabled:
                 cache.emit_read(seq)
-        if layer_stats:
-            self._emit_stats(seqs, layer_stats)
+        if stats:
+            self._emit_stats(seqs, groups, scores)
         return logits
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
@@ -273,43 +276,45 @@ class Runner:
             table[r, : t.numel()] = t
         return _Group(rows, tokens, q_len, layout, table, max(lens))
 
-    def _attend_groups(self, layer: int, q: torch.Tensor, groups: list[_Group], scale: float, stats: bool,
-                       corrupt: Any) -> tuple[torch.Tensor, list[tuple[_Group, AttnStats]]]:
+    def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], groups: list[_Group], scale: float,
+                       scores: list[list[torch.Tensor]] | None, corrupt: Any) -> torch.Tensor:
+        """Attention output of every token (N, H*D); appends each group's newest-query scores to ``scores``."""
         N, H, D = q.shape
         out = q.new_empty(N, H * D) if len(groups) > 1 else None
-        got = []
-        kv = self.cache.layer_kv(layer)  # (slots, H_kv, 2, bs, D)
-        for g in groups:
+        for gi, g in enumerate(groups):
             B, nb = g.table.shape
-            # Paged gather of every row's blocks at once; index_select, as advanced indexing with a 2-D
-            # index over this strided view is orders of magnitude slower on CPU.
-            blocks = kv.index_select(0, g.table.view(-1)).view(B, nb, *kv.shape[1:])  # (B, nb, H_kv, 2, bs, D)
-            k = blocks[:, :, :, 0].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
-            v = blocks[:, :, :, 1].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
             qg = q[g.tokens].view(B, g.q_len, H, D).transpose(1, 2)  # (B, H, S, D)
-            o, st = attend(qg, k, v, g.layout, scale=scale, stats=stats, per_head=self.per_head, corrupt=corrupt)
+            # Paged gather of every row's blocks at once, decoded by the cache's codec.
+            kb, vb = self.cache.read_blocks(layer, g.table)  # (B, nb, H_kv, bs, D) each
+            k = kb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
+            v = vb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
+            o, st = attend(qg, k, v, g.layout, scale=scale, scores=scores is not None, corrupt=corrupt)
             o = o.transpose(1, 2).reshape(B * g.q_len, H * D)  # (tokens, H*D)
             if out is None:
                 out = o
             else:
                 out[g.tokens] = o
-            if st is not None:
-                got.append((g, st))
-        return out, got
+            if st is not None and scores is not None:
+                scores[gi].append(st)
+        return out
 
-    def _emit_stats(self, seqs: list[SeqId], layer_stats: list[list[tuple[_Group, AttnStats]]]) -> None:
-        """One ``attn`` event per row and layer; numbers leave the tensors once per step."""
+    def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[list[torch.Tensor]]) -> None:
+        """One ``attn`` event per row and layer, from statistics computed once for all layers of a group."""
         emit = self.bus.emit
-        for li, per_group in enumerate(layer_stats):
-            for g, st in per_group:
-                summary = st.summary.tolist()
-                he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
-                hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
+        for g, per_layer in zip(groups, scores):
+            if len(per_layer) != self.num_layers:
+                continue  # a path without scores (block-sparse attention) has no statistics
+            st = attention_stats(torch.stack(per_layer), g.layout.keep, sink_tokens=self.block_size,
+                                 per_head=self.per_head)
+            summary = st.summary.tolist()  # (L, B, 4)
+            he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
+            hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
+            for li in range(self.num_layers):
                 for j, row in enumerate(g.rows):
-                    max_logit, entropy, sink, nonfinite = summary[j]
+                    max_logit, entropy, sink, nonfinite = summary[li][j]
                     emit(Attn, seq=seqs[row], layer=li, max_logit=max_logit, entropy=entropy, sink=sink,
-                         nonfinite=int(nonfinite), heads_entropy=he[j] if he else None,
-                         heads_max_logit=hm[j] if hm else None)
+                         nonfinite=int(nonfinite), heads_entropy=he[li][j] if he else None,
+                         heads_max_logit=hm[li][j] if hm else None)
 
     # ---- whole requests ----
     def generate(self, prompts: Iterable[str | Sequence[int]], *, max_new_tokens: int = 32,
