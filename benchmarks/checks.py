@@ -17,7 +17,7 @@
 Usage::
 
     .venv/bin/python benchmarks/checks.py [--events 1000000] [--model tiny|PATH] [--batch 8]
-        [--new-tokens 64] [--repeats 5] [--trace FILE] [--skip-live] [--json]
+        [--new-tokens 64] [--repeats 5] [--trace FILE] [--skip-live] [--skip-replay] [--json]
 """
 
 from __future__ import annotations
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--skip-live", action="store_true")
+    p.add_argument("--skip-replay", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.threads:
@@ -234,13 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     path = Path(args.trace or os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "checks.kvtrace"))
     result: dict[str, Any] = {}
-    if not path.exists():
-        t0 = time.perf_counter()
-        recorded = record(path, args.events)
-        result["record_s"] = round(time.perf_counter() - t0, 1)
-        print(f"recorded {recorded} events to {path} in {result['record_s']} s", file=sys.stderr)
-    result["replay"] = replay(path, args.repeats)
-    print(f"replay: {result['replay']}", file=sys.stderr)
+    if not args.skip_replay:
+        if not path.exists():
+            t0 = time.perf_counter()
+            recorded = record(path, args.events)
+            result["record_s"] = round(time.perf_counter() - t0, 1)
+            print(f"recorded {recorded} events to {path} in {result['record_s']} s", file=sys.stderr)
+        result["replay"] = replay(path, args.repeats)
+        print(f"replay: {result['replay']}", file=sys.stderr)
     if not args.skip_live:
         result["live"] = live(args.model, args.batch, args.new_tokens, args.repeats)
         print(f"live: {result['live']}", file=sys.stderr)

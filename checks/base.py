@@ -199,6 +199,10 @@ class CheckSuite:
         self.num_events = index + 1
         return out
 
+    def add(self, findings: Iterable[Finding]) -> list[Finding]:
+        """Findings from outside the checks (a workload's exit status), under the same policy."""
+        return self._accept(findings, NO_FINDINGS)
+
     def finish(self) -> list[Finding]:
         """The trace ended: each check's end-of-trace rules, then close the open step."""
         if self._finished:

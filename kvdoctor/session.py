@@ -158,7 +158,10 @@ class CommandSource:
 
     def batches(self) -> Iterator[list[Any]]:
         yield from self._follow.batches()
-        self._reaper.join(5.0)
+        if not self._follow.stop_event.is_set():
+            # The trace is closed or its writer gone: the workload's exit status is part of
+            # the result, so wait for it (Ctrl-C stops waiting).
+            self._reaper.join()
         self.notes.extend(self._follow.notes)
         self.notes.append(self.exit_message())
 

@@ -149,3 +149,15 @@ def test_check_a_workload_command(capsys, tmp_path):
     assert code == 1
     assert {f["rule"] for f in doc["findings"]} == {"unreachable-swapped", "unknown-block"}
     assert "workload exited with status 0" in doc["summary"]["notes"]
+
+
+def test_a_failing_workload_is_an_error_finding(capsys, tmp_path):
+    from test_session import WORKLOAD
+
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    code, out, _ = check(capsys, "--format", "json", "--disable", "leak", "--disable", "accounting",
+                         "--", sys.executable, "-c", WORKLOAD.format(tests=tests, code=3))
+    doc = json.loads(out)
+    assert code == 1
+    assert [(f["check"], f["rule"]) for f in doc["findings"]] == [("workload", "exit-status")]
+    assert "status 3" in doc["findings"][0]["message"] and doc["summary"]["suppressed"] == 0

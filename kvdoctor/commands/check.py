@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
         session.close()
         print("kvdoctor check: interrupted; reporting what was checked so far", file=sys.stderr)
     if isinstance(source, CommandSource) and source.returncode not in (0, None):
-        session.findings.append(Finding(
+        session.suite.add([Finding(
             check="workload", rule="exit-status", severity="error",
             message=f"{source.exit_message()}: {source.name}", evidence={"returncode": source.returncode},
-        ))
+        )])
 
     if args.write_baseline:
         n = write_baseline(args.write_baseline, session.findings)
