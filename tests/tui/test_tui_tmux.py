@@ -83,7 +83,7 @@ def test_replay_in_tmux_navigates_and_quits(tmux_factory, leak_trace: Path):
     t.keys("s")
     t.wait_for("search:")
     t.keys("b3", "Enter")
-    assert "history" in t.wait_for("block 3")
+    assert "block 3 " in t.wait_for("owners:")  # the block's detail view
     t.keys("Escape")
     t.wait_gone("owners:")  # escape alone (a key right after it would read as alt+key)
     # WHEN q is pressed THEN the program ends with status 0 (the shell's sleep keeps the pane)
