@@ -227,7 +227,7 @@ class CheckSuite:
         self._step_closed = False
         return out
 
-    def _step_end(self, event: StepEnd) -> list[Finding]:
+    def _step_end(self, event: StepEnd | None) -> list[Finding]:
         """The last handler of a ``step_end``: the step's end-of-step rules (not yet accepted)."""
         if self._step_closed:
             return []
@@ -238,14 +238,8 @@ class CheckSuite:
         return found
 
     def _close_step(self, out: Sequence[Finding]) -> Sequence[Finding]:
-        if self._step_closed:
-            return out
-        self._step_closed = True
-        for check in self.checks:
-            found = check.end_step(self._step)
-            if found:
-                out = self._accept(found, out)
-        return out
+        found = self._step_end(None)
+        return self._accept(found, out) if found else out
 
     def _accept(self, found: Iterable[Finding], out: Sequence[Finding]) -> list[Finding]:
         kept = list(out)

@@ -31,18 +31,17 @@ class SeqState:
     seen without ``seq_start``, or one that took shared blocks before writing anything).
     """
 
-    __slots__ = ("seq", "version", "length", "blocks", "start")
+    __slots__ = ("seq", "version", "length", "blocks")
 
     def __init__(self, seq: Any, start: SeqStart | None) -> None:
         self.seq = seq
-        self.start = start
         self.version: int | None = 0 if start is not None else None
         self.length: int | None = 0 if start is not None else None
         self.blocks: set[int] = set()
 
 
 class Ledger:
-    """Applies events in order; checks read it (never write it) between events."""
+    """Updated by the suite after the checks saw each event (``appliers``); checks read it."""
 
     def __init__(self, *, history: int = 12) -> None:
         self.history_len = history
@@ -69,9 +68,6 @@ class Ledger:
 
     # ---- reading --------------------------------------------------------------------
 
-    def seq_state(self, seq: Any) -> SeqState | None:
-        return self.seqs.get(seq)
-
     def block_history(self, block: int) -> list[dict]:
         """The block's story as event dicts: its ``alloc`` first, then its latest events
         (for a freed id, the story of its last life, ending with the ``free``/``evict``)."""
@@ -97,11 +93,6 @@ class Ledger:
         return kept[0] if kept is not None else None
 
     # ---- applying -------------------------------------------------------------------
-
-    def apply(self, event: Event) -> None:
-        handler = self._apply.get(type(event))
-        if handler is not None:
-            handler(event)
 
     def appliers(self) -> dict[type, Callable[[Any], None]]:
         """Event type -> the update it makes (for a suite's single dispatch table)."""

@@ -1,0 +1,57 @@
+"""The checks on the embedded SmolLM2-135M: a clean serving run with preemption by swap raises
+nothing (the attention baselines hold on real statistics), and the attention-nan fault is caught."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvdoctor.engine.model import load_model
+
+    return load_model()
+
+
+def serve(lm, fault, steps: int):
+    from kvdoctor.demo import PROMPTS
+    from kvdoctor.engine.runner import Runner, SamplingParams
+    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.session import Session
+
+    runner = Runner.create(lm.model, tokenizer=lm.tokenizer, block_size=16, device_blocks=12, host_blocks=64,
+                           fault=fault)
+    session = Session.on_bus(runner.bus)
+    sched = Scheduler(runner, max_batch=4)
+    rng = random.Random(0)
+    greedy = fault == "attention-nan"  # NaN logits cannot be sampled from
+    for _ in range(steps):
+        while len(sched.live) < 4:
+            sampling = SamplingParams(greedy=True) if greedy else SamplingParams(
+                greedy=False, temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 20))
+            sched.submit(Request(runner.encode(rng.choice(PROMPTS), chat=True), max_new_tokens=rng.randint(8, 40),
+                                 sampling=sampling))
+        sched.step()
+    runner.close()
+    session.close()
+    return session
+
+
+def test_clean_smollm2_serving_with_swaps_raises_no_finding(smollm2):
+    session = serve(smollm2, None, 60)
+    assert [f.message for f in session.findings] == []
+    assert session.num_events > 1000
+
+
+def test_attention_nan_on_smollm2_names_the_layer_and_sequence(smollm2):
+    session = serve(smollm2, "attention-nan", 6)
+    hits = [f for f in session.findings if f.rule == "nonfinite"]
+    # the fault corrupts the middle layer; the NaN then flows into every later layer
+    assert hits and min(f.layer for f in hits) == smollm2.config.num_hidden_layers // 2
+    assert all(f.seq is not None for f in hits)
