@@ -5,4 +5,4 @@ on a worker thread, ``app.KvdoctorApp`` draws the snapshots. Only ``app`` and ``
 import Textual, so the state model and the feeds can be benchmarked and tested without it.
 """
 
-__all__ = ["app", "feed", "state", "synthetic", "workload"]
+__all__ = ["app", "feed", "state", "synthetic", "workload", "screenshot"]

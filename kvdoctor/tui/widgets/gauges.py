@@ -49,7 +49,8 @@ def _gauge_line(tier: TierView, width: int) -> Text:
     # Blocks the engine counts but the events do not explain (or the reverse) show as unattributed.
     other = max(min(round(tier.used * bar_width / cap), bar_width) - sum(cells), 0)
     free = max(bar_width - sum(cells) - other, 0)
-    line = Text(f"{tier.name:<7}", style=f"bold {color}")
+    line = Text()
+    line.append(f"{tier.name:<7}", f"bold {color}")
     line.append("▕", "dim")
     line.append("█" * cells[0], color)
     line.append("▒" * cells[1], f"bold {color}")

@@ -25,23 +25,29 @@ class StatusHeader(Widget):
         self.show_pid = show_pid  # off in tests: a pid differs on every run
 
     def render(self) -> Text:
-        return self._identity() + Text("\n") + self._state()
+        out = self._identity()
+        out.append("\n")
+        out.append_text(self._state())
+        return out
 
     def _identity(self) -> Text:
         s = self.snapshot
-        line = Text("kvdoctor", "bold")
+        line = Text()
+        line.append("kvdoctor", "bold")
         if s is None:
-            return line + Text("  starting…", "dim")
+            line.append("  starting…", "dim")
+            return line
         h = s.header
-        sep = Text(" │ ", "dim")
+        parts: list[tuple[str, str]] = []
         if h is not None and h.pid is not None and self.show_pid:
-            line += sep + Text(f"pid {h.pid}")
+            parts.append((f"pid {h.pid}", ""))
         if h is not None and h.model:
-            line += sep + Text(h.model.rsplit("/", 1)[-1], "bold cyan")
-        line += sep + Text(f"step {s.step}")
-        line += sep + Text(f"{human_rate(s.tokens_per_s)} tok/s")
-        line += sep + Text(f"{human_rate(s.events_per_s)} ev/s")
-        line += sep + Text(f"{s.active_seqs}/{s.num_seqs} seqs")
+            parts.append((h.model.rsplit("/", 1)[-1], "bold cyan"))
+        parts += [(f"step {s.step}", ""), (f"{human_rate(s.tokens_per_s)} tok/s", ""),
+                  (f"{human_rate(s.events_per_s)} ev/s", ""), (f"{s.active_seqs}/{s.num_seqs} seqs", "")]
+        for text, style in parts:
+            line.append(" │ ", "dim")
+            line.append(text, style)
         return line
 
     def _state(self) -> Text:
