@@ -17,6 +17,7 @@ sequences' ends reach the trace.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Sequence
 
@@ -86,7 +87,7 @@ class EngineCache(Cache):
     ``EngineCache(model, device_blocks=…, host_blocks=…, …)`` builds an engine shaped for
     ``model`` (further keywords are ``EngineConfig`` fields); ``EngineCache(cache=engine)``
     wraps an existing one. ``seqs`` names the engine sequences of the batch rows (default:
-    ``"hf0"``, ``"hf1"``, … created on first use).
+    ``"hf0"``, ``"hf1"``, … created on first use, new ones after each ``finish()``).
     """
 
     def __init__(self, model: Any = None, *, cache: PagedKVCache | None = None, seqs: Sequence[SeqId] | None = None,
@@ -112,6 +113,7 @@ class EngineCache(Cache):
         self.per_head = per_head
         self.seqs: list[SeqId] = list(seqs) if seqs is not None else []
         self._named = seqs is not None
+        self._ids = itertools.count()
         self._slots: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
         self._kv_len = 0
@@ -157,7 +159,8 @@ class EngineCache(Cache):
         self._end_step()
         eng = self.engine
         if not self.seqs:
-            self.seqs = [f"hf{i}" for i in range(batch)]
+            # Fresh ids after every finish(): a sequence id names one sequence for the whole trace.
+            self.seqs = [f"hf{next(self._ids)}" for _ in range(batch)]
         if len(self.seqs) != batch:
             raise ValueError(f"EngineCache holds {len(self.seqs)} rows but the model passed a batch of {batch}")
         for seq in self.seqs:
