@@ -47,7 +47,9 @@ def describe_finding(f: Finding, block_story: list[Any] | None = None, seq_story
             out.append(f" {event_fields(ev)}\n")
     stacks = _stacks(f, block_story, seq_story)
     if stacks:
-        out.append("\nPython stack\n", "bold underline")
+        live = bool(f.attribution.get("stacks") or f.attribution.get("stack"))
+        out.append("\nPython stack " + ("(py-spy, as the finding was made)" if live else "(recorded with the event)")
+                   + "\n", "bold underline")
         for frame in stacks:
             out.append(f"{_NBSP * 2}{frame}\n", "green")
     if f.attribution:

@@ -73,6 +73,8 @@ class Feed(threading.Thread):
         self.lock = threading.Lock()
         self.monitor = Monitor()
         self._checker: Checker | None = None
+        # Adds to each finding what the workload's Python was doing (py-spy) and the memory curve.
+        self._attributor: Any = None
         self.status = ""
         self.failed: str | None = None  # set when the source could not be read at all
         # Set while the feed has nothing to do until it is told (a replay waiting for a key, a
@@ -111,12 +113,15 @@ class Feed(threading.Thread):
                         observe(ev)
                 else:
                     check = checker.observe
+                    attributor = self._attributor
                     for ev in events[start:start + _SLICE]:
                         found = check(ev)
                         observe(ev)
+                        if attributor is not None:
+                            attributor.observe(ev)
                         if found:
                             for f in found:
-                                add(f)
+                                add(attributor.enrich(f) if attributor is not None else f)
             self._dirty = True
             self._publish()
 
@@ -186,6 +191,11 @@ class LiveFeed(Feed):
             self._fail(self._explain(str(exc)))
             return
         self._reset(header)
+        if self.workload is not None:
+            from ..attribution import Attributor
+
+            # The workload is our child, so py-spy may read its stacks when a finding fires.
+            self._attributor = Attributor(pid=self.workload.pid, pyspy_timeout_s=3.0)
         self._set_status(f"following {self.path}")
         try:
             for batch in follower.batches():
