@@ -215,7 +215,7 @@ def test_header_describes_the_tiers(make_cache):
 def test_trace_env_records_a_readable_trace(tmp_path, monkeypatch):
     from kvdoctor.trace import TraceReader
 
-    from conftest import tiny_config
+    from engine_support import tiny_config
 
     path = tmp_path / "run.kvtrace"
     monkeypatch.setenv("KVDOCTOR_TRACE", str(path))

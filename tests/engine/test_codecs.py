@@ -16,7 +16,7 @@ from kvdoctor.engine.codecs import (
 )
 from kvdoctor.engine.config import EngineConfig
 
-from conftest import Recorder, tiny_config
+from engine_support import Recorder, tiny_config
 
 H, D, BS = 2, 64, 16
 _NF4_HALF_GAP = max(b - a for a, b in zip(NF4_LEVELS, NF4_LEVELS[1:])) / 2

@@ -13,7 +13,7 @@ import torch
 from kvdoctor.engine.cache import PagedKVCache
 from kvdoctor.engine.faults import FAULTS
 
-from conftest import tiny_config
+from engine_support import tiny_config
 
 
 def test_faults_are_off_by_default(make_cache):

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from conftest import Recorder, tiny_config
+from engine_support import Recorder, tiny_config
 from kvdoctor.engine.cache import PagedKVCache
 from kvdoctor.engine.errors import OutOfBlocks
 

@@ -18,7 +18,7 @@ from kvdoctor.engine.cache import PagedKVCache
 from kvdoctor.engine.errors import OutOfBlocks
 from kvdoctor.trace import TraceReader
 
-from conftest import Recorder, tiny_config
+from engine_support import Recorder, tiny_config
 
 
 def run_workload(tmp_path, monkeypatch, fault=None, steps=300, seed=0):

@@ -1,0 +1,72 @@
+"""Helpers shared by the engine tests: a tiny cache wired to an event list, and a token writer
+that remembers what it wrote so tests can compare bytes read back. (A module of its own, not
+conftest, so test files can import it by a name no other test folder uses.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.config import EngineConfig
+
+
+class Recorder:
+    """The cache plus every event it emitted and the K/V each sequence was given, per layer."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.events: list[Any] = []
+        cache.bus.subscribe(self.events.extend)
+        self.kv: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._gen = torch.Generator().manual_seed(0)
+
+    def write(self, seq: Any, n: int) -> None:
+        """Append ``n`` random tokens to ``seq`` in every layer (reserve, store, commit)."""
+        c = self.cache.config
+        slots = self.cache.reserve(seq, n)
+        layers = self.kv.setdefault(seq, [(torch.empty(0, c.num_kv_heads, c.head_dim),) * 2 for _ in range(c.num_layers)])
+        for layer in range(c.num_layers):
+            k = torch.randn(n, c.num_kv_heads, c.head_dim, generator=self._gen)
+            v = torch.randn(n, c.num_kv_heads, c.head_dim, generator=self._gen)
+            self.cache.store(layer, slots, k.to(self.cache.device), v.to(self.cache.device))
+            layers[layer] = (torch.cat([layers[layer][0], k]), torch.cat([layers[layer][1], v]))
+        self.cache.commit(seq, n)
+
+    def add(self, seq: Any, n: int) -> None:
+        self.cache.add_sequence(seq, prompt_len=n)
+        self.write(seq, n)
+
+    def fork(self, parent: Any, child: Any) -> None:
+        self.cache.fork(parent, child)
+        self.kv[child] = list(self.kv[parent])
+
+    def rollback(self, seq: Any, n: int) -> None:
+        self.cache.rollback(seq, n)
+        self.kv[seq] = [(k[:-n], v[:-n]) for k, v in self.kv[seq]]
+
+    def expected(self, seq: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``gather`` must return: the written K/V of the blocks still present, ``(H, T, D)``."""
+        bs = self.cache.block_size
+        k, v = self.kv[seq][layer]
+        keep = [p for b in self.cache.seqs[seq].blocks for p in range(b.index * bs, min((b.index + 1) * bs, len(k)))]
+        return k[keep].transpose(0, 1), v[keep].transpose(0, 1)
+
+    def assert_intact(self, seq: Any) -> None:
+        self.cache.ensure_resident([seq])
+        for layer in range(self.cache.config.num_layers):
+            k, v = (t.cpu() for t in self.cache.gather(seq, layer))
+            ek, ev = self.expected(seq, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev), f"seq {seq!r} layer {layer}: bytes differ"
+
+    def kinds(self, *kinds: str) -> list[Any]:
+        self.cache.bus.flush()
+        return [e for e in self.events if type(e).__struct_config__.tag in kinds]
+
+
+def tiny_config(**kw: Any) -> EngineConfig:
+    base: dict[str, Any] = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
+                                device_blocks=4, host_blocks=4, disk_blocks=8, chunk_blocks=2)
+    base.update(kw)
+    return EngineConfig(**base)
