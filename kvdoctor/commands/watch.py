@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 NAME = "watch"
 HELP = "live TUI of a workload's KV cache: --demo [--fault NAME], --trace FILE, or -- CMD ARGS"
@@ -83,4 +84,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if workload is not None:
             workload.stop()
+    if workload is not None:
+        # The trace outlives the screen: the same session can be replayed or checked later.
+        print(f"{workload.exit_message()}; its trace: {workload.trace} "
+              f"(kvdoctor replay {workload.trace}, kvdoctor check --trace {workload.trace})", file=sys.stderr)
     return 0

@@ -131,6 +131,7 @@ class KvdoctorApp(App[int]):
     def on_unmount(self) -> None:
         if self.feed is not None:
             self.feed.stop()
+            self.feed.join(2.0)  # it stops within a slice of events
         if self.workload is not None:
             self.workload.stop()
 

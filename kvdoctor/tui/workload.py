@@ -56,14 +56,15 @@ class Workload:
         self._reaper.start()
 
     @classmethod
-    def demo(cls, *, fault: str | None = None, model: str | None = None, seconds: float | None = None) -> "Workload":
+    def demo(cls, *, fault: str | None = None, model: str | None = None, seconds: float | None = None,
+             workdir: str | None = None) -> "Workload":
         """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes."""
         argv = [sys.executable, "-m", "kvdoctor.demo"]
         if model:
             argv += ["--model", model]
         if seconds is not None:
             argv += ["--seconds", str(seconds)]
-        return cls(argv, fault=fault, probes=False)
+        return cls(argv, fault=fault, probes=False, workdir=workdir)
 
     @property
     def pid(self) -> int:

@@ -6,6 +6,8 @@ does. The tiny random model keeps it quick; the embedded SmolLM2 variant is mark
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvdoctor.tui.app import KvdoctorApp
@@ -14,8 +16,8 @@ from kvdoctor.tui.workload import Workload
 from tui_helpers import screen_text, sync, wait_for
 
 
-async def _watch_demo_until_leak(model: str | None, timeout: float) -> None:
-    workload = Workload.demo(fault="leak-swapped", model=model, seconds=timeout)
+async def _watch_demo_until_leak(model: str | None, timeout: float, workdir: Path) -> None:
+    workload = Workload.demo(fault="leak-swapped", model=model, seconds=timeout, workdir=str(workdir))
     app = KvdoctorApp(lambda publish: LiveFeed(str(workload.trace), publish, workload=workload, wait_s=timeout),
                       workload=workload, show_pid=False)
     try:
@@ -37,11 +39,11 @@ async def _watch_demo_until_leak(model: str | None, timeout: float) -> None:
 
 
 @sync
-async def test_watch_demo_tiny_model_shows_leak_swapped_live():
-    await _watch_demo_until_leak("tiny", timeout=240)
+async def test_watch_demo_tiny_model_shows_leak_swapped_live(tmp_path: Path):
+    await _watch_demo_until_leak("tiny", timeout=240, workdir=tmp_path)
 
 
 @pytest.mark.slow
 @sync
-async def test_watch_demo_smollm2_shows_leak_swapped_live():
-    await _watch_demo_until_leak(None, timeout=600)
+async def test_watch_demo_smollm2_shows_leak_swapped_live(tmp_path: Path):
+    await _watch_demo_until_leak(None, timeout=600, workdir=tmp_path)
