@@ -375,3 +375,40 @@ def calibrate(model: Any, windows: Sequence[Sequence[int]], *, source: str, batc
         values.append(vs.transpose(1, 2).flatten(2, 3).cpu())
     name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
     return Calibration.from_keys(keys, source=source, model=str(name), num_samples=len(windows), values=values)
+
+
+def calibration_text() -> str:
+    """Real English text that ships with Python (``pydoc_data.topics``), in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def calibration_tokens(tokenizer: Any) -> list[int]:
+    """The first half of ``calibration_text``'s tokens: calibration never sees the second half, which
+    the quality benchmark evaluates on."""
+    ids = tokenizer(calibration_text())["input_ids"]
+    return list(ids[: len(ids) // 2])
+
+
+def default_calibration(model: Any, tokenizer: Any, *, name: str, num_samples: int = 512, length: int = 64,
+                        cache_dir: str | None = None) -> Calibration:
+    """The calibration of ``model`` over ``num_samples`` windows of Python's documentation, computed once
+    and kept as safetensors in kvdoctor's cache directory (the same text and model load the same file)."""
+    import os
+
+    from .model import models_dir
+
+    ids = calibration_tokens(tokenizer)
+    key = hashlib.sha256(repr((name, num_samples, length, ids)).encode()).hexdigest()[:16]
+    directory = cache_dir or str(models_dir().parent / "calibration")
+    path = os.path.join(directory, f"{name}-{key}.safetensors")
+    if os.path.exists(path):
+        return Calibration.load(path)
+    cal = calibrate(model, calibration_windows(ids, num_samples=num_samples, length=length),
+                    source=f"pydoc_data.topics[:half] {num_samples}x{length} tokens ({key})")
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    cal.save(tmp)
+    os.replace(tmp, path)  # a reader never sees half a file
+    return cal

@@ -62,6 +62,14 @@ class ImportanceEviction:
         self._mass: dict[Any, dict[int, float]] = {}  # seq -> block id -> accumulated attention
         self.evicted = 0
 
+    @classmethod
+    def for_cache(cls, cache: Any) -> ImportanceEviction | None:
+        c = cache.config
+        if c.importance is None:
+            return None
+        return cls(cache, mode=c.importance, budget_blocks=c.kv_budget_blocks, sink_blocks=c.sink_blocks,
+                   local_blocks=c.local_blocks)
+
     @property
     def needs_mass(self) -> bool:
         return self.mode == "h2o"

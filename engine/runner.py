@@ -25,6 +25,8 @@ from .attention import AttnLayout, attend, attention_stats
 from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
+from .importance import ImportanceEviction
+from .sparse import BlockSparse
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "Generation"]
 
@@ -131,6 +133,9 @@ class Runner:
                 f"cache shape (layers, kv heads, head dim) = {(cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim)} "
                 f"does not match the model's {(self.num_layers, self.num_kv_heads, self.head_dim)}"
             )
+        # KV compression the cache's config asks for: block-sparse top-k reads, importance eviction.
+        self._sparse = BlockSparse.for_cache(cache)
+        self._importance = ImportanceEviction.for_cache(cache)
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -214,6 +219,8 @@ class Runner:
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
         groups = self._groups(seqs, n, kv_lens)
         stats = self.stats_due()
+        if self._sparse is not None:
+            self._sparse.begin_step(seqs)
 
         x = self._base.embed_tokens(ids)  # (N, hidden)
         cos, sin = self._base.rotary_emb(x[None], pos[None])  # (1, N, D) each
@@ -231,6 +238,8 @@ class Runner:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = self._apply_rope(q, k, cos, sin, unsqueeze_dim=1)  # (N, H, D), (N, H_kv, D)
             cache.store(li, slots, k, v)
+            if self._sparse is not None:
+                self._sparse.after_store(li, seqs)
             out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats else None, cache.score_hook(li))
             x = x + a.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -241,9 +250,14 @@ class Runner:
             logits = self.model.lm_head(self._base.norm(x[last])).float()  # (B, V)
 
         for seq, k in zip(seqs, n):
+            read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k)
             if bus.enabled:
-                cache.emit_read(seq)
+                cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
+        if self._sparse is not None:
+            self._sparse.commit(seqs)
+        if self._importance is not None:
+            self._importance.enforce(seqs)
         if stats:
             self._emit_stats(seqs, groups, scores)
         return logits
@@ -284,11 +298,14 @@ class Runner:
         for gi, g in enumerate(groups):
             B, nb = g.table.shape
             qg = q[g.tokens].view(B, g.q_len, H, D).transpose(1, 2)  # (B, H, S, D)
-            # Paged gather of every row's blocks at once, decoded by the cache's codec.
-            kb, vb = self.cache.read_blocks(layer, g.table)  # (B, nb, H_kv, bs, D) each
-            k = kb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
-            v = vb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
-            o, st = attend(qg, k, v, g.layout, scale=scale, scores=scores is not None, corrupt=corrupt)
+            if self._sparse is not None:
+                o, st = self._attend_sparse(layer, qg, [seqs[i] for i in g.rows], g, scale)
+            else:
+                # Paged gather of every row's blocks at once, decoded by the cache's codec.
+                kb, vb = self.cache.read_blocks(layer, g.table)  # (B, nb, H_kv, bs, D) each
+                k = kb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
+                v = vb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
+                o, st = attend(qg, k, v, g.layout, scale=scale, scores=scores is not None, corrupt=corrupt)
             o = o.transpose(1, 2).reshape(B * g.q_len, H * D)  # (tokens, H*D)
             if out is None:
                 out = o
@@ -297,6 +314,17 @@ class Runner:
             if st is not None and scores is not None:
                 scores[gi].append(st)
         return out
+
+    def _attend_sparse(self, layer: int, qg: torch.Tensor, rows: list[SeqId], g: _Group, scale: float
+                       ) -> tuple[torch.Tensor, None]:
+        """Block-sparse attention (and the attention mass importance eviction accumulates); no statistics."""
+        want_mass = self._importance is not None and self._importance.needs_mass
+        kv_lens = [self.cache.num_tokens(seq) for seq in rows]
+        o, mass = self._sparse.attend(layer, qg, rows, g.table, g.layout, kv_lens, scale, want_mass=want_mass)
+        if mass is not None:
+            for seq, m in zip(rows, mass):
+                self._importance.observe(seq, self.cache.block_table(seq), m)
+        return o, None
 
     def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[list[torch.Tensor]]) -> None:
         """One ``attn`` event per row and layer, from statistics computed once for all layers of a group."""

@@ -1,0 +1,332 @@
+"""Block-sparse top-k attention: read only the blocks the current query can attend to strongly (Quest).
+
+Every block keeps a summary of its keys per layer and KV head: the per-channel
+minimum and maximum. For a query ``q`` the largest score any key of the block can
+reach is bounded by ``sum_c max(q_c * min_c, q_c * max_c)`` (Tang et al., Quest,
+2024); attention reads the ``k`` blocks with the highest bound, plus the sink
+blocks at the start of the sequence (attention sinks, which a softmax leans on)
+and the local window of the newest blocks. Query heads that share a KV head
+(GQA) choose together, each head's bound taken relative to its best block, so a
+block one head needs is not crowded out by another head's larger scores.
+
+A decode step really reads only the chosen blocks: their rows are gathered from
+the arena (and decoded by the codec), nothing else is touched. A multi-token
+chunk (prefill) lets each query choose its own blocks, as it would when decoding
+at that position, and masks the rest; every query's own block and the blocks
+before it within the window are always in. When ``k`` covers every candidate, the
+dense computation runs unchanged, so the two agree exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttnLayout, attend
+
+__all__ = ["block_upper_bound", "quest_bound", "select_blocks", "chunk_block_mask", "KeySummaries", "BlockSparse", "SparseRead"]
+
+_NEG = float("-inf")
+
+
+def block_upper_bound(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``q . k`` over the keys of each block: ``q`` (H_kv, g, S, D) grouped query
+    heads, ``mins``/``maxs`` (H_kv, nb, D) per-channel key extremes. Returns (H_kv, g, S, nb)."""
+    qf = q.float()[:, :, :, None, :]  # (H_kv, g, S, 1, D)
+    lo, hi = mins.float()[:, None, None], maxs.float()[:, None, None]  # (H_kv, 1, 1, nb, D)
+    return torch.maximum(qf * lo, qf * hi).sum(dim=-1)
+
+
+def quest_bound(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """Block scores for selection, (H_kv, S, nb): per query, each head's upper bound minus that
+    head's best block, the max over the group's heads. 0 marks a block that is some head's best."""
+    bound = block_upper_bound(q, mins, maxs)  # (H_kv, g, S, nb)
+    bound = bound - bound.amax(dim=-1, keepdim=True)
+    return bound.amax(dim=1)  # (H_kv, S, nb)
+
+
+def select_blocks(score: torch.Tensor, num_blocks: int, k: int, sink_blocks: int, local_blocks: int) -> torch.Tensor:
+    """Blocks one decode query reads: sinks, the top ``k`` by ``score`` (H_kv, nb) among the others, the local window.
+
+    Returns (H_kv, n) block indices in position order, the same ``n`` for every head.
+    """
+    H_kv, nb = score.shape
+    lo, hi = min(sink_blocks, num_blocks), max(num_blocks - local_blocks, 0)
+    lo = min(lo, hi)
+    fixed = torch.tensor(list(range(lo)) + list(range(hi, num_blocks)), dtype=torch.long, device=score.device)
+    take = min(k, hi - lo)
+    if take <= 0:
+        return fixed.expand(H_kv, -1)
+    top = score[:, lo:hi].topk(take, dim=-1).indices + lo  # (H_kv, take)
+    return torch.cat([fixed.expand(H_kv, -1), top], dim=-1).sort(dim=-1).values
+
+
+def chunk_block_mask(score: torch.Tensor, q_pos: torch.Tensor, block_size: int, k: int, sink_blocks: int,
+                     local_blocks: int) -> torch.Tensor:
+    """Blocks each query of a chunk may read: ``score`` (H_kv, S, nb), ``q_pos`` (S,) positions among the present tokens.
+
+    Returns a bool mask (H_kv, S, nb): the sinks, the query's own block and the
+    ``local_blocks - 1`` before it, and the top ``k`` of the blocks in between.
+    """
+    H_kv, S, nb = score.shape
+    blk = torch.arange(nb, device=score.device)
+    own = (q_pos // block_size)[:, None]  # (S, 1)
+    local = (blk[None] <= own) & (blk[None] > own - local_blocks)  # (S, nb)
+    sink = (blk < sink_blocks)[None].expand(S, nb)
+    cand = (blk[None] <= own - local_blocks) & ~sink  # (S, nb)
+    allowed = (local | (sink & (blk[None] <= own)))[None].expand(H_kv, S, nb).clone()
+    take = min(k, nb)
+    if take > 0 and bool(cand.any()):
+        masked = score.masked_fill(~cand[None], _NEG)
+        vals, idx = masked.topk(take, dim=-1)  # (H_kv, S, take)
+        allowed.scatter_(-1, idx, vals > _NEG)
+        allowed |= (local | (sink & (blk[None] <= own)))[None]
+    return allowed
+
+
+@dataclass
+class _SeqSummary:
+    blocks: list[Any] = field(default_factory=list)  # the pool's Block objects the rows below describe
+    versions: list[int] = field(default_factory=list)
+    data: torch.Tensor | None = None  # (L, nb, H_kv, 2, D): min, max per channel
+    stale: list[int] = field(default_factory=list)  # indices to recompute in this step
+
+
+class KeySummaries:
+    """Per-block key minimum and maximum of each sequence, kept up to date as blocks are written.
+
+    A summary belongs to one block object at one version: a block written this step,
+    one that changed hands (copy-on-write, reused id) or one rolled back is summarised
+    again from its stored keys, at every layer right after that layer's store.
+    """
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        c = cache.config
+        self.shape = (c.num_layers, c.num_kv_heads, 2, c.head_dim)
+        self._seqs: dict[Any, _SeqSummary] = {}
+
+    def begin(self, seq: Any) -> None:
+        """Line the summaries up with ``seq``'s blocks for this step; mark the ones to recompute."""
+        s = self.cache.seqs[seq]
+        old = self._seqs.get(seq) or _SeqSummary()
+        where = {id(b): i for i, b in enumerate(old.blocks)}
+        written = {id(b) for b, _, _ in s.writes}
+        L, H, _, D = self.shape
+        keep_src, keep_dst, stale = [], [], []
+        for i, b in enumerate(s.blocks):
+            j = where.get(id(b))
+            if j is not None and old.versions[j] == b.version and id(b) not in written and old.blocks[j] is b:
+                keep_src.append(j)
+                keep_dst.append(i)
+            else:
+                stale.append(i)
+        data = torch.zeros(L, len(s.blocks), H, 2, D, device=self.cache.device)
+        if keep_src and old.data is not None:
+            dev = self.cache.device
+            data[:, torch.tensor(keep_dst, device=dev)] = old.data[:, torch.tensor(keep_src, device=dev)]
+        self._seqs[seq] = _SeqSummary(list(s.blocks), [b.version for b in s.blocks], data, stale)
+
+    def refresh(self, seq: Any, layer: int) -> None:
+        """Summarise this layer of the blocks marked stale (their keys were just stored)."""
+        ss = self._seqs[seq]
+        if not ss.stale:
+            return
+        cache, bs = self.cache, self.cache.block_size
+        n_tok = cache.num_tokens(seq)
+        idx = torch.tensor(ss.stale, dtype=torch.long)
+        slots = torch.tensor([ss.blocks[i].slot for i in ss.stale], dtype=torch.long, device=cache.device)
+        k, _ = cache.read_blocks(layer, slots)  # (n, H, bs, D)
+        filled = (n_tok - idx * bs).clamp(0, bs).to(cache.device)  # tokens present in each block
+        valid = (torch.arange(bs, device=cache.device)[None] < filled[:, None])[:, None, :, None]  # (n, 1, bs, 1)
+        kf = k.float()
+        mins = kf.masked_fill(~valid, float("inf")).amin(dim=2)
+        maxs = kf.masked_fill(~valid, _NEG).amax(dim=2)
+        ss.data[layer, idx.to(cache.device)] = torch.stack([mins, maxs], dim=2)  # (n, H, 2, D)
+
+    def commit(self, seq: Any) -> None:
+        """After the cache's commit: the summaries describe the blocks at their new versions."""
+        ss = self._seqs.get(seq)
+        if ss is not None:
+            ss.versions = [b.version for b in ss.blocks]
+            ss.stale = []
+
+    def get(self, seq: Any, layer: int) -> torch.Tensor:
+        """(nb, H_kv, 2, D) summaries of ``seq``'s blocks at ``layer``, in position order."""
+        return self._seqs[seq].data[layer]
+
+    def drop(self, seq: Any) -> None:
+        self._seqs.pop(seq, None)
+
+
+@dataclass
+class SparseRead:
+    """What one step's attention read, for the ``read`` events and the byte counts."""
+
+    blocks: dict[Any, set[int]] = field(default_factory=dict)  # seq -> indices into its block table
+    rows_read: int = 0  # (layer, kv head, block) rows read
+    rows_dense: int = 0  # rows dense attention would have read
+
+
+class BlockSparse:
+    """Top-k block retrieval for the runner: summaries, selection, the sparse gather and attention.
+
+    ``attend`` is called per layer and group of rows in place of dense attention;
+    ``mass`` (when ``want_mass``) is the attention probability each block received,
+    summed over heads and queries, for importance eviction.
+    """
+
+    def __init__(self, cache: Any, *, k: int, sink_blocks: int = 1, local_blocks: int = 1) -> None:
+        self.cache = cache
+        self.k, self.sink_blocks, self.local_blocks = k, sink_blocks, local_blocks
+        self.summaries = KeySummaries(cache)
+        self.read = SparseRead()
+
+    @classmethod
+    def for_cache(cls, cache: Any) -> BlockSparse | None:
+        """What ``cache``'s config asks for: top-k reads, or (``k`` unbounded) the attention mass H2O needs."""
+        c = cache.config
+        if not c.topk and c.importance != "h2o":
+            return None
+        return cls(cache, k=c.topk or 1 << 30, sink_blocks=c.sink_blocks, local_blocks=c.local_blocks)
+
+    def read_ids(self, seq: Any) -> list[int]:
+        """Ids of the blocks of ``seq`` this step's attention read (any layer or head), in position order."""
+        ids = self.cache.block_table(seq)
+        return [ids[i] for i in sorted(self.read.blocks.get(seq, ())) if i < len(ids)]
+
+    @property
+    def bytes_read(self) -> int:
+        """KV bytes this step's attention read: (layer, KV head) rows of the chosen blocks."""
+        return self.read.rows_read * self.cache.config.row_bytes
+
+    @property
+    def bytes_dense(self) -> int:
+        return self.read.rows_dense * self.cache.config.row_bytes
+
+    def begin_step(self, seqs: Sequence[Any]) -> None:
+        self.read = SparseRead()
+        for seq in seqs:
+            self.summaries.begin(seq)
+
+    def after_store(self, layer: int, seqs: Sequence[Any]) -> None:
+        for seq in seqs:
+            self.summaries.refresh(seq, layer)
+
+    def commit(self, seqs: Sequence[Any]) -> None:
+        for seq in seqs:
+            self.summaries.commit(seq)
+
+    def covers_all(self, num_blocks: int) -> bool:
+        """True when ``k`` reaches every block between the sinks and the window: sparse is dense."""
+        return self.k >= num_blocks - min(self.sink_blocks, num_blocks) - self.local_blocks
+
+    def attend(self, layer: int, q: torch.Tensor, seqs: Sequence[Any], table: torch.Tensor, layout: AttnLayout,
+               kv_lens: Sequence[int], scale: float, *, want_mass: bool = False
+               ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Attention of ``q`` (B, H, S, D) for rows ``seqs`` with block ``table`` (B, nb) of device slots.
+
+        Returns the output (B, H, S, D) and, with ``want_mass``, per row the attention mass on each
+        of its blocks (nb_row,) summed over heads and queries.
+        """
+        B, H, S, D = q.shape
+        nbs = [-(-t // self.cache.block_size) for t in kv_lens]
+        H_kv = self.cache.config.num_kv_heads
+        for r, seq in enumerate(seqs):
+            self.read.rows_dense += nbs[r] * H_kv
+        if not want_mass and all(self.covers_all(nb) for nb in nbs):
+            return self._dense(layer, q, seqs, table, layout, kv_lens, nbs, scale), None
+        if S == 1 and not want_mass:
+            return self._decode(layer, q, seqs, table, kv_lens, nbs, scale), None
+        return self._masked(layer, q, seqs, table, kv_lens, nbs, scale, want_mass)
+
+    # ---- paths ----
+    def _gather(self, layer: int, table: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B, nb = table.shape
+        kb, vb = self.cache.read_blocks(layer, table)  # (B, nb, H_kv, bs, D) each
+        bs, H_kv, D = kb.shape[3], kb.shape[2], kb.shape[4]
+        k = kb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]  # (B, H_kv, T, D)
+        v = vb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]
+        return k, v
+
+    def _dense(self, layer, q, seqs, table, layout, kv_lens, nbs, scale) -> torch.Tensor:
+        """Every block is chosen: the runner's own dense computation, so the two agree exactly."""
+        k, v = self._gather(layer, table, max(kv_lens))
+        out, _ = attend(q, k, v, layout, scale=scale)
+        H_kv = k.shape[1]
+        for r, seq in enumerate(seqs):
+            self.read.blocks.setdefault(seq, set()).update(range(nbs[r]))
+            self.read.rows_read += nbs[r] * H_kv
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, seqs, table, kv_lens, nbs, scale) -> torch.Tensor:
+        """One query per row: gather only the chosen blocks' rows (per KV head) and attend over them."""
+        cache, bs = self.cache, self.cache.block_size
+        B, H, _, D = q.shape
+        H_kv = cache.config.num_kv_heads
+        g = H // H_kv
+        picks = []
+        for r, seq in enumerate(seqs):
+            summ = self.summaries.get(seq, layer)[: nbs[r]]  # (nb, H_kv, 2, D)
+            score = quest_bound(q[r].view(H_kv, g, 1, D), summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1))
+            sel = select_blocks(score[:, 0], nbs[r], self.k, self.sink_blocks, self.local_blocks)  # (H_kv, n)
+            picks.append(sel)
+            self.read.blocks.setdefault(seq, set()).update(sel.unique().tolist())
+            self.read.rows_read += sel.numel()
+        n = max(p.shape[1] for p in picks)
+        sel = torch.zeros(B, H_kv, n, dtype=torch.long, device=q.device)
+        ok = torch.zeros(B, H_kv, n, bs, dtype=torch.bool, device=q.device)
+        tok = torch.arange(bs, device=q.device)
+        for r, p in enumerate(picks):
+            m = p.shape[1]
+            sel[r, :, :m] = p
+            ok[r, :, :m] = (p[..., None] * bs + tok) < kv_lens[r]  # the tail block is partly filled
+        slots = table.gather(1, sel.view(B, -1)).view(B, H_kv, n)  # (B, H_kv, n) device slots
+        heads = torch.arange(H_kv, device=q.device)[None, :, None].expand(B, H_kv, n)
+        k, v = cache.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
+        k, v = k.reshape(B, H_kv, n * bs, D), v.reshape(B, H_kv, n * bs, D)
+        mask = ok.view(B, H_kv, 1, n * bs).repeat_interleave(g, dim=1)  # (B, H, 1, n*bs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+
+    def _masked(self, layer, q, seqs, table, kv_lens, nbs, scale, want_mass):
+        """Queries choose their own blocks (prefill chunks, or any step that needs attention mass)."""
+        cache, bs = self.cache, self.cache.block_size
+        B, H, S, D = q.shape
+        H_kv = cache.config.num_kv_heads
+        g = H // H_kv
+        T = max(kv_lens)
+        k, v = self._gather(layer, table, T)
+        allowed = torch.zeros(B, H, S, T, dtype=torch.bool, device=q.device)
+        for r, seq in enumerate(seqs):
+            nb, t = nbs[r], kv_lens[r]
+            q_pos = torch.arange(t - S, t, device=q.device)  # the row's queries are its newest tokens
+            causal = torch.arange(T, device=q.device)[None] <= q_pos[:, None]  # (S, T)
+            summ = self.summaries.get(seq, layer)[:nb]
+            score = quest_bound(q[r].view(H_kv, g, S, D), summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1))
+            if self.covers_all(nb):
+                blocks = torch.ones(H_kv, S, nb, dtype=torch.bool, device=q.device)
+            else:
+                blocks = chunk_block_mask(score, q_pos, bs, self.k, self.sink_blocks, self.local_blocks)
+            used = blocks.any(dim=1)  # (H_kv, nb): read by some query of the chunk
+            self.read.blocks.setdefault(seq, set()).update(used.any(dim=0).nonzero().flatten().tolist())
+            self.read.rows_read += int(used.sum())
+            tokens = blocks.repeat_interleave(bs, dim=-1)[..., :T]  # (H_kv, S, T)
+            tokens = tokens & causal[None] & (torch.arange(T, device=q.device) < t)
+            allowed[r] = tokens.repeat_interleave(g, dim=0)
+        mass = None
+        if not want_mass:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=g > 1)
+            return out, None
+        qg = q.reshape(B, H_kv, g * S, D)
+        scores = (qg @ k.transpose(-1, -2)).mul_(scale).view(B, H, S, T)
+        probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1,
+                              dtype=torch.float32).to(q.dtype)
+        out = (probs.view(B, H_kv, g * S, T) @ v).view(B, H, S, D)
+        per_tok = probs.float().sum(dim=(1, 2))  # (B, T): mass each key received
+        nb_max = table.shape[1]
+        padded = F.pad(per_tok, (0, nb_max * bs - T)).view(B, nb_max, bs).sum(-1)  # (B, nb)
+        mass = [padded[r, : nbs[r]] for r in range(B)]
+        return out, mass
