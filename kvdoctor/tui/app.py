@@ -9,6 +9,7 @@ checks, go on seeing every event.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from rich.text import Text
@@ -20,7 +21,7 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from ..findings import Finding
-from .feed import Feed, ReplayFeed
+from .feed import BusFeed, CheckerFactory, Feed, ReplayFeed, all_checks
 from .details import block_story_of, describe_block, describe_finding, describe_seq, seq_story_of
 from .screens import DetailScreen, HelpScreen, PromptScreen
 from .state import Monitor, Snapshot
@@ -33,7 +34,7 @@ from .widgets.header import StatusHeader
 from .widgets.memory import MemoryView
 from .workload import Workload
 
-__all__ = ["KvdoctorApp", "SnapshotReady"]
+__all__ = ["KvdoctorApp", "SnapshotReady", "bus_app", "watch_bus"]
 
 TABS = ("overview", "findings", "attention", "memory", "events")
 _MAIN_WIDGET = {"overview": "blocks", "findings": "findings-list", "attention-tab": "attention",
@@ -269,3 +270,37 @@ def _parse_query(text: str) -> tuple[str, str, str]:
         if t.startswith(prefix) and t[len(prefix):].strip():
             return kind, prefix, text.strip()[len(prefix):].strip().lstrip("=#: ")
     return "block", "", text.strip()
+
+
+def watch_bus(bus: Any, header: Any, target: Callable[[], Any], *,
+              checker_factory: CheckerFactory | None = all_checks) -> None:
+    """The TUI over an engine in this process: ``target`` (your serving loop) runs in a thread.
+
+        cache = PagedKVCache(config)
+        watch_bus(cache.bus, cache.header(), lambda: serve(cache))
+
+    When ``target`` returns or raises, the header says so and the last state stays on screen.
+    """
+    bus_app(bus, header, target, checker_factory=checker_factory).run()
+
+
+def bus_app(bus: Any, header: Any, target: Callable[[], Any], *,
+            checker_factory: CheckerFactory | None = all_checks, show_pid: bool = True) -> KvdoctorApp:
+    """The app ``watch_bus`` runs; ``target`` starts once the screen is up."""
+
+    def make_feed(publish: Callable[[Snapshot], None]) -> Feed:
+        feed = BusFeed(bus, header, publish, checker_factory=checker_factory)
+
+        def work() -> None:
+            reason = "the engine's work finished"
+            try:
+                target()
+            except Exception as exc:  # shown on screen, where the user is looking
+                reason = f"the engine's work raised {type(exc).__name__}: {exc}"
+            finally:
+                feed.close(reason)
+
+        threading.Thread(target=work, name="kvdoctor-engine", daemon=True).start()
+        return feed
+
+    return KvdoctorApp(make_feed, show_pid=show_pid)

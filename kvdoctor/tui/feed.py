@@ -8,7 +8,8 @@ faster than the screen redraws; events never are. The UI thread asks the monitor
 questions (a block's history, a sequence) through ``query``, under the same lock.
 
 ``LiveFeed`` follows a trace still being written (by a workload we started, or by
-another process); ``ReplayFeed`` plays a finished trace with pause, step and seek.
+another process); ``ReplayFeed`` plays a finished trace with pause, step and seek;
+``BusFeed`` takes an engine's ``Bus`` in this process through a queue.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..findings import Finding
 from .state import Monitor, Snapshot
 from .workload import Workload
 
-__all__ = ["Checker", "CheckerFactory", "Feed", "LiveFeed", "ReplayFeed", "all_checks", "suite_factory"]
+__all__ = ["Checker", "CheckerFactory", "Feed", "LiveFeed", "ReplayFeed", "BusFeed", "all_checks", "suite_factory"]
 
 _SLICE = 4096  # events processed per lock hold: bounds how long a UI query can wait
 
@@ -362,3 +363,47 @@ class ReplayFeed(Feed):
         self.status = f"replay · step {at} of {total} · {state}"
         self._dirty = True
         self._publish(force=force)
+
+
+class BusFeed(Feed):
+    """An engine in this process: its bus hands each step's events to a queue this thread drains.
+
+    The engine thread pays one ``put`` per step. ``close(reason)`` (from any thread, once the
+    engine is done) flushes the bus and ends the feed; the screen keeps the last state.
+    """
+
+    _END = object()
+
+    def __init__(self, bus: Any, header: Header, publish: Publish, *,
+                 checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0) -> None:
+        super().__init__(publish, checker_factory=checker_factory, fps=fps)
+        self.header = header
+        self._bus = bus
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._reason = "the engine stopped"
+        bus.subscribe(self._queue.put)  # before the engine runs, so no event is missed
+
+    def close(self, reason: str = "the engine stopped") -> None:
+        self._reason = reason
+        self._bus.unsubscribe(self._queue.put)  # flushes what the bus still buffers
+        self._queue.put(self._END)
+
+    def stop(self) -> None:
+        super().stop()
+        self._queue.put(self._END)
+
+    def run(self) -> None:
+        self._reset(self.header)
+        self._set_status("watching an engine in this process")
+        while True:
+            try:
+                batch = self._queue.get(timeout=self._interval)
+            except queue.Empty:
+                self._publish()  # a quiet engine: show what the last steps left
+                continue
+            if batch is self._END:
+                break
+            self._consume(batch)
+        self._finish_checks(self._reason)
+        self._set_status(self._reason)
+        self.settled.set()

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, TabbedContent
 
+from kvdoctor.engine.bus import Bus
+from kvdoctor.events import StepEnd, TraceEnd
 from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.app import bus_app
 from kvdoctor.tui.screens import DetailScreen, HelpScreen
 from kvdoctor.tui.synthetic import SyntheticWorkload
 from kvdoctor.tui.widgets.blockmap import BlockMap
@@ -224,3 +227,41 @@ async def test_recorded_demo_trace_shows_the_leaked_swapped_blocks():
         await pilot.press("2", "enter")
         await pilot.pause()
         assert isinstance(app.screen, DetailScreen) and "swap_out" in screen_text(app)
+
+
+def _replay_on_bus(bus, events) -> None:
+    """Emit recorded events through a real engine Bus, step by step, as an engine would."""
+    for ev in events:
+        if type(ev) is StepEnd:
+            bus.end_step(ev.num_tokens)
+        elif type(ev) is not TraceEnd:
+            bus.emit(type(ev), **{f: getattr(ev, f) for f in ev.__struct_fields__ if f not in ("t", "step")})
+
+
+@sync
+async def test_engine_in_this_process_is_watched_through_its_bus():
+    # GIVEN an engine bus in this process and a serving loop that leaks swapped-out blocks
+    w = SyntheticWorkload(num_steps=200, fault="leak-swapped")
+    bus = Bus()
+    app = bus_app(bus, w.header(), lambda: _replay_on_bus(bus, w.events()), show_pid=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        # WHEN the loop finishes THEN every event was checked, the leak shows, and the end is said
+        await wait_ended(pilot)
+        s = app.snapshot
+        assert s.ended == "the engine's work finished" and s.step == 200
+        assert any(f.rule == "unreachable-swapped" for f in s.findings)
+        assert "the engine's work finished" in screen_text(app)
+
+
+@sync
+async def test_an_engine_loop_that_raises_is_reported_on_screen():
+    bus = Bus()
+
+    def boom() -> None:
+        bus.end_step(0)
+        raise RuntimeError("out of blocks")
+
+    app = bus_app(bus, SyntheticWorkload().header(), boom, show_pid=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        assert app.snapshot.ended == "the engine's work raised RuntimeError: out of blocks"

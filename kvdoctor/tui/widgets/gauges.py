@@ -13,7 +13,7 @@ from ..state import Snapshot, TierView
 __all__ = ["TierGauges", "TIER_STYLE"]
 
 TIER_STYLE = {"device": "green", "host": "dodger_blue1", "disk": "magenta"}
-_LEGEND = (("owned", "█"), ("shared", "▒"), ("leaked", "!"), ("free", "·"))
+_LEGEND = (("live", "█"), ("shared", "▒"), ("leaked", "!"), ("free", "·"))
 
 
 class TierGauges(Widget):

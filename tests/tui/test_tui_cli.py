@@ -1,0 +1,35 @@
+"""`kvdoctor watch` and `kvdoctor replay` refuse bad input with one line and the documented exit code,
+before any screen opens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvdoctor.cli import main
+
+
+@pytest.mark.parametrize("argv, code, words", [
+    (["watch"], 2, "choose exactly one source"),
+    (["watch", "--demo", "--trace", "x.kvtrace"], 2, "choose exactly one source"),
+    (["watch", "--demo", "--fault", "bogus"], 2, "unknown fault 'bogus'"),
+    (["watch", "--trace", "x.kvtrace", "--fault", "leak-swapped"], 2, "--fault applies to a workload"),
+    (["watch", "--model", "tiny", "--", "python", "x.py"], 2, "--model applies to --demo only"),
+    (["replay", "missing.kvtrace"], 3, "no such trace file"),
+    (["replay", "--speed", "-1", "missing.kvtrace"], 2, "--speed must be >= 0"),
+    (["replay", "--config", "nope.toml", "missing.kvtrace"], 3, "no such trace file"),
+])
+def test_bad_input_is_one_line_and_an_exit_code(argv, code, words, capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_file_that_is_not_a_trace_is_refused_by_both(tmp_path: Path, capsys):
+    bad = tmp_path / "notes.kvtrace"
+    bad.write_text("just some text\n")
+    assert main(["replay", str(bad)]) == 3
+    assert main(["watch", "--trace", str(bad)]) == 3
+    assert capsys.readouterr().err.count("is not a kvdoctor trace") == 2
