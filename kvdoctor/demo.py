@@ -44,11 +44,11 @@ class DemoConfig:
     seconds: float | None = None    # stop after this long (None: until interrupted)
     steps: int | None = None        # stop after this many steps
     block_size: int = 16
-    device_blocks: int = 40         # small on purpose: preemption and swaps happen on screen
+    device_blocks: int = 24         # small on purpose: preemption and swaps happen on screen
     host_blocks: int = 512
     concurrency: int = 8            # requests kept in flight
     max_new_tokens: int = 96
-    abort_rate: float = 0.05        # chance per step that a swapped-out request is abandoned
+    abort_rate: float = 0.1         # chance per step, per swapped-out request, that its client gives up
     seed: int = 0
 
 
