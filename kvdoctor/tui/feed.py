@@ -93,7 +93,20 @@ class Feed(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
 
+    def run(self) -> None:
+        try:
+            self._run()
+        except KvdoctorError as exc:
+            self._fail(str(exc))
+        except Exception as exc:  # a bug of ours: say so on screen and keep what was shown
+            self._fail(f"kvdoctor's worker stopped: {type(exc).__name__}: {exc} (please report this)")
+        finally:
+            self.settled.set()
+
     # ---- for subclasses ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        raise NotImplementedError
 
     def _reset(self, header: Header) -> None:
         with self.lock:
@@ -174,18 +187,12 @@ class LiveFeed(Feed):
         self.workload = workload
         self.wait_s = wait_s
 
-    def run(self) -> None:
-        try:
-            self._follow()
-        finally:
-            self.settled.set()
-
-    def _follow(self) -> None:
+    def _run(self) -> None:
         from ..trace import follow
 
         pid = self.workload.pid if self.workload is not None else None
         follower = follow(self.path, stop=self._stop_event, pid=pid, wait_s=self.wait_s)
-        self._set_status(f"starting {self.workload.command}" if self.workload else f"waiting for {self.path}")
+        self._set_status(f"starting {self.workload.title}" if self.workload else f"waiting for {self.path}")
         try:
             header = follower.wait_header()
         except KvdoctorError as exc:
@@ -213,7 +220,7 @@ class LiveFeed(Feed):
 
     def _end_reason(self, ended: str | None, truncated: bool) -> str:
         if self.workload is not None and ended != "stopped":
-            self.workload._reaper.join(2.0)
+            self.workload.wait(2.0)
             return self.workload.exit_message()
         if ended == "closed":
             return "trace closed by its writer"
@@ -224,8 +231,7 @@ class LiveFeed(Feed):
     def _explain(self, message: str) -> str:
         if self.workload is None:
             return message
-        self.workload._reaper.join(0.5)
-        if self.workload.returncode is None:
+        if self.workload.wait(0.5) is None:
             return message
         return f"{self.workload.exit_message()} — {message}"
 
@@ -278,14 +284,9 @@ class ReplayFeed(Feed):
 
     # ---- the thread -------------------------------------------------------------------
 
-    def run(self) -> None:
+    def _run(self) -> None:
         self._set_status(f"loading {self.path}")
-        try:
-            self._load()
-        except KvdoctorError as exc:
-            self._fail(str(exc))
-            self.settled.set()
-            return
+        self._load()
         assert self._header is not None
         self._reset(self._header)
         if self.start_step is not None:
@@ -312,7 +313,6 @@ class ReplayFeed(Feed):
                 continue
             self.settled.clear()
             self._command(cmd, arg)
-        self.settled.set()
 
     def _command(self, cmd: str, arg: int) -> None:
         if cmd == "toggle":
@@ -392,7 +392,7 @@ class BusFeed(Feed):
         super().stop()
         self._queue.put(self._END)
 
-    def run(self) -> None:
+    def _run(self) -> None:
         self._reset(self.header)
         self._set_status("watching an engine in this process")
         while True:
@@ -406,4 +406,3 @@ class BusFeed(Feed):
             self._consume(batch)
         self._finish_checks(self._reason)
         self._set_status(self._reason)
-        self.settled.set()

@@ -29,10 +29,11 @@ class Workload:
     """A child process with tracing switched on; ``trace`` is the file it writes."""
 
     def __init__(self, argv: list[str], *, fault: str | None = None, probes: bool = True,
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None, title: str | None = None) -> None:
         if not argv:
             raise UsageError("no workload command given: use `kvdoctor watch -- python my_script.py`")
         self.argv = argv
+        self.title = title or shlex.join(argv)  # what the screen calls it while it starts
         self._dir = Path(workdir or tempfile.mkdtemp(prefix="kvdoctor-watch-"))
         self.trace = self._dir / "workload.kvtrace"
         self.log = self._dir / "workload.log"
@@ -64,15 +65,17 @@ class Workload:
             argv += ["--model", model]
         if seconds is not None:
             argv += ["--seconds", str(seconds)]
-        return cls(argv, fault=fault, probes=False, workdir=workdir)
+        what = "a tiny random model" if model == "tiny" else model or "SmolLM2-135M (the first run converts it, ~20 s)"
+        return cls(argv, fault=fault, probes=False, workdir=workdir, title=f"the demo: {what} serving chat requests")
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    @property
-    def command(self) -> str:
-        return shlex.join(self.argv)
+    def wait(self, timeout: float) -> int | None:
+        """The exit status once the workload is gone (None if it is still running after ``timeout`` s)."""
+        self._reaper.join(timeout)
+        return self.returncode
 
     def _reap(self) -> None:
         self.returncode = self.proc.wait()

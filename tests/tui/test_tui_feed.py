@@ -141,3 +141,20 @@ def _wait(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_a_bug_in_a_check_stops_the_worker_with_a_message_not_a_hang(clean_trace: Path):
+    class Broken:
+        def observe(self, event):
+            if event.step == 5:
+                raise KeyError("no such block")
+            return ()
+
+        def finish(self):
+            return ()
+
+    frames = Frames()
+    feed = run(LiveFeed(str(clean_trace), frames, checker_factory=lambda header: Broken()))
+    assert feed.settled.is_set()
+    assert frames.last.ended.startswith("kvdoctor's worker stopped: KeyError")
+    assert frames.last.step >= 4  # what was seen before stays
