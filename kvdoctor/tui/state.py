@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..events import (
@@ -107,7 +107,6 @@ class Snapshot:
     log: tuple[Any, ...]                   # the newest events, oldest first
     ended: str | None = None               # why the source stopped, once it has
     status: str = ""                       # a line from the feed: following, replaying step …, crashed …
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _LayerAcc:

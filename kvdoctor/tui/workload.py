@@ -53,6 +53,7 @@ class Workload:
         except PermissionError:
             raise UsageError(f"cannot start the workload: {argv[0]!r} is not executable") from None
         self.returncode: int | None = None
+        self.stopped = False  # we asked it to stop (quit), so a signal death is no crash
         self._reaper = threading.Thread(target=self._reap, name="kvdoctor-reaper", daemon=True)
         self._reaper.start()
 
@@ -88,6 +89,8 @@ class Workload:
             return "workload still running"
         if code == 0:
             return "workload finished (exit 0)"
+        if code < 0 and self.stopped:
+            return "workload stopped on quit"
         if code < 0:
             try:
                 name = signal.Signals(-code).name
@@ -111,6 +114,7 @@ class Workload:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if not self._reaper.is_alive():
                 break
+            self.stopped = True
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
