@@ -264,3 +264,32 @@ async def test_an_engine_loop_that_raises_is_reported_on_screen():
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_ended(pilot)
         assert app.snapshot.ended == "the engine's work raised RuntimeError: out of blocks"
+
+
+@sync
+async def test_block_map_of_thousands_of_blocks_scrolls_and_maps_clicks(tmp_path: Path):
+    # GIVEN 6000 blocks over three tiers
+    from kvdoctor.events import Alloc, Header, SeqStart, TierSpec
+
+    header = Header(block_size=16, num_layers=2, tiers=[TierSpec(name="device", capacity_blocks=2000),
+                                                         TierSpec(name="host", capacity_blocks=2000),
+                                                         TierSpec(name="disk", capacity_blocks=2000)])
+    tiers = ("device", "host", "disk")
+    events = [SeqStart(seq=0, prompt_len=1)] + [Alloc(block=b, tier=tiers[b // 2000], seq=0) for b in range(6000)]
+    path = tmp_path / "big.kvtrace"
+    with TraceWriter(path, header) as writer:
+        writer.write_many(events + [StepEnd()])
+    app = replay_app(path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        blocks = app.query_one("#blocks", BlockMap)
+        cols = blocks.scrollable_content_region.width
+        # THEN the map is as tall as the blocks need, and only its visible rows are drawn
+        assert blocks.virtual_size.height == -(-6000 // cols)
+        # WHEN scrolled to the end and the last cell clicked THEN that block opens
+        blocks.scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        last_row = 5999 // cols - round(blocks.scroll_offset.y)
+        assert await pilot.click("#blocks", offset=(1 + 5999 % cols, 1 + last_row))
+        await pilot.pause()
+        assert blocks.selected == 5999 and "block 5999" in screen_text(app)
