@@ -116,18 +116,19 @@ class Feed(threading.Thread):
 
     def _consume(self, events: list[Any]) -> None:
         """Every event goes to the checks, then to the monitor, then the findings it completed."""
+        attributor = self._attributor
         for start in range(0, len(events), _SLICE):
+            to_enrich: list[Finding] = []
             with self.lock:
                 monitor = self.monitor
                 observe = monitor.observe
-                add = monitor.add_finding
+                add = monitor.add_finding if attributor is None else to_enrich.append
                 checker = self._checker
                 if checker is None:
                     for ev in events[start:start + _SLICE]:
                         observe(ev)
                 else:
                     check = checker.observe
-                    attributor = self._attributor
                     for ev in events[start:start + _SLICE]:
                         found = check(ev)
                         observe(ev)
@@ -135,7 +136,13 @@ class Feed(threading.Thread):
                             attributor.observe(ev)
                         if found:
                             for f in found:
-                                add(attributor.enrich(f) if attributor is not None else f)
+                                add(f)
+            if to_enrich:
+                # py-spy takes milliseconds to seconds: never while the UI may be waiting on the lock.
+                enriched = [attributor.enrich(f) for f in to_enrich]
+                with self.lock:
+                    for f in enriched:
+                        self.monitor.add_finding(f)
             self._dirty = True
             self._publish()
 

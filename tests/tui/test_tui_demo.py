@@ -31,6 +31,9 @@ async def _watch_demo_until_leak(model: str | None, timeout: float, workdir: Pat
             assert "leak/unreachable-swapped" in text and "host" in text
             host = next(t for t in app.snapshot.tiers if t.name == "host")
             assert host.leaked >= 1
+            # AND the finding carries the workload's Python stacks (py-spy), or why there are none
+            leak = next(f for f in app.snapshot.findings if f.check == "leak")
+            assert "stacks" in leak.attribution or "stacks_error" in leak.attribution
             await pilot.press("q")
     finally:
         workload.stop()
