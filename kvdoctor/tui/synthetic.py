@@ -66,11 +66,21 @@ class SyntheticWorkload:
         next_id = 0
         active: list[_Seq] = []
         next_seq = 0
-        leaked = 0
         faulted = False
 
+        counts = {"device": 0, "host": 0}  # blocks per tier, the leaked ones included
+
         def used(name: str) -> int:
-            return sum(1 for t in tier.values() if t == name) + (leaked if name == "host" else 0)
+            return counts[name]
+
+        def place(b: int, name: str | None) -> None:
+            """Move block ``b``'s live copy to tier ``name`` (None: it is gone)."""
+            old = tier.pop(b, None)
+            if old is not None:
+                counts[old] -= 1
+            if name is not None:
+                tier[b] = name
+                counts[name] += 1
 
         for step in range(self.num_steps):
             t = step * _STEP_NS
@@ -85,7 +95,8 @@ class SyntheticWorkload:
                     b = free_ids.pop()
                 else:
                     b, next_id = next_id, next_id + 1
-                tier[b], version[b] = "device", s.version
+                place(b, "device")
+                version[b] = s.version
                 s.blocks.append(b)
                 emit(Alloc, block=b, tier="device", seq=s.seq)
 
@@ -124,12 +135,12 @@ class SyntheticWorkload:
                     v = victims[0]
                     for b in v.blocks:
                         if tier[b] == "device" and used("host") < self.host_blocks:
-                            tier[b] = "host"
+                            place(b, "host")
                             emit(SwapOut, block=b, src="device", dst="host", version=version[b])
                     if len(away) + 1 > self.device_blocks - used("device"):
                         continue
                 for b in away:
-                    tier[b] = "device"
+                    place(b, "device")
                     served = version[b]
                     if self.fault == "stale-version" and not faulted and step >= self.fault_step:
                         served, faulted = served - 1, True
@@ -159,9 +170,8 @@ class SyntheticWorkload:
                     for b in s.blocks:
                         if self.fault == "leak-swapped" and tier[b] == "host" and step >= self.fault_step:
                             del tier[b]  # forgotten: never freed, its host slot stays taken
-                            leaked += 1
                             continue
-                        del tier[b]
+                        place(b, None)
                         free_ids.append(b)
                         emit(Free, block=b)
             for name, cap in (("device", self.device_blocks), ("host", self.host_blocks)):
