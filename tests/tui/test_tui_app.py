@@ -129,7 +129,8 @@ async def test_clicking_a_block_on_the_map_opens_its_history(leak_trace: Path):
         await wait_ended(pilot)
         blocks = app.query_one("#blocks", BlockMap)
         first = app.snapshot.cell_ids[2]
-        assert await pilot.click("#blocks", offset=(3, 1))  # border 1, so content cell (2, 0)
+        cell_width, _ = blocks._layout()
+        assert await pilot.click("#blocks", offset=(1 + 2 * cell_width, 1))  # past the border, the third cell
         await pilot.pause()
         assert blocks.selected == first
         assert isinstance(app.screen, DetailScreen) and f"block {first}" in screen_text(app)
@@ -284,7 +285,8 @@ async def test_block_map_of_thousands_of_blocks_scrolls_and_maps_clicks(tmp_path
         await wait_ended(pilot)
         blocks = app.query_one("#blocks", BlockMap)
         cols = blocks.scrollable_content_region.width
-        # THEN the map is as tall as the blocks need, and only its visible rows are drawn
+        # THEN one character per block, the map as tall as the blocks need; only visible rows are drawn
+        assert blocks._layout() == (1, cols)
         assert blocks.virtual_size.height == -(-6000 // cols)
         # WHEN scrolled to the end and the last cell clicked THEN that block opens
         blocks.scroll_end(animate=False, immediate=True)

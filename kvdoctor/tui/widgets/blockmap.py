@@ -41,6 +41,9 @@ def _segment(code: int) -> Segment:
 
 
 _SEGMENTS = [_segment(code) for code in range(256)]
+_WIDE = 3  # characters per cell when there is room: the glyph twice and a gap
+_WIDE_SEGMENTS = [Segment(seg.text * 2 if seg.text in "█▓▒▞" else seg.text + " ", seg.style) for seg in _SEGMENTS]
+_GAP = Segment(" ")
 
 
 class BlockMap(ScrollView, can_focus=True):
@@ -58,8 +61,15 @@ class BlockMap(ScrollView, can_focus=True):
             super().__init__()
             self.block = block
 
-    def _columns(self) -> int:
-        return max(self.scrollable_content_region.width, 1)
+    def _layout(self) -> tuple[int, int]:
+        """(characters per cell, cells per row): a few blocks get wide cells, thousands one character each."""
+        width = max(self.scrollable_content_region.width, 1)
+        height = max(self.scrollable_content_region.height, 1)
+        n = len(self.snapshot.cells) if self.snapshot is not None else 0
+        wide = width // _WIDE
+        if wide and n <= wide * height:
+            return _WIDE, wide
+        return 1, width
 
     def watch_snapshot(self, snapshot: Snapshot | None) -> None:
         self._resize()
@@ -72,22 +82,23 @@ class BlockMap(ScrollView, can_focus=True):
 
     def _resize(self) -> None:
         n = len(self.snapshot.cells) if self.snapshot is not None else 0
-        cols = self._columns()
-        self.virtual_size = Size(cols, -(-n // cols))
+        _, per_row = self._layout()
+        self.virtual_size = Size(self.scrollable_content_region.width, -(-n // per_row))
         self.refresh()
 
     def render_line(self, y: int) -> Strip:
-        cols = self._columns()
+        width = max(self.scrollable_content_region.width, 1)
         base = self.rich_style
         s = self.snapshot
-        row = y + round(self.scroll_offset.y)
         if s is None:
-            return Strip.blank(cols, base)
-        start = row * cols
-        cells = s.cells[start:start + cols]
+            return Strip.blank(width, base)
+        cell_width, per_row = self._layout()
+        start = (y + round(self.scroll_offset.y)) * per_row
+        cells = s.cells[start:start + per_row]
         if not cells:
-            return Strip.blank(cols, base)
-        segments = [_SEGMENTS[c] for c in cells]
+            return Strip.blank(width, base)
+        table = _SEGMENTS if cell_width == 1 else _WIDE_SEGMENTS
+        segments = [table[c] for c in cells]
         if self.selected is not None:
             try:
                 i = s.cell_ids.index(self.selected, start, start + len(cells))
@@ -95,16 +106,21 @@ class BlockMap(ScrollView, can_focus=True):
                 pass
             else:
                 seg = segments[i - start]
-                segments[i - start] = Segment(seg.text, (seg.style or Style()) + Style(reverse=True, blink=False))
-        return Strip(segments, len(cells)).apply_style(base).extend_cell_length(cols, base)
+                segments[i - start] = Segment(seg.text, (seg.style or Style()) + Style(reverse=True))
+        if cell_width > 1:  # a gap after each wide cell keeps neighbouring blocks apart
+            segments = [part for seg in segments for part in (seg, _GAP)]
+        return Strip(segments, len(cells) * cell_width).apply_style(base).extend_cell_length(width, base)
 
     def block_at(self, x: int, y: int) -> int | None:
         """The block id drawn at content offset (x, y), if any."""
         s = self.snapshot
-        cols = self._columns()
-        if s is None or x >= cols:
+        if s is None:
             return None
-        i = (y + round(self.scroll_offset.y)) * cols + x
+        cell_width, per_row = self._layout()
+        column = x // cell_width
+        if column >= per_row:
+            return None
+        i = (y + round(self.scroll_offset.y)) * per_row + column
         return s.cell_ids[i] if 0 <= i < len(s.cell_ids) else None
 
     def on_click(self, event: events.Click) -> None:
