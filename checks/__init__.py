@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kvdoctor.findings import Severity
+from ..findings import Severity
 
 from .accounting import AccountingCheck
 from .attention import AttentionCheck, AttentionSettings

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvdoctor.events import (
+from ..events import (
     TIERS, Alloc, ChecksumError, Evict, Free, Release, Share, SwapIn, SwapOut, Usage,
 )
-from kvdoctor.findings import Finding
+from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
 

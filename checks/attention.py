@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-from kvdoctor.events import Attn, SeqEnd
-from kvdoctor.findings import Finding
+from ..events import Attn, SeqEnd
+from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
 from .ledger import Ledger

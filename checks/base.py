@@ -14,8 +14,8 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import msgspec
 
-from kvdoctor.events import Event, StepEnd, Unknown, to_dict
-from kvdoctor.findings import Finding, Severity
+from ..events import Event, StepEnd, Unknown, to_dict
+from ..findings import Finding, Severity
 
 from .ledger import Ledger
 

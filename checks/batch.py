@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvdoctor.events import Batch, Read, Write
-from kvdoctor.findings import Finding
+from ..events import Batch, Read, Write
+from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvdoctor.events import Usage
-from kvdoctor.findings import Finding
+from ..events import Usage
+from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
 from .ledger import Ledger

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Any, Callable
 
-from kvdoctor.events import (
+from ..events import (
     Alloc, Event, Evict, Free, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
     Write, to_dict,
 )

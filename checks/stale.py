@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvdoctor.events import Evict, Read, Rollback, SwapIn, SwapOut, Write
-from kvdoctor.findings import Finding
+from ..events import Evict, Read, Rollback, SwapIn, SwapOut, Write
+from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
 
