@@ -67,6 +67,17 @@ _INT8_MAX = 127.0
 _TINY = 1e-8  # the smallest scale: an all-zero group decodes to zeros instead of NaN
 
 
+def _pair_bound(k: torch.Tensor) -> torch.Tensor:
+    """(L, H, D) bound of keys ``k`` (L, H, T, D): the largest norm of each RoPE pair ``(i, i + D/2)``,
+    given to both its channels (the largest magnitude, for an odd ``D``)."""
+    k = k.float()
+    L, H, T, D = k.shape
+    if D % 2:
+        return k.abs().amax(dim=2)
+    m = k.view(L, H, T, 2, D // 2).norm(dim=3).amax(dim=2)  # (L, H, D/2)
+    return torch.cat([m, m], dim=-1)
+
+
 def codec_of_dtype(dtype: str) -> str:
     """The codec that stores ``dtype`` (``"float16"``) unchanged (``"fp16"``)."""
     return {v: k for k, v in NATIVE.items()}[dtype]
@@ -123,25 +134,21 @@ class Calibration:
     @classmethod
     def from_keys(cls, keys: Iterable[torch.Tensor], *, source: str, model: str = "",
                   num_samples: int | None = None, values: Iterable[torch.Tensor] | None = None) -> Calibration:
-        """Scales from post-RoPE keys, each ``(L, H, T, D)`` (one tensor per sample or batch)."""
+        """Scales from post-RoPE keys, each ``(L, H, T, D)`` (one tensor per sample or batch; a generator
+        keeps only the running maximum in memory)."""
         best: torch.Tensor | None = None
         tokens = samples = 0
         for k in keys:
-            L, H, T, D = k.shape
-            k = k.float()
-            pair = k.view(L, H, T, 2, D // 2).norm(dim=3) if D % 2 == 0 else k.abs()  # (L, H, T, D/2)
-            m = pair.amax(dim=2)  # (L, H, D/2)
-            m = torch.cat([m, m], dim=-1) if D % 2 == 0 else m  # both channels of a pair share its bound
+            m = _pair_bound(k)
             best = m if best is None else torch.maximum(best, m)
-            tokens += T
+            tokens += k.shape[2]
             samples += 1
         if best is None:
             raise ValueError("calibration needs at least one sample of keys")
         vmax = None
-        if values is not None:
-            for v in values:
-                m = v.float().abs().amax(dim=2)
-                vmax = m if vmax is None else torch.maximum(vmax, m)
+        for v in values or ():
+            m = v.float().abs().amax(dim=2)
+            vmax = m if vmax is None else torch.maximum(vmax, m)
         return cls(best.clamp_min(_TINY), num_samples if num_samples is not None else samples, tokens, source,
                    model, vmax)
 
@@ -362,19 +369,23 @@ def calibrate(model: Any, windows: Sequence[Sequence[int]], *, source: str, batc
     The windows go through in a fixed order and batch size, in float32, so the same text
     and model give the same scales.
     """
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
     device = next(model.parameters()).device
+    key_bound: torch.Tensor | None = None
+    value_max: torch.Tensor | None = None
     for i in range(0, len(windows), batch_size):
         ids = torch.tensor([list(w) for w in windows[i : i + batch_size]], dtype=torch.long, device=device)
-        out = model(input_ids=ids, use_cache=True)
-        pkv = out.past_key_values
+        pkv = model(input_ids=ids, use_cache=True).past_key_values
         ks = torch.stack([layer.keys for layer in pkv.layers]).float()  # (L, B, H, T, D)
         vs = torch.stack([layer.values for layer in pkv.layers]).float()
-        keys.append(ks.transpose(1, 2).flatten(2, 3).cpu())  # (L, H, B*T, D)
-        values.append(vs.transpose(1, 2).flatten(2, 3).cpu())
+        kb = _pair_bound(ks.transpose(1, 2).flatten(2, 3)).cpu()  # (L, H, D)
+        vm = vs.abs().amax(dim=(1, 3)).cpu()  # (L, H, D)
+        key_bound = kb if key_bound is None else torch.maximum(key_bound, kb)
+        value_max = vm if value_max is None else torch.maximum(value_max, vm)
+    if key_bound is None:
+        raise ValueError("calibration needs at least one window of tokens")
     name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
-    return Calibration.from_keys(keys, source=source, model=str(name), num_samples=len(windows), values=values)
+    return Calibration(key_bound.clamp_min(_TINY), len(windows), sum(len(w) for w in windows), source, str(name),
+                       value_max)
 
 
 def calibration_text() -> str:
@@ -391,7 +402,7 @@ def calibration_tokens(tokenizer: Any) -> list[int]:
     return list(ids[: len(ids) // 2])
 
 
-def default_calibration(model: Any, tokenizer: Any, *, name: str, num_samples: int = 512, length: int = 64,
+def default_calibration(model: Any, tokenizer: Any, *, name: str, num_samples: int = 512, length: int = 32,
                         cache_dir: str | None = None) -> Calibration:
     """The calibration of ``model`` over ``num_samples`` windows of Python's documentation, computed once
     and kept as safetensors in kvdoctor's cache directory (the same text and model load the same file)."""

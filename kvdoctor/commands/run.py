@@ -18,6 +18,8 @@ HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedd
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
 FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan")
+# The codec names, for --help without the engine; kept equal to engine.codecs.CODECS by a test.
+CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
 
 
 def _int_at_least(lo: int):
@@ -56,7 +58,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention statistics every N steps (default 1; 0 never)")
     p.add_argument("--trace", metavar="FILE", help="write the engine's events to FILE (.kvtrace or .kvtrace.gz)")
     p.add_argument("--fault", choices=FAULT_NAMES, help="switch on one of the engine's deliberate faults")
+    p.add_argument("--codec", choices=CODEC_NAMES,
+                   help="store KV blocks in this codec (default: the model's dtype); int8 and nf4 calibrate "
+                   "key scales once on Python's own documentation and keep them in ~/.cache/kvdoctor")
+    p.add_argument("--topk", type=_non_negative, default=0, metavar="K",
+                   help="block-sparse attention: read the K blocks whose keys can score highest, plus the first "
+                   "block and the newest (default 0: dense); use with --block-size 64 or 128")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def _compression(args: argparse.Namespace, loaded: object) -> dict[str, object]:
+    """The engine settings of ``--codec`` and ``--topk``; a quantized codec brings its calibration."""
+    out: dict[str, object] = {}
+    if args.codec:
+        out["codec"] = args.codec
+    if args.codec in ("int8", "nf4"):
+        from ..engine.codecs import default_calibration
+        from ..errors import UsageError
+
+        if loaded.tokenizer is None:
+            raise UsageError(f"--codec {args.codec} calibrates on text, and {loaded.path} has no tokenizer")
+        out["calibration"] = default_calibration(loaded.model, loaded.tokenizer, name=loaded.name)
+    if args.topk:
+        out["topk"] = args.topk
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
             disk_blocks=args.disk_blocks, fault=args.fault, extra={"model": loaded.name},
+            **_compression(args, loaded),
         )
     except (ModelLoadError, UnsupportedModel, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -121,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         "swaps": stats["swaps"],
         "trace": args.trace,
         "fault": args.fault,
+        "codec": runner.cache.config.codec,
+        "topk": args.topk,
     }
     if args.json:
         print(json.dumps(result))

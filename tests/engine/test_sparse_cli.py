@@ -1,0 +1,40 @@
+"""``kvdoctor run --codec/--topk`` on a tiny local checkpoint: the settings reach the engine and show in the trace."""
+
+from __future__ import annotations
+
+import json
+
+from kvdoctor.commands import run as run_cmd
+from kvdoctor.engine.codecs import CODECS
+from kvdoctor.events import Read
+from kvdoctor.trace import TraceReader
+
+from test_runner_cli import _run, checkpoint  # noqa: F401  (the tiny checkpoint fixture)
+
+PROMPT = " ".join(f"w{i % 100 + 3}" for i in range(40))
+
+
+def test_codec_names_match_the_engine():
+    assert run_cmd.CODEC_NAMES == CODECS
+
+
+def test_topk_reads_fewer_blocks_than_the_sequence_holds(checkpoint, tmp_path, capsys):  # noqa: F811
+    trace = tmp_path / "t.kvtrace"
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt", PROMPT, "--greedy", "--max-new-tokens", "6",
+                        "--block-size", "4", "--topk", "1", "--codec", "fp16", "--trace", str(trace), "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["codec"] == "fp16" and result["topk"] == 1
+    reads = [e for e in TraceReader(str(trace)) if isinstance(e, Read)]
+    # a decode step reads some blocks of the sequence, not all: the first, the newest and the chosen ones between
+    last = reads[-1].blocks
+    assert 0 in last and len(last) < max(last) + 1
+
+
+def test_int8_calibrates_once_and_runs(checkpoint, tmp_path, capsys, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt", PROMPT, "--greedy", "--max-new-tokens", "4",
+                        "--codec", "int8", "--json")
+    assert code == 0 and json.loads(out)["codec"] == "int8"
+    stored = list((tmp_path / "cache" / "kvdoctor" / "calibration").iterdir())
+    assert len(stored) == 1 and stored[0].suffix == ".safetensors"
