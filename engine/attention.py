@@ -158,7 +158,11 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     the other statistics are taken over the finite scores, so they stay numbers a trace can hold.
     """
     L, B, H, T = scores.shape
-    keep4 = torch.ones(1, B, 1, T, dtype=torch.bool, device=scores.device) if keep is None else keep[None, :, None, :]
+    hidden = None if keep is None else ~keep[None, :, None, :]  # (1, B, 1, T): padding past a row's keys
+    visible = scores if hidden is None else scores.masked_fill(hidden, 0.0)
+    if bool(torch.isfinite(visible).all()):
+        return _finite_stats(scores, hidden, sink_tokens, per_head)
+    keep4 = torch.ones(1, B, 1, T, dtype=torch.bool, device=scores.device) if hidden is None else ~hidden
     finite = torch.isfinite(scores)
     bad = ~finite & keep4
     breaks = (torch.isnan(scores) | (scores == float("inf"))) & keep4
@@ -170,10 +174,25 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     probs = torch.softmax(masked, dim=-1).nan_to_num_(0.0)  # a head with no finite score has no distribution
     heads_entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # (L, B, H)
     sink = probs[..., :sink_tokens].sum(dim=-1).mean(dim=-1)  # (L, B)
-    top = heads_max.amax(dim=-1)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    summary = torch.stack([top, heads_entropy.mean(dim=-1), sink, nonfinite.float()], dim=-1)
-    if per_head:
-        heads_max = torch.where(torch.isfinite(heads_max), heads_max, torch.zeros_like(heads_max))
-        return AttnStats(summary, heads_entropy, heads_max)
-    return AttnStats(summary)
+    heads_max = torch.where(torch.isfinite(heads_max), heads_max, torch.zeros_like(heads_max))
+    summary = torch.stack([heads_max.amax(dim=-1), heads_entropy.mean(dim=-1), sink, nonfinite.float()], dim=-1)
+    return AttnStats(summary, heads_entropy, heads_max) if per_head else AttnStats(summary)
+
+
+def _finite_stats(scores: torch.Tensor, hidden: torch.Tensor | None, sink_tokens: int, per_head: bool) -> AttnStats:
+    """The common case, every visible score finite: entropy as ``log Z - E[s - m]``, one exponential pass."""
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)  # (L, B, H, 1)
+    d = scores - m
+    e = d.exp()  # hidden keys: exp(-inf) = 0
+    if hidden is not None:
+        d = d.masked_fill(hidden, 0.0)  # 0 * -inf would be NaN below
+    z = e.sum(dim=-1)  # (L, B, H)
+    heads_entropy = z.log() - (e * d).sum(dim=-1) / z
+    sink = (e[..., :sink_tokens].sum(dim=-1) / z).mean(dim=-1)  # (L, B)
+    heads_max = m.squeeze(-1)
+    summary = torch.stack(
+        [heads_max.amax(dim=-1), heads_entropy.mean(dim=-1), sink, torch.zeros_like(sink)], dim=-1
+    )
+    return AttnStats(summary, heads_entropy, heads_max) if per_head else AttnStats(summary)
