@@ -122,6 +122,7 @@ class SyntheticWorkload:
                     emit(SeqStart, seq=s.seq, prompt_len=prompt)
                     active.append(s)
             rows: list[tuple[_Seq, int, int]] = []  # (sequence, position, tokens) per batch row
+            batch_at = len(out)  # the batch is recorded before its writes, as an engine does
             for s in list(active):
                 # Bring the sequence's swapped-out blocks back before attention reads them.
                 away = [b for b in s.blocks if tier[b] != "device"]
@@ -158,8 +159,9 @@ class SyntheticWorkload:
                     if nan:
                         faulted = True
             if rows:
-                emit(Batch, rows=[s.seq for s, _, _ in rows], positions=[p for _, p, _ in rows],
-                     n=[n for _, _, n in rows])
+                when = out[batch_at].t if batch_at < len(out) else t + len(out)
+                out.insert(batch_at, Batch(t=when, step=step, rows=[s.seq for s, _, _ in rows],
+                                           positions=[p for _, p, _ in rows], n=[n for _, _, n in rows]))
             scheduled = {r[0].seq for r in rows}
             for s in list(active):
                 # Now and then a client gives up on a request that sits swapped out (preempted).

@@ -131,3 +131,15 @@ def test_synthetic_workload_without_fault_leaves_nothing_unowned():
 def test_lookup_of_sequences_by_typed_text():
     m = fold(SeqStart(seq=3, prompt_len=1), SeqStart(seq="req-a", prompt_len=1))
     assert m.find_seq("3").seq == 3 and m.find_seq("req-a").seq == "req-a" and m.find_seq("4") is None
+
+
+def test_synthetic_workload_is_clean_for_the_checks_and_each_fault_trips_its_own_rule():
+    from kvdoctor.checks import make_suite
+
+    expected = {None: set(), "leak-swapped": {"leak/unreachable-swapped"}, "stale-version": {"stale/stale-swap-in"},
+                "attention-nan": {"attention/nonfinite"}}
+    for fault, rules in expected.items():
+        suite = make_suite()
+        found = [f for ev in SyntheticWorkload(num_steps=300, fault=fault).events() for f in suite.observe(ev)]
+        found += suite.finish()
+        assert {f"{f.check}/{f.rule}" for f in found} == rules, fault

@@ -65,5 +65,5 @@ def _layer_line(layer: LayerView, graph: int) -> Text:
     if layer.anomalies:
         line.append(f"⚠ {len(layer.anomalies)} ", "bold red")
     if bad:
-        line.append(f"✖ {bad} non-finite", "bold red")
+        line.append(f"✖ {bad}", "bold red")
     return line
