@@ -18,14 +18,12 @@ from kvdoctor.tui.widgets.blockmap import BlockMap
 from kvdoctor.tui.widgets.eventlog import EventLog
 from kvdoctor.tui.widgets.findings import FindingDetail, FindingsList
 from kvdoctor.tui.widgets.header import StatusHeader
-from tui_helpers import RECORDED, live_app, replay_app, screen_text, sync, wait_ended, wait_for
+from tui_helpers import RECORDED, live_app, replay_app, replayed, screen_text, sync, wait_ended, wait_for
 
 
 @sync
 async def test_number_keys_switch_screens(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(80, 24)) as (app, pilot):
         tabs = app.query_one(TabbedContent)
         for key, pane in (("2", "findings"), ("3", "attention-tab"), ("4", "memory-tab"), ("5", "events"), ("1", "overview")):
             await pilot.press(key)
@@ -35,9 +33,7 @@ async def test_number_keys_switch_screens(leak_trace: Path):
 
 @sync
 async def test_findings_are_listed_newest_first_with_a_detail_pane(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         await pilot.press("2")
         await pilot.pause()
         flist = app.query_one("#findings-list", FindingsList)
@@ -54,9 +50,7 @@ async def test_findings_are_listed_newest_first_with_a_detail_pane(leak_trace: P
 
 @sync
 async def test_detail_key_opens_the_selected_finding_in_full_and_escape_closes_it(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         await pilot.press("2", "d")
         await pilot.pause()
         assert isinstance(app.screen, DetailScreen)
@@ -68,9 +62,7 @@ async def test_detail_key_opens_the_selected_finding_in_full_and_escape_closes_i
 
 @sync
 async def test_search_finds_a_block_and_a_sequence(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         await pilot.press("s")
         await pilot.press(*"b3", "enter")
         await pilot.pause()
@@ -85,9 +77,7 @@ async def test_search_finds_a_block_and_a_sequence(leak_trace: Path):
 
 @sync
 async def test_search_for_an_unknown_block_says_so(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         await pilot.press("s", *"b99999", "enter")
         await pilot.pause()
         assert not isinstance(app.screen, DetailScreen)
@@ -96,9 +86,7 @@ async def test_search_for_an_unknown_block_says_so(leak_trace: Path):
 
 @sync
 async def test_filter_narrows_the_event_log(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         await pilot.press("slash")
         await pilot.pause()
         assert isinstance(app.focused, Input) and app.query_one(TabbedContent).active == "events"
@@ -124,9 +112,7 @@ async def test_help_opens_and_closes(leak_trace: Path):
 
 @sync
 async def test_clicking_a_block_on_the_map_opens_its_history(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         blocks = app.query_one("#blocks", BlockMap)
         first = app.snapshot.cell_ids[2]
         cell_width, _ = blocks._layout()
@@ -138,9 +124,7 @@ async def test_clicking_a_block_on_the_map_opens_its_history(leak_trace: Path):
 
 @sync
 async def test_clicking_a_finding_selects_it(leak_trace: Path):
-    app = replay_app(leak_trace)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
         await pilot.press("2")
         await pilot.pause()
         assert await pilot.click("#findings-list", offset=(5, 3))  # the third row
@@ -216,9 +200,7 @@ async def test_quit_key_exits(leak_trace: Path):
 @sync
 async def test_recorded_demo_trace_shows_the_leaked_swapped_blocks():
     # GIVEN a trace recorded from the real engine (tiny model) with the leak-swapped fault
-    app = replay_app(RECORDED)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(RECORDED, size=(100, 30)) as (app, pilot):
         s = app.snapshot
         leaks = [f for f in s.findings if f.check == "leak" and f.rule == "unreachable-swapped"]
         assert leaks, "the recorded leak is found"
@@ -280,9 +262,7 @@ async def test_block_map_of_thousands_of_blocks_scrolls_and_maps_clicks(tmp_path
     path = tmp_path / "big.kvtrace"
     with TraceWriter(path, header) as writer:
         writer.write_many(events + [StepEnd()])
-    app = replay_app(path)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_ended(pilot)
+    async with replayed(path, size=(100, 30)) as (app, pilot):
         blocks = app.query_one("#blocks", BlockMap)
         cols = blocks.scrollable_content_region.width
         # THEN one character per block, the map as tall as the blocks need; only visible rows are drawn

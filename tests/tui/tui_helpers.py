@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.app import KvdoctorApp
@@ -52,6 +53,15 @@ async def wait_ended(pilot: Any, timeout: float = 20.0) -> None:
     """Until the feed has read its whole source and the app shows that last snapshot."""
     await wait_settled(pilot, timeout)
     assert pilot.app.snapshot.ended is not None, pilot.app.snapshot.status
+
+
+@contextlib.asynccontextmanager
+async def replayed(path: Path, size: tuple[int, int] = (100, 30), **feed_kwargs: Any) -> AsyncIterator[tuple[KvdoctorApp, Any]]:
+    """``(app, pilot)`` of a headless app that has replayed ``path`` to its end."""
+    app = replay_app(path, **feed_kwargs)
+    async with app.run_test(size=size) as pilot:
+        await wait_ended(pilot)
+        yield app, pilot
 
 
 def screen_text(app: KvdoctorApp) -> str:
