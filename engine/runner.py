@@ -62,7 +62,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token id from ``logits`` (V,) under ``params``."""
     if params.greedy:
         return int(logits.argmax())
-    scores = logits.float() / params.temperature
+    # NaN logits (corrupted attention, e.g. the attention-nan fault) must not stop the engine:
+    # they are treated as impossible tokens, as a serving engine would keep going and emit garbage.
+    scores = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max) / params.temperature
+    if not torch.isfinite(scores).any():
+        return int(scores.argmax())
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

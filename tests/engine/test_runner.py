@@ -113,3 +113,11 @@ def test_unsupported_models_are_refused_with_a_reason():
 
     with pytest.raises(UnsupportedModel, match="gpt2"):
         Runner(NotLlama(), cache=None)
+
+
+def test_sampling_survives_nan_logits():
+    # GIVEN logits corrupted by NaN (the attention-nan fault), WHEN sampling, THEN the engine keeps going
+    params = SamplingParams(greedy=False, seed=0)
+    g = torch.Generator().manual_seed(0)
+    assert sample(torch.tensor([float("nan"), 1.0, float("nan")]), params, g) == 1
+    assert isinstance(sample(torch.full((4,), float("nan")), params, g), int)
