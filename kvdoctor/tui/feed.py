@@ -227,7 +227,11 @@ class LiveFeed(Feed):
 
     def _end_reason(self, ended: str | None, truncated: bool) -> str:
         if self.workload is not None and ended != "stopped":
-            self.workload.wait(2.0)
+            if self.workload.wait(2.0) is None:
+                # The trace is closed but the process is still tearing down: show the state meanwhile.
+                self._set_status("trace closed; waiting for the workload to exit")
+                while self.workload.wait(0.5) is None and not self._stop_event.is_set():
+                    pass
             return self.workload.exit_message()
         if ended == "closed":
             return "trace closed by its writer"

@@ -158,3 +158,21 @@ def test_a_bug_in_a_check_stops_the_worker_with_a_message_not_a_hang(clean_trace
     assert feed.settled.is_set()
     assert frames.last.ended.startswith("kvdoctor's worker stopped: KeyError")
     assert frames.last.step >= 4  # what was seen before stays
+
+
+def test_a_workload_that_lingers_after_closing_its_trace_is_reported_once_it_exits(tmp_path: Path):
+    script = tmp_path / "slow_exit.py"
+    script.write_text(
+        "import os, time\n"
+        "from kvdoctor.trace import TraceWriter\n"
+        "from kvdoctor.tui.synthetic import SyntheticWorkload\n"
+        "w = SyntheticWorkload(num_steps=3)\n"
+        "with TraceWriter(os.environ['KVDOCTOR_TRACE'], w.header()) as writer:\n"
+        "    writer.write_many(list(w.events()))\n"
+        "time.sleep(3)\n"
+    )
+    workload = Workload([sys.executable, str(script)], workdir=str(tmp_path))
+    frames = Frames()
+    run(LiveFeed(str(workload.trace), frames, workload=workload, wait_s=60), timeout=90)
+    assert any(f.status == "trace closed; waiting for the workload to exit" for f in frames.snapshots)
+    assert frames.last.ended == "workload finished (exit 0)"
