@@ -275,3 +275,12 @@ async def test_block_map_of_thousands_of_blocks_scrolls_and_maps_clicks(tmp_path
         assert await pilot.click("#blocks", offset=(1 + 5999 % cols, 1 + last_row))
         await pilot.pause()
         assert blocks.selected == 5999 and "block 5999" in screen_text(app)
+
+
+@sync
+async def test_clicking_a_tab_switches_screens(leak_trace: Path):
+    async with replayed(leak_trace, size=(100, 30)) as (app, pilot):
+        assert await pilot.click("#--content-tab-attention-tab")
+        await pilot.pause()
+        assert app.query_one(TabbedContent).active == "attention-tab"
+        assert "entropy" in screen_text(app)
