@@ -134,6 +134,10 @@ class Scheduler:
         del live.generated[-n:]
         del live.logits[len(live.generated):]
 
+    def state(self, seq: SeqId) -> str:
+        """``waiting`` (no KV yet), ``running``, ``swapped`` (KV on a slower tier) or ``dropped`` (to recompute)."""
+        return self._live(seq).state
+
     def has_work(self) -> bool:
         return bool(self.live)
 

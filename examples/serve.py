@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a small random Llama instead of SmolLM2 (fast)")
     ap.add_argument("--trace", help="trace file (default: $KVDOCTOR_TRACE if set, else serve.kvtrace)")
     ap.add_argument("--fault", help="one of the engine's deliberate faults")
+    ap.add_argument("--cancel-rate", type=float, default=0.05,
+                    help="chance per step that a client waiting on a swapped-out request gives up (default 0.05)")
     ap.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (to watch live)")
     return ap.parse_args(argv)
 
@@ -94,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     while pending or sched.has_work():
         while pending and pending[0][0] <= steps:
             sched.submit(pending.pop(0)[1])
+        # Clients give up while their request waits swapped out, as they do on a loaded server.
+        for seq in [s for s in list(sched.live) if sched.state(s) == "swapped"]:
+            if rng.random() < args.cancel_rate:
+                sched.abort(seq)
+                print(f"[step {steps:4d}] seq {seq} cancelled by its client while swapped out")
         result = sched.step()
         preempted += len(result.preempted)
         for gen in result.finished:

@@ -149,3 +149,19 @@ def test_invalid_requests_are_refused():
         Request([])
     with pytest.raises(ValueError, match="max_new_tokens"):
         Request([1], max_new_tokens=0)
+
+
+def test_aborting_a_swapped_out_request_frees_its_host_blocks(model):
+    # GIVEN two requests that do not fit the device together, the lower-priority one swapped out
+    runner = Runner.create(model, block_size=4, device_blocks=11, host_blocks=64)
+    sched = Scheduler(runner, max_batch=4)
+    low = sched.submit(Request(PROMPTS[0], max_new_tokens=30, priority=0))
+    sched.step()
+    high = sched.submit(Request(PROMPTS[2], max_new_tokens=3, priority=5))
+    sched.step()
+    assert sched.state(low) == "swapped" and sched.state(high) == "running"
+    assert runner.cache.stats()["tiers"]["host"]["used_blocks"] > 0
+    # WHEN its client gives up, THEN its blocks leave the host tier
+    sched.abort(low)
+    assert runner.cache.stats()["tiers"]["host"]["used_blocks"] == 0
+    runner.close()
