@@ -70,33 +70,36 @@ class _FirstToken:
         return scores
 
 
-def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, float]:
-    """Decode tokens/s (wall, CPU) of ``model.generate`` with its default cache on a left-padded batch."""
+def hf_decode(model: Any, prompts: list[list[int]], new_tokens: list[int], pad_id: int) -> tuple[float, float]:
+    """Decode tokens/s (wall, CPU) of ``model.generate`` with its default cache on a left-padded batch.
+
+    A static batch runs every row for the longest budget; only each row's own budget counts as output."""
     from transformers import LogitsProcessorList
 
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     first = _FirstToken()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    longest = max(new_tokens)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                          do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([first]))
-    rates = _rates(len(prompts) * (new_tokens - 1), first.t)
-    assert out.shape[1] == width + new_tokens
+    rates = _rates(sum(n - 1 for n in new_tokens), first.t)
+    assert out.shape[1] == width + longest
     return rates
 
 
-def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: list[int]) -> tuple[float, float]:
     """Decode tokens/s (wall, CPU) of the runner with continuous batching over the unpadded prompts."""
     from kvdoctor.engine.scheduler import Request, Scheduler
 
     sched = Scheduler(runner, max_batch=len(prompts))
-    for p in prompts:
-        sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
+    for p, n in zip(prompts, new_tokens):
+        sched.submit(Request(p, max_new_tokens=n, ignore_eos=True))
     sched.step()  # every prompt's prefill and first token
     t0 = _clocks()
     sched.run()
-    rates = _rates(len(prompts) * (new_tokens - 1), t0)
-    assert all(len(g.token_ids) == new_tokens for g in sched.done.values())
+    rates = _rates(sum(n - 1 for n in new_tokens), t0)
+    assert sorted(len(g.token_ids) for g in sched.done.values()) == sorted(new_tokens)
     return rates
 
 
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batch-lengths", default="24,40,56,72,88,104,120,136",
                     help="prompt lengths of the batch-8 run (comma separated)")
+    ap.add_argument("--mixed-outputs", action="store_true",
+                    help="also run batch 8 with different output budgets per request (continuous batching's case)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -141,15 +146,22 @@ def main(argv: list[str] | None = None) -> int:
             writer.close()
 
     cases: dict[str, dict[str, Callable[[], tuple[float, float]]]] = {}
-    for name, prompts in (("batch1", batch1), ("batch8", batch8)):
+    N = args.new_tokens
+    # The last case gives the eight requests different output budgets (N/4 … N), as a server sees them:
+    # the runner's batch shrinks as requests finish, a static batch keeps computing finished rows.
+    mixed = [max(2, N * (i + 2) // 9) for i in range(len(batch8))]
+    scenarios = [("batch1", batch1, [N]), ("batch8", batch8, [N] * len(batch8))]
+    if args.mixed_outputs:
+        scenarios.append(("batch8_mixed_outputs", batch8, mixed))
+    for name, prompts, budgets in scenarios:
         cases[name] = {
-            "transformers": lambda p=prompts: hf_decode(model, p, args.new_tokens, pad),
-            "runner_events_off": lambda p=prompts: runner_decode(runner, p, args.new_tokens),
-            "runner_events_on": lambda p=prompts: events_on(lambda: runner_decode(runner, p, args.new_tokens)),
+            "transformers": lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
+            "runner_events_off": lambda p=prompts, b=budgets: runner_decode(runner, p, b),
+            "runner_events_on": lambda p=prompts, b=budgets: events_on(lambda: runner_decode(runner, p, b)),
         }
     # Warm both paths once (allocator, kernels) before timing anything.
-    hf_decode(model, batch1, 4, pad)
-    runner_decode(runner, batch1, 4)
+    hf_decode(model, batch1, [4], pad)
+    runner_decode(runner, batch1, [4])
     results: dict[str, Any] = {"model": lm.name, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
                                "repeats": args.repeats, "batch8_prompt_lengths": lengths}
     for name, fns in cases.items():
