@@ -142,6 +142,8 @@ def main() -> int:
     p.add_argument("--texts", default="pydoc,GPL-3", help="texts to evaluate (default pydoc,GPL-3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--skip-baseline", action="store_true", help="with --only: do not run fp32 first (changes "
+                   "are then against the first setting run)")
     p.add_argument("--out", help="also write the rows measured so far to this JSON file after each setting")
     p.add_argument("--cal-samples", type=int, default=512, help="calibration windows (default 512)")
     p.add_argument("--cal-length", type=int, default=32, help="tokens per calibration window (default 32)")
@@ -160,7 +162,7 @@ def main() -> int:
     data = {k: v for k, v in texts(loaded.tokenizer, args.context).items() if k in args.texts.split(",")}
     chosen = settings(calibration, args)
     if args.only:
-        order = ["fp32"] + [n for n in args.only.split(",") if n != "fp32"]
+        order = ([] if args.skip_baseline else ["fp32"]) + [n for n in args.only.split(",") if n != "fp32"]
         by_name = {s.name: s for s in chosen}
         chosen = [by_name[n] for n in order if n in by_name]
     rows = []
