@@ -23,11 +23,14 @@ def serve(lm, fault, steps: int):
     from kvdoctor.demo import PROMPTS
     from kvdoctor.engine.runner import Runner, SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.events import SwapOut
     from kvdoctor.session import Session
 
     runner = Runner.create(lm.model, tokenizer=lm.tokenizer, block_size=16, device_blocks=12, host_blocks=64,
                            fault=fault)
     session = Session.on_bus(runner.bus)
+    swaps: list = []
+    runner.bus.subscribe(lambda evs: swaps.extend(e for e in evs if isinstance(e, SwapOut)))
     sched = Scheduler(runner, max_batch=4)
     rng = random.Random(0)
     greedy = fault == "attention-nan"  # NaN logits cannot be sampled from
@@ -40,17 +43,20 @@ def serve(lm, fault, steps: int):
         sched.step()
     runner.close()
     session.close()
-    return session
+    return session, swaps
 
 
 def test_clean_smollm2_serving_with_swaps_raises_no_finding(smollm2):
-    session = serve(smollm2, None, 60)
+    # GIVEN 30 steps of sampled chat requests, four at a time, through a 12-block device tier
+    session, swaps = serve(smollm2, None, 30)
+    # THEN requests were preempted by swapping, and not one finding was raised
+    assert swaps
     assert [f.message for f in session.findings] == []
     assert session.num_events > 1000
 
 
 def test_attention_nan_on_smollm2_names_the_layer_and_sequence(smollm2):
-    session = serve(smollm2, "attention-nan", 6)
+    session, _ = serve(smollm2, "attention-nan", 6)
     hits = [f for f in session.findings if f.rule == "nonfinite"]
     # the fault corrupts the middle layer; the NaN then flows into every later layer
     assert hits and min(f.layer for f in hits) == smollm2.config.num_hidden_layers // 2
