@@ -445,9 +445,12 @@ class PagedKVCache:
             versions = [self.pool.blocks[i].version if i in self.pool.blocks else -1 for i in ids]
         self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer)
 
-    def observe_attention(self, seq: Any, layer: int, block_scores: Seq[float] | torch.Tensor) -> None:
+    def observe_attention(self, seq: Any, layer: int | None, block_scores: Seq[float] | torch.Tensor) -> None:
         """Feed the hybrid policy: attention mass of ``seq``'s newest query on each of its blocks
-        (position order, one value per block of ``block_table``), accumulated with decay."""
+        (position order, one value per block of ``block_table``), accumulated with decay.
+
+        ``layer``: the layer the mass was measured at, or None for the mean over every layer (the
+        runner's way: one observation per statistics step, so the decay counts steps, not layers)."""
         s = self._seq(seq)
         scores = block_scores.tolist() if isinstance(block_scores, torch.Tensor) else list(block_scores)
         if len(scores) != len(s.blocks):

