@@ -225,6 +225,8 @@ class PagedKVCache:
         end = start + n
         last = s.blocks[-1] if s.blocks else None
         tail = last if last is not None and last.index == start // bs else None
+        if tail is not None and tail.inflight is not None:
+            self.tiers.settle(tail)  # a prefetch already holds its device slot: land it rather than ask for another
         cow = tail is not None and len(tail.owners) > 1
         first_new = (last.index + 1) if last is not None else 0
         num_new = max((end - 1) // bs + 1 - first_new, 0)
@@ -490,11 +492,11 @@ class PagedKVCache:
     def swap_in(self, blocks: Iterable[int]) -> None:
         self.tiers.move(self._blocks(blocks), "device")
 
-    def prefetch(self, seq: Any) -> int:
-        """Start bringing up to ``prefetch_depth`` of ``seq``'s blocks back to the device in the
-        background (a scheduler calls this for the sequences it will run next). Returns how many."""
-        depth = self.config.prefetch_depth
-        if depth == 0:
+    def prefetch(self, seq: Any, max_blocks: int | None = None) -> int:
+        """Start bringing up to ``prefetch_depth`` (and ``max_blocks``) of ``seq``'s blocks back to the
+        device in the background (a scheduler calls this for the sequences it will run next). Returns how many."""
+        depth = self.config.prefetch_depth if max_blocks is None else min(self.config.prefetch_depth, max_blocks)
+        if depth <= 0:
             return 0
         s = self._seq(seq)
         away = [b for b in s.blocks if b.tier != "device" and b.inflight is None][:depth]

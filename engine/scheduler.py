@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..events import SeqId
+from .errors import ChecksumMismatch
 from .runner import Generation, Runner, SamplingParams, sample
 
 __all__ = ["Request", "Scheduler", "StepResult"]
@@ -187,6 +188,7 @@ class Scheduler:
                     finished.append(self._finish(live, "stop"))
                 elif len(live.generated) >= live.request.max_new_tokens:
                     finished.append(self._finish(live, "length"))
+        self._prefetch_next(chosen)
         num_tokens = sum(len(t) for _, t in rows)
         cache.end_step(num_tokens)
         return StepResult(step, [s for s, _ in rows], num_tokens, new_tokens, finished, preempted)
@@ -213,19 +215,60 @@ class Scheduler:
                 left.append(live)
         return chosen, left
 
+    def _prefetch_next(self, chosen: list[_Live]) -> None:
+        """Start bringing the next request to resume, when it is a swapped-out one, back up in the
+        background: up to ``prefetch_depth`` blocks per step, into device room that the requests
+        running now will not need at their next token, never demoting anything for it. Its
+        ``ensure_resident`` then finds them there (prefetch hits) instead of copying while the step waits."""
+        running = [lv for lv in chosen if lv.seq in self.live]
+        ids = {lv.seq for lv in chosen}
+        rest = [lv for lv in self.live.values() if lv.seq not in ids]
+        if not rest:
+            return
+        nxt = min(rest, key=lambda lv: lv.rank)
+        if nxt.state != "swapped":
+            return
+        growth = sum(max(self._blocks_after_step(lv) - self._device_blocks(lv.seq), 0) for lv in running)
+        room = self.cache.pool.tiers["device"].num_free - growth
+        if room > 0:
+            self.cache.prefetch(nxt.seq, max_blocks=room)
+
     def _blocks_after_step(self, live: _Live) -> int:
         """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill)."""
         return -(-len(live.tokens) // self.cache.block_size)
 
     def _device_blocks(self, seq: SeqId) -> int:
+        """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""
         s = self.cache.seqs.get(seq)
-        return 0 if s is None else sum(1 for b in s.blocks if b.tier == "device")
+        if s is None:
+            return 0
+        return sum(1 for b in s.blocks if b.tier == "device" or (b.inflight is not None and b.inflight.dst == "device"))
+
+    def _reclaimable(self, chosen: list[_Live]) -> int:
+        """Device blocks that prefetches brought up for requests not running this step: their copies
+        are landed (waited for if still in flight) so the cache can demote them again for the room."""
+        ids = {lv.seq for lv in chosen}
+        n = 0
+        for lv in self.live.values():
+            s = self.cache.seqs.get(lv.seq)
+            if lv.state != "swapped" or lv.seq in ids or s is None:
+                continue
+            for b in s.blocks:
+                if b.inflight is not None:
+                    try:
+                        self.cache.tiers.settle(b)
+                    except ChecksumMismatch:
+                        continue  # the bad copy was discarded; the block stays away, its slot is free again
+                n += b.tier == "device"
+        return n
 
     def _make_room(self, chosen: list[_Live], left: list[_Live]) -> list[SeqId]:
         """Preempt the lowest-ranked resident requests left out until the chosen ones fit."""
         tiers = self.cache.stats()["tiers"]
         free = tiers["device"]["free_blocks"]
         need = sum(self._blocks_after_step(lv) - self._device_blocks(lv.seq) for lv in chosen)
+        if need > free:
+            free = self._reclaimable(chosen) + self.cache.pool.tiers["device"].num_free
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
             if need <= free:

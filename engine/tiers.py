@@ -137,6 +137,16 @@ class TierManager:
         need = n - slots.num_free
         if need <= 0:
             return
+        # A prefetch landing here already holds its slot: land it, so the policy may demote it again.
+        for b in [b for b in self.inflight.values() if b.inflight.dst == tier and b.id not in exclude
+                  and not self._protected(b)]:
+            try:
+                self.settle(b)
+            except ChecksumMismatch:
+                pass  # the bad copy was discarded and its slot freed; the block stays where it was
+        need = n - slots.num_free
+        if need <= 0:
+            return
         nxt = self.slower(tier)
         cands = [
             b for b in self.pool.blocks.values()

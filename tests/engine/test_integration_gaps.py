@@ -9,7 +9,8 @@ import torch
 
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.events import SwapOut
+from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.events import Prefetch, SwapOut
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +60,36 @@ def test_without_the_hybrid_policy_no_importance_is_collected(model):
     _decode(runner, "a", list(range(3, 19)), steps=2)
     assert all(b.importance == 0.0 for b in runner.cache.seqs["a"].blocks)
     runner.close()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
+
+
+def _serve(model, **config):
+    """Four requests of two priorities through a device tier too small for all of them."""
+    runner = Runner.create(model, block_size=4, device_blocks=16, host_blocks=6, disk_blocks=64, **config)
+    seen: list = []
+    runner.bus.subscribe(seen.extend)
+    sched = Scheduler(runner, max_batch=4)
+    seqs = [sched.submit(Request(p, max_new_tokens=20, priority=pr)) for p, pr in zip(PROMPTS, (0, 1, 0, 1))]
+    done = sched.run()
+    runner.bus.flush()
+    stats = runner.cache.stats()
+    runner.close()
+    return [done[s].token_ids for s in seqs], seen, stats
+
+
+def test_scheduler_prefetches_a_preempted_request_before_it_resumes(model):
+    # GIVEN the same preempting workload with prefetch off and on (the default depth)
+    plain, plain_seen, plain_stats = _serve(model, prefetch_depth=0)
+    tokens, seen, stats = _serve(model)
+    # THEN requests were preempted, and with prefetch their blocks came up ahead of use
+    assert any(isinstance(e, SwapOut) for e in seen)
+    prefetches = [e for e in seen if isinstance(e, Prefetch)]
+    assert prefetches and all(e.dst == "device" and len(e.blocks) <= 4 for e in prefetches)
+    assert stats["prefetch_hits"] > 0 and stats["prefetch_hit_rate"] > 0
+    assert not any(isinstance(e, Prefetch) for e in plain_seen) and plain_stats["prefetch_hits"] == 0
+    # AND fewer blocks were copied in while a step waited for them
+    assert stats["prefetch_misses"] < plain_stats["prefetch_misses"]
+    # AND the tokens are those of the run without prefetch
+    assert tokens == plain
