@@ -11,6 +11,9 @@ as a v1 event on ``cache.bus``.
 Sequences used in the current step (reserved, gathered or made resident) are
 pinned until ``end_step``: their blocks are never chosen as victims, so a slot
 handed out by ``reserve`` stays valid for the whole step.
+
+With ``KVDOCTOR_TRACE=/path/run.kvtrace`` set, every cache writes a trace of its own: the
+process's first to that path, the 2nd, 3rd … to ``run.2.kvtrace``, ``run.3.kvtrace`` … beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import atexit
 import datetime
 import importlib.metadata
 import os
+import threading
 from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
@@ -34,12 +38,30 @@ from .pool import Block, BlockPool, Sequence
 from .storage import Arena, TensorArena, make_arena
 from .tiers import TierManager
 
-__all__ = ["PagedKVCache", "TRACE_ENV", "HOOKS_GROUP"]
+__all__ = ["PagedKVCache", "TRACE_ENV", "HOOKS_GROUP", "trace_path"]
 
 TRACE_ENV = "KVDOCTOR_TRACE"
 # Entry points called with the cache when a trace is switched on by TRACE_ENV: consumers that
 # must run inside the workload (kvdoctor's memory probes) attach so, as the engine may not import them.
 HOOKS_GROUP = "kvdoctor.engine_hooks"
+
+_traced: dict[str, int] = {}  # absolute trace path -> caches of this process that traced to it
+_traced_lock = threading.Lock()
+
+
+def trace_path(path: str) -> str:
+    """The file a cache switched on by ``KVDOCTOR_TRACE=path`` writes: ``path`` itself for the
+    process's first cache, then ``<stem>.2.kvtrace``, ``<stem>.3.kvtrace`` … beside it for the
+    2nd, 3rd … (closed or not), so several caches in one process never clobber each other's trace."""
+    with _traced_lock:
+        n = _traced[os.path.abspath(path)] = _traced.get(os.path.abspath(path), 0) + 1
+    if n == 1:
+        return path
+    head, name = os.path.split(path)
+    stem, dot, rest = name.partition(".kvtrace")
+    if not dot:
+        stem, rest = os.path.splitext(name)
+    return os.path.join(head, f"{stem}.{n}{dot}{rest}")
 
 
 class PagedKVCache:
@@ -82,7 +104,7 @@ class PagedKVCache:
     def _open_trace(self, path: str) -> None:
         from ..trace import TraceWriter
 
-        self._writer = TraceWriter(path, self.header())
+        self._writer = TraceWriter(trace_path(path), self.header())
         self.bus.subscribe(self._writer.write_many)
         atexit.register(self.close)
         for hook in importlib.metadata.entry_points(group=HOOKS_GROUP):

@@ -93,3 +93,28 @@ def test_scheduler_prefetches_a_preempted_request_before_it_resumes(model):
     assert stats["prefetch_misses"] < plain_stats["prefetch_misses"]
     # AND the tokens are those of the run without prefetch
     assert tokens == plain
+
+
+def test_several_traced_caches_in_one_process_write_numbered_files(tmp_path, monkeypatch):
+    from kvdoctor.engine.cache import PagedKVCache
+    from kvdoctor.trace import TraceReader
+
+    from engine_support import tiny_config
+
+    # GIVEN tracing switched on by the environment, and three caches built in one process
+    path = tmp_path / "run.kvtrace"
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    caches = [PagedKVCache(tiny_config(disk_dir=str(tmp_path))) for _ in range(3)]
+    # WHEN each records its own sequence
+    for i, cache in enumerate(caches):
+        cache.add_sequence(f"seq-{i}", 1)
+        cache.end_step(0)
+    for cache in caches:
+        cache.close()
+    # THEN the first wrote the named file and the others numbered files beside it, none clobbered
+    files = [path, tmp_path / "run.2.kvtrace", tmp_path / "run.3.kvtrace"]
+    assert sorted(p.name for p in tmp_path.glob("*.kvtrace")) == sorted(f.name for f in files)
+    for i, f in enumerate(files):
+        reader = TraceReader(f)
+        seqs = [e.seq for e in reader if type(e).__struct_config__.tag == "seq_start"]
+        assert seqs == [f"seq-{i}"] and not reader.truncated
