@@ -13,7 +13,14 @@ from typing import Any
 __all__ = [
     "EngineConfig",
     "PagedKVCache",
+    "Runner",
+    "SamplingParams",
+    "Scheduler",
+    "Request",
+    "EngineCache",
+    "load_model",
     "Bus",
+    "errors",
     "EngineError",
     "OutOfBlocks",
     "ChecksumMismatch",
@@ -26,6 +33,12 @@ __all__ = [
 _HOME = {
     "EngineConfig": "config",
     "PagedKVCache": "cache",
+    "Runner": "runner",
+    "SamplingParams": "runner",
+    "Scheduler": "scheduler",
+    "Request": "scheduler",
+    "EngineCache": "hf",
+    "load_model": "model",
     "Bus": "bus",
     "EngineError": "errors",
     "OutOfBlocks": "errors",
@@ -38,8 +51,15 @@ _HOME = {
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _HOME:
+    if name == "errors":  # the typed errors as a module: kvdoctor.engine.errors.OutOfBlocks
+        value: Any = importlib.import_module(".errors", __name__)
+    elif name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

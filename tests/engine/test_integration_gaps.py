@@ -118,3 +118,25 @@ def test_several_traced_caches_in_one_process_write_numbered_files(tmp_path, mon
         reader = TraceReader(f)
         seqs = [e.seq for e in reader if type(e).__struct_config__.tag == "seq_start"]
         assert seqs == [f"seq-{i}"] and not reader.truncated
+
+
+def test_package_names_its_public_api_and_imports_without_torch():
+    import subprocess
+    import sys
+
+    # GIVEN a fresh interpreter WHEN it imports the engine package THEN torch is not loaded yet,
+    # and every public name then resolves to its home module's object
+    code = (
+        "import sys, importlib, kvdoctor.engine as e\n"
+        "assert 'torch' not in sys.modules, 'torch loaded at package import'\n"
+        "assert set(e.__all__) <= set(dir(e))\n"
+        "for name in e.__all__:\n"
+        "    assert getattr(e, name) is not None, name\n"
+        "assert e.Runner is importlib.import_module('kvdoctor.engine.runner').Runner\n"
+        "assert e.errors.OutOfBlocks is e.OutOfBlocks\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    import kvdoctor.engine as engine
+
+    assert {"PagedKVCache", "EngineConfig", "Runner", "Scheduler", "Request", "SamplingParams", "EngineCache",
+            "load_model", "errors"} <= set(engine.__all__)
