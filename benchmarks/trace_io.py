@@ -5,7 +5,7 @@ every layer, a usage per tier), so the figure is what a real trace costs, not a 
 direction is timed several times and the median is reported, with a plain ``f.write`` of the same
 bytes and a plain ``f.read`` as the in-run baselines the machine's noise applies to equally.
 
-    .venv/bin/python benchmarks/trace_io.py [--events 1000000] [--repeats 5] [--gzip]
+    .venv/bin/python benchmarks/trace_io.py [--events 1000000] [--repeats 5] [--gzip | --binary]
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--gzip", action="store_true")
+    ap.add_argument("--binary", action="store_true", help="the msgpack encoding (run.kvtrace.msgpack)")
     args = ap.parse_args()
 
     steps = make_steps(args.events)
     n = sum(map(len, steps))
     header = E.Header(block_size=16, num_layers=NUM_LAYERS, tiers=[E.TierSpec(name=t, capacity_blocks=512) for t in E.TIERS])
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / ("bench.kvtrace.gz" if args.gzip else "bench.kvtrace")
+        path = Path(tmp) / ("bench.kvtrace.gz" if args.gzip else "bench.kvtrace.msgpack" if args.binary else "bench.kvtrace")
         writes, reads, raw_writes, raw_reads, cpu_writes, cpu_reads = [], [], [], [], [], []
         for _ in range(args.repeats):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -87,7 +88,7 @@ def main() -> None:
     w, r = statistics.median(writes), statistics.median(reads)
     cw, cr = statistics.median(cpu_writes), statistics.median(cpu_reads)
     print(f"events: {n:,} in {len(steps):,} steps, {size / n:.0f} bytes/event, file {size / 1e6:.1f} MB"
-          f"{' (gzip)' if args.gzip else ''}")
+          f"{' (gzip)' if args.gzip else ' (msgpack)' if args.binary else ''}")
     # CPU time is the fairer clock on a shared machine: it leaves out time the process waited for a core.
     print(f"encode+write: {n / w / 1e6:.2f} M events/s wall, {n / cw / 1e6:.2f} M per CPU-second "
           f"(median of {args.repeats}; raw write of the same bytes "

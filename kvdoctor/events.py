@@ -180,10 +180,15 @@ class Attn(Event, tag="attn"):
     heads_max_logit: list[float | None] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_logit is None or self.entropy is None or self.sink is None:
-            for name in ("max_logit", "entropy", "sink"):
-                if getattr(self, name) is None:
-                    msgspec.structs.force_setattr(self, name, _NAN)
+        # Runs for every decoded attn event (the most common kind), so the usual case is one test.
+        if (self.max_logit is None or self.entropy is None or self.sink is None
+                or self.heads_entropy is not None or self.heads_max_logit is not None):
+            self._restore_nan()
+
+    def _restore_nan(self) -> None:
+        for name in ("max_logit", "entropy", "sink"):
+            if getattr(self, name) is None:
+                msgspec.structs.force_setattr(self, name, _NAN)
         for name in ("heads_entropy", "heads_max_logit"):
             values = getattr(self, name)
             if values is not None and None in values:

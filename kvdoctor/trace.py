@@ -18,12 +18,14 @@ from typing import IO, Iterator
 
 import msgspec
 
+from . import binary_trace
 from .errors import IncompatibleTraceError, TraceError, TraceFormatError
 from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
 
 __all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header"]
 
 _CHUNK = 1 << 20
+_MAX_FRAME_EVENTS = 8192  # bounds a binary writer's memory when one step is very long
 _GZIP_MAGIC = b"\x1f\x8b"
 _header_decoder = msgspec.json.Decoder(Header)
 
@@ -31,9 +33,14 @@ _header_decoder = msgspec.json.Decoder(Header)
 class TraceWriter:
     """Append-only trace writer; usable directly as an engine ``Bus`` sink (``write_many``)."""
 
-    def __init__(self, path: str | os.PathLike[str], header: Header, *, compress: bool | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], header: Header, *, compress: bool | None = None, binary: bool | None = None
+    ) -> None:
         self.path = Path(path)
         compress = self.path.suffix == ".gz" if compress is None else compress
+        # run.kvtrace.msgpack: the binary encoding (see binary_trace), chosen by name so KVDOCTOR_TRACE can pick it
+        self.binary = self.path.name.endswith(binary_trace.SUFFIX) if binary is None else binary
+        self._pending: list[Event] = []  # binary mode: events waiting for their frame
         try:
             raw = open(self.path, "wb", buffering=_CHUNK)
         except OSError as exc:
@@ -44,7 +51,7 @@ class TraceWriter:
         self._last_step = 0
         self._last_t = 0
         self.closed = False
-        self._put(encode(header) + b"\n")
+        self._put(binary_trace.encode_header(header) if self.binary else encode(header) + b"\n")
         self._flush()
 
     def write(self, event: Event) -> None:
@@ -53,10 +60,16 @@ class TraceWriter:
     def write_many(self, events: list[Event]) -> None:
         if not events:
             return
-        self._put(encode_lines(events))
         last = events[-1]
         # A whole step reaches the disk as soon as it is complete: what a crash loses is the step it was in.
-        if type(last) is StepEnd or last.step > self._last_step:
+        step_done = type(last) is StepEnd or last.step > self._last_step
+        if self.binary:
+            self._pending += events
+            if step_done or len(self._pending) >= _MAX_FRAME_EVENTS:
+                self._put_frame()
+        else:
+            self._put(encode_lines(events))
+        if step_done:
             self._flush()
         self._last_step, self._last_t = last.step, last.t
 
@@ -66,7 +79,12 @@ class TraceWriter:
             return
         self.closed = True
         try:
-            self._put(encode(TraceEnd(t=self._last_t, step=self._last_step, reason=reason)) + b"\n")
+            end = TraceEnd(t=self._last_t, step=self._last_step, reason=reason)
+            if self.binary:
+                self._pending.append(end)
+                self._put_frame()
+            else:
+                self._put(encode(end) + b"\n")
             self._f.close()
             if self._f is not self._raw:
                 self._raw.close()
@@ -78,6 +96,10 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close("closed" if exc[0] is None else "error")
+
+    def _put_frame(self) -> None:
+        frame, self._pending = binary_trace.encode_frame(self._pending), []
+        self._put(frame)
 
     def _put(self, data: bytes) -> None:
         try:
@@ -157,6 +179,10 @@ def _parse_header(path: Path, line: bytes) -> Header:
         header = _header_decoder.decode(line)
     except msgspec.DecodeError:
         raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: line 1 is not a trace header") from None
+    return _check_version(path, header)
+
+
+def _check_version(path: Path, header: Header) -> Header:
     if header.format != FORMAT:
         raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: format is {header.format!r}")
     major = header.version.split(".", 1)[0]
@@ -214,20 +240,48 @@ class _LineSplitter:
             return [], True
 
 
-def _read_header_line(f: IO[bytes], path: Path) -> bytes:
-    try:
-        line = f.readline()
-    except (OSError, EOFError, zlib.error) as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}") from None
+def _start(path: Path, data: bytes, at_end: bool) -> tuple[Header, _LineSplitter | binary_trace.FrameSplitter, bytes] | None:
+    """Parse the header at the start of ``data``: the header, the splitter for the rest, and the rest.
+
+    None while ``data`` is too short to hold the whole header and more may come (``at_end`` false).
+    """
+    if data.startswith(binary_trace.MAGIC) or (not at_end and binary_trace.MAGIC.startswith(data)):
+        found = binary_trace.split_header(path, data)
+        if found is None:
+            if at_end:
+                raise TraceError(f"{path} ends inside its header: the writer was killed as it started")
+            return None
+        payload, used = found
+        try:
+            header = binary_trace.decode_header(payload)
+        except msgspec.DecodeError:
+            raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: frame 0 is not a trace header") from None
+        return _check_version(path, header), binary_trace.FrameSplitter(path), data[used:]
+    line, newline, rest = data.partition(b"\n")
+    if not newline and not at_end:
+        return None
     if not line.strip():
         raise IncompatibleTraceError(f"{path} is empty, not a kvdoctor trace")
-    return line
+    return _parse_header(path, line), _LineSplitter(path, first_line=2), rest
+
+
+def _read_start(f: IO[bytes], path: Path) -> tuple[Header, _LineSplitter | binary_trace.FrameSplitter, bytes]:
+    data = b""
+    while True:
+        try:
+            more = f.read(4096)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise TraceError(f"cannot read trace {path}: {exc}") from None
+        data += more
+        started = _start(path, data, at_end=not more)
+        if started is not None:
+            return started
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
     p = Path(path)
     with _open_binary(p) as f:
-        return _parse_header(p, _read_header_line(f, p))
+        return _read_start(f, p)[0]
 
 
 class TraceReader:
@@ -247,8 +301,10 @@ class TraceReader:
     def batches(self) -> Iterator[list[Event | Unknown]]:
         """Events in the chunks they were decoded in: the cheap way to consume a large trace."""
         with _open_binary(self.path) as f:
-            _read_header_line(f, self.path)
-            splitter = _LineSplitter(self.path, first_line=2)
+            _, splitter, rest = _read_start(f, self.path)
+            events = splitter.feed(rest)
+            if events:
+                yield self._count(events)
             while True:
                 try:
                     data = f.read(_CHUNK)
@@ -331,10 +387,9 @@ class TraceFollower:
                     raise TraceError(f"{self.path} is gzip-compressed; follow a plain .kvtrace instead")
             if self._f is not None:
                 pending += self._f.read()
-                if b"\n" in pending:
-                    line, rest = pending.split(b"\n", 1)
-                    self.header = _parse_header(self.path, line)
-                    self._pending = rest
+                started = _start(self.path, pending, at_end=False) if pending else None
+                if started is not None:
+                    self.header, self._splitter, self._pending = started
                     if self.pid is None:
                         self.pid = self.header.pid
                     return self.header
@@ -351,7 +406,7 @@ class TraceFollower:
         """Decoded events as they arrive; an empty list on each idle poll, so a consumer can look up."""
         self.wait_header()
         assert self._f is not None
-        splitter = _LineSplitter(self.path, first_line=2)
+        splitter = self._splitter
         data = self._pending
         try:
             while True:

@@ -27,7 +27,7 @@ def _steps(num_steps: int) -> list[E.Event]:
     return out
 
 
-@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.gz"])
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.gz", "t.kvtrace.msgpack"])
 def test_write_then_read_back(tmp_path, name):
     # GIVEN events written through the writer, plain and gzip
     events = _steps(5)
@@ -43,21 +43,23 @@ def test_write_then_read_back(tmp_path, name):
         assert gzip.open(tmp_path / name).readline().startswith(b'{"kind":"header"')
 
 
-def test_writer_flushes_each_step_so_a_kill_loses_at_most_one_step(tmp_path):
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.msgpack"])
+def test_writer_flushes_each_step_so_a_kill_loses_at_most_one_step(tmp_path, name):
     # GIVEN a writer that has finished two steps and is inside a third
-    w = TraceWriter(tmp_path / "t.kvtrace", HEADER)
+    w = TraceWriter(tmp_path / name, HEADER)
     events = _steps(3)
     w.write_many(events[:3])
     w.write_many(events[3:6])
     w.write(events[6])
     # WHEN another reader looks before close THEN both complete steps are on disk
-    got = list(TraceReader(tmp_path / "t.kvtrace"))
+    got = list(TraceReader(tmp_path / name))
     assert got[:6] == events[:6]
     w.close()
 
 
-def test_truncated_last_line_is_reported_and_the_rest_used(tmp_path):
-    path = tmp_path / "t.kvtrace"
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.msgpack"])
+def test_truncated_last_line_is_reported_and_the_rest_used(tmp_path, name):
+    path = tmp_path / name
     with TraceWriter(path, HEADER) as w:
         w.write_many(_steps(3))
     data = path.read_bytes()
@@ -157,9 +159,10 @@ if sys.argv[3] == "close":
 
 
 @pytest.mark.parametrize("ending", ["close", "exit"])
-def test_follow_a_file_written_by_another_process(tmp_path, ending):
+@pytest.mark.parametrize("name", ["live.kvtrace", "live.kvtrace.msgpack"])
+def test_follow_a_file_written_by_another_process(tmp_path, ending, name):
     # GIVEN a writer process that starts after the follower and writes 40 steps over ~0.4 s
-    path = tmp_path / "live.kvtrace"
+    path = tmp_path / name
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), "40", ending])
     follower = follow(path, pid=proc.pid, poll_s=0.01, wait_s=30)
     # WHEN followed THEN every event arrives in order, and it ends by the writer's close or its exit
@@ -187,3 +190,20 @@ def test_follow_stops_when_asked(tmp_path):
 def test_follow_gives_up_on_a_trace_that_never_appears(tmp_path):
     with pytest.raises(TraceError, match="waited"):
         list(follow(tmp_path / "never.kvtrace", wait_s=0.2, poll_s=0.01))
+
+
+def test_binary_trace_keeps_unknown_kinds_and_names_a_corrupt_frame(tmp_path):
+    # GIVEN a binary trace holding a producer's own kind
+    path = tmp_path / "t.kvtrace.msgpack"
+    odd = E.Unknown(kind="gpu_sync", t=3, step=0, fields={"stream": 2})
+    with TraceWriter(path, HEADER) as w:
+        w.write_many([E.Free(block=1), odd, E.StepEnd()])
+        w.write_many([E.Free(step=1, block=2), E.StepEnd(step=1)])
+    # THEN it reads back whole, the unknown kind included
+    assert list(TraceReader(path))[:3] == [E.Free(block=1), odd, E.StepEnd()]
+    # WHEN a byte inside frame 2 is corrupted THEN the error names that frame
+    data = bytearray(path.read_bytes())
+    data[-30] = 0xC1  # a byte msgpack never uses
+    path.write_bytes(bytes(data))
+    with pytest.raises(TraceFormatError, match="frame"):
+        list(TraceReader(path))
