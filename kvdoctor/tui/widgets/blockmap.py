@@ -49,8 +49,10 @@ _GAP = Segment(" ")
 class BlockMap(ScrollView, can_focus=True):
     """Cells in the order blocks were first seen; a click (or ``selected``) picks one."""
 
+    # The gutter is kept even without a scrollbar: a scrollbar arriving would narrow the content
+    # without a resize event, leaving rows laid out for a width that no longer shows.
     DEFAULT_CSS = """
-    BlockMap { height: 1fr; overflow-x: hidden; }
+    BlockMap { height: 1fr; overflow-x: hidden; scrollbar-gutter: stable; }
     """
 
     snapshot: reactive[Snapshot | None] = reactive(None)
