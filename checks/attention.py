@@ -194,39 +194,37 @@ class AttentionCheck(CheckBase):
             events=[_attn_dict(ev)],
         )]
 
-    def _outlier(self, ev: Attn, rule: str, what: str, value: float, median: float, scale: float, out):
+    def _once(self, ev: Attn, rule: str, message: str, out, **evidence):
+        """Append ``rule``'s finding for this sequence and layer, the first time it holds."""
         if not self.once(rule, ev.seq, ev.layer):
             return out
+        return [*out, self.finding(rule, f"layer {ev.layer} of sequence {ev.seq!r}: {message}",
+                                   seq=ev.seq, layer=ev.layer, step=ev.step, events=[_attn_dict(ev)], **evidence)]
+
+    def _outlier(self, ev: Attn, rule: str, what: str, value: float, median: float, scale: float, out):
         z = (value - median) / scale
-        return [*out, self.finding(
-            rule,
-            f"layer {ev.layer} of sequence {ev.seq!r}: {what} {value:.4g} is {z:+.1f} robust sigmas from the "
-            f"layer's median {median:.4g}, for {self.settings.persist} steps in a row",
-            seq=ev.seq, layer=ev.layer, step=ev.step, value=value, median=median, robust_sigma=scale,
-            z=z, events=[_attn_dict(ev)],
-        )]
+        return self._once(
+            ev, rule,
+            f"{what} {value:.4g} is {z:+.1f} robust sigmas from the layer's median {median:.4g}, "
+            f"for {self.settings.persist} steps in a row",
+            out, value=value, median=median, robust_sigma=scale, z=z,
+        )
 
     def _collapse(self, ev: Attn, layer: _Layer, out):
-        if not self.once("entropy-collapse", ev.seq, ev.layer):
-            return out
-        return [*out, self.finding(
-            "entropy-collapse",
-            f"layer {ev.layer} of sequence {ev.seq!r}: attention entropy {ev.entropy:.3g} nats for "
-            f"{self.settings.persist} steps, where the layer's median is {layer.ent_med:.3g}",
-            seq=ev.seq, layer=ev.layer, step=ev.step, value=ev.entropy, median=layer.ent_med,
-            events=[_attn_dict(ev)],
-        )]
+        return self._once(
+            ev, "entropy-collapse",
+            f"attention entropy {ev.entropy:.3g} nats for {self.settings.persist} steps, "
+            f"where the layer's median is {layer.ent_med:.3g}",
+            out, value=ev.entropy, median=layer.ent_med,
+        )
 
     def _sink_shift_finding(self, ev: Attn, level: float, out):
-        if not self.once("sink-shift", ev.seq, ev.layer):
-            return out
-        return [*out, self.finding(
-            "sink-shift",
-            f"layer {ev.layer} of sequence {ev.seq!r}: mass on the first block moved from {level:.3f} to "
-            f"{ev.sink:.3f} and stayed there for {self.settings.persist} steps",
-            seq=ev.seq, layer=ev.layer, step=ev.step, value=ev.sink, level=level,
-            events=[_attn_dict(ev)],
-        )]
+        return self._once(
+            ev, "sink-shift",
+            f"mass on the first block moved from {level:.3f} to {ev.sink:.3f} "
+            f"and stayed there for {self.settings.persist} steps",
+            out, value=ev.sink, level=level,
+        )
 
 
 def _median_mad(values) -> tuple[float, float]:
