@@ -33,7 +33,8 @@ class AttnLayout:
 
     Row ``b`` has ``q_lens[b]`` queries at positions ``kv_lens[b] - q_lens[b]`` … ``kv_lens[b] - 1``
     and ``kv_lens[b]`` keys at positions ``0`` … ``kv_lens[b] - 1``; each query sees the keys
-    at or before its own position.
+    at or before its own position, and with a ``window`` only the newest ``window`` of them
+    (sliding-window attention: a query at ``p`` sees ``p - window + 1 … p``).
     """
 
     allowed: torch.Tensor | None  # (B, 1, S, T) bool, or None when no row needs masking
@@ -45,7 +46,8 @@ class AttnLayout:
 
     @classmethod
     def build(
-        cls, q_lens: list[int], kv_lens: list[int], *, sink_tokens: int, device: torch.device | str = "cpu"
+        cls, q_lens: list[int], kv_lens: list[int], *, sink_tokens: int, device: torch.device | str = "cpu",
+        window: int | None = None,
     ) -> AttnLayout:
         if len(q_lens) != len(kv_lens) or not q_lens:
             raise ValueError(f"q_lens {q_lens} and kv_lens {kv_lens} must be non-empty and of equal length")
@@ -54,22 +56,29 @@ class AttnLayout:
         S, T = max(q_lens), max(kv_lens)
         uniform = len(set(q_lens)) == 1 and len(set(kv_lens)) == 1
         allowed = None
+        windowed = window is not None and T > window  # a window shorter than the keys hides some of them
         # One query per row over equal lengths, or a fresh causal prefill, needs no explicit mask.
-        if not (uniform and (S == 1 or S == T)):
+        if windowed or not (uniform and (S == 1 or S == T)):
             q_idx = torch.arange(S, device=device)
             k_idx = torch.arange(T, device=device)
             q_len = torch.tensor(q_lens, device=device)
             kv_len = torch.tensor(kv_lens, device=device)
             q_pos = (kv_len - q_len)[:, None] + q_idx[None, :]  # (B, S) absolute position of each query
             allowed = (k_idx[None, None, :] <= q_pos[:, :, None]) & (k_idx[None, None, :] < kv_len[:, None, None])
+            if windowed:
+                allowed &= k_idx[None, None, :] > q_pos[:, :, None] - window
             allowed &= (q_idx[None, :] < q_len[:, None])[:, :, None]
             # A padded query row sees key 0 only, so its softmax stays finite (its output is discarded).
             allowed[:, :, 0] |= ~(q_idx[None, :] < q_len[:, None])
             allowed = allowed[:, None]  # (B, 1, S, T)
         last = torch.tensor([q - 1 for q in q_lens], device=device)
         keep = None
-        if len(set(kv_lens)) > 1:
-            keep = torch.arange(T, device=device)[None, :] < torch.tensor(kv_lens, device=device)[:, None]
+        if len(set(kv_lens)) > 1 or windowed:
+            k_idx = torch.arange(T, device=device)[None, :]
+            kv_len = torch.tensor(kv_lens, device=device)[:, None]
+            keep = k_idx < kv_len
+            if windowed:
+                keep &= k_idx > kv_len - 1 - window
         return cls(allowed, last, keep, sink_tokens, allowed is None and S > 1, len(set(q_lens)) == 1)
 
     @classmethod
@@ -153,12 +162,14 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
                     per_head: bool = False) -> AttnStats:
     """Statistics of the newest query of each row from its scaled pre-softmax scores ``(L, B, H, T)``.
 
-    ``keep`` (B, T) marks the keys that query may see (None: all). Non-finite scores are
+    ``keep`` (B, T), or (L, B, T) when layers differ (sliding-window layers), marks the keys that
+    query may see (None: all). Non-finite scores are
     counted, along with every probability of a head whose softmax they break (NaN or +inf);
     the other statistics are taken over the finite scores, so they stay numbers a trace can hold.
     """
     L, B, H, T = scores.shape
-    hidden = None if keep is None else ~keep[None, :, None, :]  # (1, B, 1, T): padding past a row's keys
+    # (1 or L, B, 1, T): padding past a row's keys, and keys behind a sliding window
+    hidden = None if keep is None else ~(keep if keep.dim() == 3 else keep[None])[:, :, None, :]
     visible = scores if hidden is None else scores.masked_fill(hidden, 0.0)
     if bool(torch.isfinite(visible).all()):
         return _finite_stats(scores, hidden, sink_tokens, per_head)

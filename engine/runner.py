@@ -27,6 +27,7 @@ from .cache import PagedKVCache
 from .config import EngineConfig
 from .importance import ImportanceEviction
 from .sparse import BlockSparse
+from .window import SlidingWindow
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "Generation"]
 
@@ -101,6 +102,7 @@ class _Group:
     layout: AttnLayout
     table: torch.Tensor  # (B, num_blocks) device-arena slots of each row's blocks, padded with slot 0
     kv_len: int  # keys of the longest row
+    window_layout: AttnLayout | None = None  # the mask of sliding-window layers, when the model has them
 
 
 class Runner:
@@ -140,6 +142,9 @@ class Runner:
         # KV compression the cache's config asks for: block-sparse top-k reads, importance eviction.
         self._sparse = BlockSparse.for_cache(cache)
         self._importance = ImportanceEviction.for_cache(cache)
+        self._window = SlidingWindow.of_model(cfg)
+        if self._window is not None and self._sparse is not None:
+            raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
         # The hybrid eviction policy ranks blocks by the attention they get: fed from statistics steps.
         self._observe = cache.config.eviction == "hybrid"
 
@@ -268,6 +273,8 @@ class Runner:
             self._sparse.commit(seqs)
         if self._importance is not None:
             self._importance.enforce(seqs)
+        if self._window is not None:
+            self._window.enforce(cache, seqs)
         if stats:
             self._emit_stats(seqs, groups, scores)
         return logits
@@ -298,7 +305,25 @@ class Runner:
         table = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
         for r, t in enumerate(tables):
             table[r, : t.numel()] = t
-        return _Group(rows, tokens, q_len, layout, table, max(lens))
+        window = None
+        if self._window is not None:
+            window = AttnLayout.build([q_len] * len(rows), lens, sink_tokens=self.block_size, device=self.device,
+                                      window=self._window.window)
+        return _Group(rows, tokens, q_len, layout, table, max(lens), window)
+
+    def _layout(self, g: _Group, layer: int) -> AttnLayout:
+        windowed = self._window is not None and self._window.windows[layer] is not None
+        return g.window_layout if windowed else g.layout
+
+    def _keep(self, g: _Group) -> torch.Tensor | None:
+        """The keys each row's newest query saw, (B, T), or per layer (L, B, T) when only some layers are windowed."""
+        if self._window is None:
+            return g.layout.keep
+        if self._window.evicts:
+            return g.window_layout.keep
+        B, T = g.table.shape[0], g.kv_len
+        full = torch.ones(B, T, dtype=torch.bool, device=self.device)
+        return torch.stack([full if (k := self._layout(g, li).keep) is None else k for li in range(self.num_layers)])
 
     def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], groups: list[_Group], scale: float,
                        scores: list[list[torch.Tensor]] | None, corrupt: Any) -> torch.Tensor:
@@ -315,7 +340,8 @@ class Runner:
                 kb, vb = self.cache.read_blocks(layer, g.table)  # (B, nb, H_kv, bs, D) each
                 k = kb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
                 v = vb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
-                o, st = attend(qg, k, v, g.layout, scale=scale, scores=scores is not None, corrupt=corrupt)
+                o, st = attend(qg, k, v, self._layout(g, layer), scale=scale, scores=scores is not None,
+                               corrupt=corrupt)
             o = o.transpose(1, 2).reshape(B * g.q_len, H * D)  # (tokens, H*D)
             if out is None:
                 out = o
@@ -342,7 +368,7 @@ class Runner:
         for g, per_layer in zip(groups, scores):
             if len(per_layer) != self.num_layers:
                 continue  # a path without scores (block-sparse attention) has no statistics
-            st = attention_stats(torch.stack(per_layer), g.layout.keep, sink_tokens=self.block_size,
+            st = attention_stats(torch.stack(per_layer), self._keep(g), sink_tokens=self.block_size,
                                  per_head=self.per_head)
             summary = st.summary.tolist()  # (L, B, 4)
             he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
@@ -360,8 +386,9 @@ class Runner:
 
         One vectorized pass and one transfer per group, on statistics steps only."""
         L, B, H, T = scores.shape
-        if g.layout.keep is not None:
-            scores = scores.masked_fill(~g.layout.keep[None, :, None, :], float("-inf"))
+        keep = self._keep(g)
+        if keep is not None:
+            scores = scores.masked_fill(~(keep if keep.dim() == 3 else keep[None])[:, :, None, :], float("-inf"))
         # nan_to_num: a head broken by non-finite scores (the attention-nan fault) contributes nothing
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(0.0)
         per_token = probs.sum(dim=2).mean(dim=0)  # (B, T)
