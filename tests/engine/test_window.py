@@ -103,3 +103,18 @@ def test_a_long_windowed_generation_holds_about_a_window_of_blocks():
         # THEN it never holds more than the window's blocks plus the one being written
         assert most <= WINDOW // 4 + 2
         assert runner.cache.seq_len("s") == 70
+
+
+@pytest.mark.parametrize("make", [_mistral, _qwen2], ids=["mistral", "qwen2-mixed-layers"])
+def test_engine_cache_under_generate_keeps_transformers_window_mask(make):
+    # GIVEN a windowed model generating through kvdoctor's Cache (transformers builds the window mask itself)
+    from kvdoctor.engine.hf import EngineCache
+
+    model = make()
+    prompt = PROMPTS[0]
+    tokens, _ = _reference(model, prompt, 16)
+    with EngineCache(model, block_size=4, device_blocks=64, host_blocks=0) as cache:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                             past_key_values=cache)
+    # THEN its tokens are transformers' own
+    assert out[0, len(prompt):].tolist() == tokens
