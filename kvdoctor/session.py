@@ -20,14 +20,13 @@ from __future__ import annotations
 import os
 import queue
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from .child import TracedChild
 from .config import Config
 from .errors import TraceError, UsageError
 from .events import Event, Header, Unknown
@@ -122,28 +121,20 @@ class CommandSource:
                  env: dict[str, str] | None = None) -> None:
         if not argv:
             raise UsageError("no workload command given: use `kvdoctor check -- python my_script.py`")
-        self.argv = list(argv)
         self.name = shlex.join(argv)
         self._dir = tempfile.TemporaryDirectory(prefix="kvdoctor-check-")
         self.trace_path = str(Path(self._dir.name) / "workload.kvtrace")
-        child_env = dict(os.environ if env is None else env, KVDOCTOR_TRACE=self.trace_path)
-        if fault:
-            child_env["KVDOCTOR_FAULT"] = fault
         try:
-            self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=_stderr_fd())
-        except FileNotFoundError:
-            raise UsageError(f"cannot start the workload: no such program {argv[0]!r}") from None
-        except PermissionError:
-            raise UsageError(f"cannot start the workload: {argv[0]!r} is not executable") from None
-        self.returncode: int | None = None
-        # Reap the child at once, so its pid vanishes when it exits and the follower notices.
-        self._reaper = threading.Thread(target=self._reap, name="kvdoctor-reaper", daemon=True)
-        self._reaper.start()
-        self._follow = FollowSource(self.trace_path, pid=self.proc.pid, wait_s=wait_s)
+            self._child = TracedChild(argv, self.trace_path, fault=fault, env=env, stdout=_stderr_fd())
+        except UsageError:
+            self._dir.cleanup()
+            raise
+        self._follow = FollowSource(self.trace_path, pid=self._child.pid, wait_s=wait_s)
         self.notes: list[str] = []
 
-    def _reap(self) -> None:
-        self.returncode = self.proc.wait()
+    @property
+    def returncode(self) -> int | None:
+        return self._child.returncode
 
     @property
     def truncated(self) -> bool:
@@ -153,7 +144,7 @@ class CommandSource:
         try:
             return self._follow.wait_header()
         except TraceError as exc:
-            self._reaper.join(5.0)
+            self._child.wait(5.0)
             raise TraceError(f"{exc} ({self.exit_message()}; does it build a kvdoctor engine?)") from None
 
     def batches(self) -> Iterator[list[Any]]:
@@ -161,32 +152,17 @@ class CommandSource:
         if not self._follow.stop_event.is_set():
             # The trace is closed or its writer gone: the workload's exit status is part of
             # the result, so wait for it (Ctrl-C stops waiting).
-            self._reaper.join()
+            self._child.wait()
         self.notes.extend(self._follow.notes)
         self.notes.append(self.exit_message())
 
     def exit_message(self) -> str:
-        code = self.returncode
-        if code is None:
-            return "workload still running"
-        if code < 0:
-            try:
-                return f"workload killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"workload killed by signal {-code}"
-        return f"workload exited with status {code}"
+        return self._child.exit_message()
 
     def close(self) -> None:
         """Stop following; a workload still running is interrupted, then terminated."""
         self._follow.close()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-            if self.returncode is not None:
-                break
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                break
-            self._reaper.join(3.0)
+        self._child.stop()
         self._dir.cleanup()
 
 

@@ -148,7 +148,7 @@ def test_check_a_workload_command(capsys, tmp_path):
     doc = json.loads(out)  # the workload's own output went to stderr
     assert code == 1
     assert {f["rule"] for f in doc["findings"]} == {"unreachable-swapped", "unknown-block"}
-    assert "workload exited with status 0" in doc["summary"]["notes"]
+    assert "workload finished (exit 0)" in doc["summary"]["notes"]
 
 
 def test_a_failing_workload_is_an_error_finding(capsys, tmp_path):
@@ -160,4 +160,4 @@ def test_a_failing_workload_is_an_error_finding(capsys, tmp_path):
     doc = json.loads(out)
     assert code == 1
     assert [(f["check"], f["rule"]) for f in doc["findings"]] == [("workload", "exit-status")]
-    assert "status 3" in doc["findings"][0]["message"] and doc["summary"]["suppressed"] == 0
+    assert "(exit 3)" in doc["findings"][0]["message"] and doc["summary"]["suppressed"] == 0

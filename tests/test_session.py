@@ -128,7 +128,7 @@ def test_command_source_runs_a_workload_with_tracing_on(tmp_path):
     session = Session(source).run()
     assert sorted(f.rule for f in session.findings) == ["unknown-block", "unreachable-swapped"]
     assert source.returncode == 3
-    assert "workload exited with status 3" in session.report().notes
+    assert "workload crashed (exit 3)" in session.report().notes
 
 
 def test_command_that_never_traces_is_a_trace_error():
