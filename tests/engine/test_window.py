@@ -115,6 +115,6 @@ def test_engine_cache_under_generate_keeps_transformers_window_mask(make):
     tokens, _ = _reference(model, prompt, 16)
     with EngineCache(model, block_size=4, device_blocks=64, host_blocks=0) as cache:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
-                             past_key_values=cache)
+                             cache=cache)
     # THEN its tokens are transformers' own
     assert out[0, len(prompt):].tolist() == tokens
