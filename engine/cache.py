@@ -12,6 +12,16 @@ Sequences used in the current step (reserved, gathered or made resident) are
 pinned until ``end_step``: their blocks are never chosen as victims, so a slot
 handed out by ``reserve`` stays valid for the whole step.
 
+Codecs: each block carries its codec (``Block.codec``) and lives in its tier's
+arena of that codec (``storage.TierArenas``). Device blocks of other codecs than
+the device's own (swapped back up from a lossier tier, or demoted by mixed
+resolution) are read through ``read_blocks``, which decodes each block with its
+codec; while every device block is in the device's own arena, reads and stores
+take the single-codec path they always took. Under ``codec="mixed"`` a block that
+leaves its sequence's recent window, is not a sink and is not among the blocks
+with the most attention mass is re-encoded in place to ``mixed_low`` at commit
+(a ``recode`` event), and never promoted back.
+
 With ``KVDOCTOR_TRACE=/path/run.kvtrace`` set, every cache writes a trace of its own: the
 process's first to that path, the 2nd, 3rd … to ``run.2.kvtrace``, ``run.3.kvtrace`` … beside it.
 """
@@ -27,7 +37,7 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
 
-from ..events import Evict, Header, Read, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
+from ..events import Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
 from .bus import Bus
 from .codecs import make_codec
 from .config import EngineConfig
@@ -35,7 +45,7 @@ from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
 from .pool import Block, BlockPool, Sequence
-from .storage import Arena, TensorArena, make_arena
+from .storage import Arena, TensorArena, TierArenas
 from .tiers import TierManager
 
 __all__ = ["PagedKVCache", "TRACE_ENV", "HOOKS_GROUP", "trace_path"]
@@ -70,27 +80,32 @@ class PagedKVCache:
         self.bus = bus if bus is not None else Bus()
         self.faults = Faults(resolve_fault(config.fault), config.num_layers)
         self.block_size = config.block_size
-        self.codec = make_codec(config.codec, config.block_size, config.head_dim, config.dtype, config.calibration)
+        self.codecs = {c: make_codec(c, config.block_size, config.head_dim, config.dtype, config.calibration)
+                       for c in config.block_codecs}
+        self.codec = self.codecs[config.tier_codec("device")]  # the device's own: new blocks are stored in it
         self._closed = True  # until every arena exists, close() has nothing to undo
-        self.arenas: dict[str, Arena] = {}
+        self.tier_arenas: dict[str, TierArenas] = {}
         try:
             for t in config.tiers:
-                self.arenas[t] = make_arena(t, config)
+                self.tier_arenas[t] = TierArenas(t, config)
         except BaseException:
-            for a in self.arenas.values():
+            for a in self.tier_arenas.values():
                 a.close()
             raise
         self._closed = False
+        self.arenas: dict[str, Arena] = {t: a.primary for t, a in self.tier_arenas.items()}  # each tier's own codec
+        self._devs = self.tier_arenas["device"]
         self._dev: TensorArena = self.arenas["device"]  # type: ignore[assignment]
         self.device = self._dev.device
         self.pool = BlockPool(config, self.bus, {t: self._grower(t) for t in config.tiers})
+        self._dev_slots = self.pool.tiers["device"]
         self.seqs: dict[Any, Sequence] = {}
         self._tick = 0
         self._pinned: set[Any] = set()  # sequences the current step uses
         self._reserved: list[Any] = []  # sequences in the order this step reserved them
         self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
         self.tiers = TierManager(
-            config, self.pool, self.arenas, self.bus, make_policy(config), self.faults,
+            config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
             protected=self._is_protected, evictable=self._is_evictable, evict=self._evict,
             distance=self._distance, clock=lambda: self._tick,
         )
@@ -126,12 +141,12 @@ class PagedKVCache:
 
     # ---- helpers the tier manager calls back ----
     def _grower(self, tier: str):
-        arena = self.arenas[tier]
+        arenas = self.tier_arenas[tier]
 
-        def grow() -> range:
+        def grow(index: int) -> range:
             self.tiers.drain()  # a reallocating arena must not have copies landing in the old tensor
-            new = arena.grow()
-            if tier == "device":
+            new = arenas.get(index).grow()
+            if tier == "device" and index == 0:
                 self._kv = None
             return new
 
@@ -292,8 +307,10 @@ class PagedKVCache:
 
     def _copy_on_write(self, s: Sequence, shared: Block, start: int) -> Block:
         """Give ``s`` a private copy of the shared block it is about to append to."""
-        own = self.pool.alloc("device", s.id, shared.index)
-        self._dev.view(own.slot, 1).copy_(self._dev.view(shared.slot, 1))
+        own = self.pool.alloc("device", s.id, shared.index, shared.codec)
+        dst, d = self._devs.at(own.slot)
+        src, s_ = self._devs.at(shared.slot)
+        dst.view(d, 1).copy_(src.view(s_, 1))
         own.version = shared.version
         own.last_access = self._tick
         s.blocks[-1] = own
@@ -304,6 +321,9 @@ class PagedKVCache:
         """Write ``k``, ``v`` (each ``(N, H_kv, D)``) for one layer at ``slots`` from ``reserve``
         (encoded by the codec when it quantizes)."""
         blk, off = slots // self.block_size, slots % self.block_size
+        if self._dev_slots.used_by[0] != self._dev_slots.used:  # some device blocks are in other codecs' arenas
+            self._store_mixed(layer, blk, off, k, v)
+            return
         if not self.codec.native:
             self.codec.write(self._dev.data[:, layer], layer, blk, off, k, v)
             return
@@ -311,6 +331,15 @@ class PagedKVCache:
         dtype = kv.dtype
         kv[blk, :, 0, off] = k.to(dtype)
         kv[blk, :, 1, off] = v.to(dtype)
+
+    def _store_mixed(self, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``store`` when the device holds blocks in several codecs: each token encoded by its block's."""
+        where = blk >> self._devs.shift
+        for i in where.unique().tolist():
+            sel = (where == i).nonzero().squeeze(1)
+            arena = self._devs.get(i)
+            local = blk[sel] & self._devs.mask
+            self.codecs[arena.codec].write(arena.data[:, layer], layer, local, off[sel], k[sel], v[sel])
 
     def commit(self, seq: Any, n: int | None = None) -> None:
         """The first ``n`` reserved tokens (default: all) are stored in every layer: advance the
@@ -334,6 +363,52 @@ class PagedKVCache:
         s.pending = 0
         s.writes = []
         self._drop_tail(s, emit_release=True)
+        if self.config.mixed:
+            self._demote_unimportant(s)
+
+    # ---- mixed resolution ----
+    def _demote_unimportant(self, s: Sequence) -> None:
+        """Mixed resolution: re-encode to ``mixed_low`` the device blocks of ``s`` that left its recent
+        window, are not sinks, and are not among the ``keep`` with the most attention mass."""
+        c = self.config
+        old = s.blocks[: max(len(s.blocks) - c.mixed_window, 0)]
+        high = self.codec.name
+        cands = [b for b in old if b.codec == high and b.index >= c.sink_blocks]
+        keep = max(c.mixed_high_blocks, int(c.mixed_high_fraction * len(s.blocks)))
+        if len(cands) <= keep:
+            return
+        cands = [b for b in cands if b.tier == "device" and b.inflight is None and not self._in_a_window(b)]
+        cands.sort(key=lambda b: b.importance, reverse=True)  # stable: among equals, the older blocks stay high
+        if len(cands) > keep:
+            self.recode([b.id for b in cands[keep:]], c.mixed_low)
+
+    def _in_a_window(self, b: Block) -> bool:
+        """A shared block stays high while it is in any owner's recent window."""
+        w = self.config.mixed_window
+        return len(b.owners) > 1 and any(b in self.seqs[o].blocks[-w:] for o in b.owners if o in self.seqs)
+
+    def recode(self, blocks: Iterable[int], codec: str) -> None:
+        """Re-encode device blocks in place to the lossier ``codec`` (a ``recode`` event each; the version
+        stays). A block already at least as lossy is left as it is: precision never goes back up."""
+        from .codecs import PRECISION
+
+        if codec not in self._devs.codecs:
+            raise ValueError(f"recode to {codec!r}: the device holds {', '.join(self._devs.codecs)}")
+        todo: dict[str, list[Block]] = {}
+        for b in self._blocks(blocks):
+            if b.tier != "device" or b.inflight is not None:
+                raise ValueError(f"recode of block {b.id}: it is not settled on the device (tier {b.tier})")
+            if PRECISION[codec] > PRECISION[b.codec]:
+                todo.setdefault(b.codec, []).append(b)
+        index = self._devs.index(codec)
+        for src, group in todo.items():
+            slots = self.tiers._take("device", [index] * len(group))
+            sums = self.tiers.recode("device", [b.slot for b in group], src, "device", slots, codec)
+            for b, slot, c in zip(group, slots, sums):
+                b.codec, b.checksum = codec, c
+                self.pool.move(b, "device", slot)  # the high slot goes back to its arena's free list
+                if self.bus.enabled:
+                    self.bus.emit(Recode, block=b.id, tier="device", src_codec=src, dst_codec=codec, version=b.version)
 
     def _drop_tail(self, s: Sequence, *, emit_release: bool) -> None:
         """Let go of blocks wholly past the sequence's length (after a short commit or a rollback)."""
@@ -412,9 +487,15 @@ class PagedKVCache:
         """``(num_slots, H, 2, block_size, D)`` view of the device arena for one layer ([:, :, 0] K, [:, :, 1] V).
 
         For paged attention over ``slot_table``; valid until the next allocation. Only for codecs
-        that store the dtype as it is: quantized blocks are read with ``read_blocks``."""
+        that store the dtype as it is, and only while every device block is in the device's own arena:
+        quantized blocks, and blocks held in another codec, are read with ``read_blocks``."""
         if not self.codec.native:
             raise ValueError(f"layer_kv is a raw view and the {self.codec.name} codec stores codes: use read_blocks")
+        ts = self._dev_slots
+        if ts.used_by[0] != ts.used:
+            held = {c: n for c, n in zip(self._devs.codecs[1:], ts.used_by[1:]) if n}
+            raise ValueError(f"layer_kv is a raw view of the device's {self.codec.name} arena, and {ts.used - ts.used_by[0]} "
+                             f"device blocks are held in other codecs ({held}): use read_blocks")
         return self._layer_kv(layer)
 
     def read_blocks(self, layer: int, slots: torch.Tensor, heads: torch.Tensor | None = None
@@ -423,7 +504,12 @@ class PagedKVCache:
         dtype: each ``(*S, H_kv, block_size, D)``. The paged read of attention under any codec.
 
         With ``heads`` (shape ``S``), only that KV head of each slot is read: each ``(*S, block_size, D)``
-        (block-sparse attention reads different blocks per head)."""
+        (block-sparse attention reads different blocks per head).
+
+        Each block is decoded with its own codec; while every device block is in the device's own
+        arena (the common case) this is one gather and one decode."""
+        if self._dev_slots.used_by[0] != self._dev_slots.used:
+            return self._read_mixed(layer, slots, heads)
         if heads is None:
             rows = self._dev.data[:, layer].index_select(0, slots.reshape(-1))  # (n, H, R)
             k, v = self.codec.read(rows, layer)  # (n, H, bs, D) each
@@ -432,6 +518,35 @@ class PagedKVCache:
         rows = self._dev.data[:, layer][slots.reshape(-1), flat_heads]  # (n, R)
         k, v = self.codec.read(rows[:, None], layer, flat_heads)  # (n, 1, bs, D) each
         return k.view(*slots.shape, *k.shape[2:]), v.view(*slots.shape, *v.shape[2:])
+
+    def _read_mixed(self, layer: int, slots: torch.Tensor, heads: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``read_blocks`` over device slots in several codec arenas: one gather and decode per arena."""
+        c, devs = self.config, self._devs
+        flat = slots.reshape(-1)
+        where, local = flat >> devs.shift, flat & devs.mask
+        H = 1 if heads is not None else c.num_kv_heads
+        shape = (flat.numel(), H, self.block_size, c.head_dim)
+        k = torch.zeros(shape, dtype=c.compute_dtype, device=self.device)  # (n, H, bs, D)
+        v = torch.zeros(shape, dtype=c.compute_dtype, device=self.device)
+        flat_heads = heads.reshape(-1) if heads is not None else None
+        for i, arena in enumerate(devs.arenas):
+            if arena is None or (i and not self._dev_slots.used_by[i]):
+                continue
+            sel = (where == i).nonzero().squeeze(1)
+            if not sel.numel() or not arena.num_slots:  # an empty own arena: only padding points there
+                continue
+            codec = self.codecs[arena.codec]
+            if flat_heads is None:
+                rows = arena.data[:, layer].index_select(0, local[sel])  # (m, H, R)
+                k[sel], v[sel] = codec.read(rows, layer)
+            else:
+                h = flat_heads[sel]
+                rows = arena.data[:, layer][local[sel], h]  # (m, R)
+                k[sel], v[sel] = codec.read(rows[:, None], layer, h)
+        if heads is not None:
+            return k.view(*slots.shape, *shape[2:]), v.view(*slots.shape, *shape[2:])
+        return k.view(*slots.shape, *shape[1:]), v.view(*slots.shape, *shape[1:])
 
     def num_tokens(self, seq: Any) -> int:
         """Tokens ``gather`` returns: committed and reserved, less any evicted blocks."""
@@ -529,25 +644,39 @@ class PagedKVCache:
         """Book finished prefetches, emit each tier's usage, close the step on the bus, unpin."""
         self.tiers.poll()
         if self.bus.enabled:
-            bpb = self.config.bytes_per_block
             landing = {t: 0 for t in self.pool.tiers}  # slots held for prefetches still in flight
+            landing_bytes = {t: 0 for t in self.pool.tiers}
             for b in self.tiers.inflight.values():
                 landing[b.inflight.dst] += 1
+                landing_bytes[b.inflight.dst] += self.config.layout(b.codec).bytes_per_block
             for t, ts in self.pool.tiers.items():
                 # blocks as the events place them: an in-flight copy counts where it comes from until it lands
                 used = ts.used - landing[t]
-                self.bus.emit(Usage, tier=t, used_blocks=used, capacity_blocks=ts.capacity, bytes=used * bpb)
+                self.bus.emit(Usage, tier=t, used_blocks=used, capacity_blocks=ts.capacity,
+                              bytes=self._used_bytes(t) - landing_bytes[t])
         self.bus.end_step(num_tokens)
         self._pinned.clear()
         self._reserved.clear()
 
+    def _blocks_by_codec(self, tier: str) -> dict[str, int]:
+        ts = self.pool.tiers[tier]
+        return {c: n for c, n in zip(self.tier_arenas[tier].codecs, ts.used_by) if n}
+
+    def _used_bytes(self, tier: str) -> int:
+        """Bytes the blocks in ``tier`` take, each in its own codec's layout (padding included)."""
+        return sum(n * self.config.layout(c).bytes_per_block for c, n in self._blocks_by_codec(tier).items())
+
     def stats(self) -> dict[str, Any]:
-        bs, bpb = self.block_size, self.config.bytes_per_block
+        """Occupancy per tier (blocks and the real bytes of each block's codec), tokens, prefetch and swaps."""
+        bs = self.block_size
         tiers = {}
         for t, ts in self.pool.tiers.items():
+            by_codec = self._blocks_by_codec(t)
             tiers[t] = {
                 "capacity_blocks": ts.capacity, "used_blocks": ts.used, "free_blocks": ts.num_free,
-                "used_bytes": ts.used * bpb, "arena_bytes": self.arenas[t].nbytes,
+                "used_bytes": self._used_bytes(t), "arena_bytes": self.tier_arenas[t].nbytes,
+                "codec": self.config.tier_codec(t), "blocks_by_codec": by_codec,
+                "bytes_by_codec": {c: n * self.config.layout(c).bytes_per_block for c, n in by_codec.items()},
             }
         held: dict[int, int] = {}  # block -> token slots in use (the longest owner's view of a shared block)
         for q in self.seqs.values():
@@ -561,6 +690,7 @@ class PagedKVCache:
             "sequences": len(self.seqs),
             "blocks": len(self.pool.blocks),
             "tokens": tokens,
+            "kv_bytes": sum(t["used_bytes"] for t in tiers.values()),  # resident in every tier, each block in its codec
             "fragmentation": (1 - tokens / slots) if slots else 0.0,  # empty slots in allocated blocks
             "prefetch_hits": self.tiers.prefetch_hits,
             "prefetch_misses": self.tiers.prefetch_misses,
@@ -582,7 +712,7 @@ class PagedKVCache:
             self._writer.close()
             self._writer = None
             atexit.unregister(self.close)
-        for a in self.arenas.values():
+        for a in self.tier_arenas.values():
             a.close()
 
     def __enter__(self) -> "PagedKVCache":

@@ -15,13 +15,27 @@ from typing import Any
 
 from .faults import FAULTS
 
-__all__ = ["EngineConfig", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES"]
+__all__ = ["EngineConfig", "Layout", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED"]
 
 TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest to slowest
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 ROW_ALIGN_BYTES = 128  # one (layer, head) K+V row of a block starts on a 128-byte boundary
 POLICIES = ("lru", "hybrid")
 IMPORTANCE_MODES = ("h2o", "streaming")  # importance eviction: heavy hitters (H2O), sliding window with sinks (StreamingLLM)
+MIXED = "mixed"  # device codec: new blocks at high precision, demoted to ``mixed_low`` once unimportant
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one block stored under one codec; every arena of that codec uses them."""
+
+    codec: str
+    torch_dtype: Any  # element type of the arena: the codec's dtype, or uint8 for a quantized codec
+    row_payload_bytes: int  # one (layer, head) row, K then V (codes and scales), before padding
+    row_elems: int  # the row padded to 128 bytes, in elements of ``torch_dtype``
+    row_bytes: int
+    bytes_per_block: int  # all layers and heads, padding included
+    payload_bytes_per_token: int  # K and V of one token across all layers, scales included, no padding
 
 
 def _bad(name: str, value: Any, accepted: str) -> ValueError:
@@ -68,14 +82,26 @@ class EngineConfig:
     disk_dir: str | None = None  # parent of the private spill directory; None -> the system temp dir
     checksums: bool = True
     fault: str | None = None
-    codec: str | None = None  # how blocks are stored (codecs.CODECS); None: ``dtype`` as it is
+    # How blocks are stored: one of codecs.CODECS (every tier), "mixed" (device; slower tiers at its high codec),
+    # or per tier: {"device": "fp16", "host": "int8", "disk": "nf4"} or "device=fp16,host=int8,disk=nf4"
+    # (a tier left out takes the next faster tier's). None: ``dtype`` as it is. Precision only goes down as
+    # blocks go down: a tier's codec may not be less lossy than a faster tier's.
+    codec: Any = None
     calibration: Any = None  # codecs.Calibration: the per-channel key scales int8 and nf4 need
     topk: int = 0  # block-sparse attention reads this many blocks chosen by key summary (+ sinks, window); 0: dense
     sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
     local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
     importance: str | None = None  # importance eviction: "h2o" or "streaming" (None: off)
     kv_budget_blocks: int = 0  # importance eviction keeps each sequence within this many blocks
+    mixed_low: str = "nf4"  # mixed: the codec a block is demoted to
+    mixed_window: int = 4  # mixed: a sequence's newest blocks stay high (the recent window)
+    mixed_high_blocks: int = 0  # mixed: at least this many of a sequence's older blocks stay high, by attention mass
+    mixed_high_fraction: float = 0.25  # mixed: ... or this fraction of its blocks, whichever is more
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes carried into the trace header
+    mixed: bool = field(init=False, default=False)  # derived: the device codec is "mixed"
+    _tier_codecs: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
+    _block_codecs: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+    _layouts: dict[str, Layout] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         _int_in("num_layers", self.num_layers, 1, 1024)
@@ -91,7 +117,7 @@ class EngineConfig:
             nbytes = getattr(self, f"{tier}_bytes")
             if nbytes is not None:
                 _int_in(f"{tier}_bytes", nbytes, 0, 1 << 50)
-                setattr(self, f"{tier}_blocks", nbytes // self.bytes_per_block)
+                setattr(self, f"{tier}_blocks", nbytes // self.layout(self.tier_codec(tier)).bytes_per_block)
         _int_in("device_blocks", self.device_blocks, 1, 1 << 24)
         _int_in("host_blocks", self.host_blocks, 0, 1 << 26)
         _int_in("disk_blocks", self.disk_blocks, 0, 1 << 28)
@@ -109,20 +135,59 @@ class EngineConfig:
             raise _bad("fault", self.fault, f"None or one of {', '.join(FAULTS)}")
 
     def _check_compression(self) -> None:
-        from .codecs import CODECS, NATIVE, codec_of_dtype
+        from .codecs import CODECS, NATIVE, PRECISION, codec_of_dtype
 
-        if self.codec is None:
-            self.codec = codec_of_dtype(self.dtype)
-        if self.codec not in CODECS:
-            raise _bad("codec", self.codec, f"None or one of {', '.join(CODECS)}")
-        if self.codec == "nf4" and self.head_dim % 2:
-            raise _bad("codec", self.codec, f"not nf4 for an odd head_dim ({self.head_dim}): nf4 packs two codes per byte")
-        if self.codec not in NATIVE:
+        raw = self.codec
+        self.codec = self._codec_setting(raw)
+        if isinstance(self.codec, dict):
+            per_tier: dict[str, str | None] = dict(self.codec)
+        else:  # "mixed" is the device's; the slower tiers hold its high codec
+            per_tier = {t: self.codec if self.codec != MIXED or t == "device" else None for t in TIER_NAMES}
+        if MIXED in [per_tier[t] for t in TIER_NAMES[1:]]:
+            raise _bad("codec", raw, f"{MIXED!r} for the device tier only (slower tiers hold one codec each)")
+        native = codec_of_dtype(self.dtype)
+        high = native if native != "fp32" else "fp16"  # fp32 KV is no one's high precision: fp16 is
+        self.mixed = per_tier["device"] == MIXED
+        tier_codecs = {}
+        for t in TIER_NAMES:
+            c = per_tier[t] if per_tier[t] not in (MIXED, None) else high
+            if c not in CODECS:
+                raise _bad("codec", raw, f"None, {MIXED!r}, one of {', '.join(CODECS)}, or per tier "
+                           f"(device=fp16,host=int8,disk=nf4) with those; {t}={c!r} is not")
+            tier_codecs[t] = c
+        codecs = set(tier_codecs.values())
+        if self.mixed:
+            if self.mixed_low not in CODECS or PRECISION[self.mixed_low] <= PRECISION[high]:
+                raise _bad("mixed_low", self.mixed_low,
+                           f"a codec lossier than the high one ({high}): one of "
+                           f"{', '.join(c for c in CODECS if PRECISION[c] > PRECISION[high])}")
+            codecs.add(self.mixed_low)
+            _int_in("mixed_window", self.mixed_window, 1, 1 << 20)
+            _int_in("mixed_high_blocks", self.mixed_high_blocks, 0, 1 << 20)
+            if (isinstance(self.mixed_high_fraction, bool) or not isinstance(self.mixed_high_fraction, (int, float))
+                    or not 0 <= self.mixed_high_fraction <= 1):
+                raise _bad("mixed_high_fraction", self.mixed_high_fraction, "a number in [0, 1]")
+        faster = None
+        for t in TIER_NAMES:  # precision only goes down as blocks go down
+            if faster is not None and PRECISION[tier_codecs[t]] < PRECISION[tier_codecs[faster]]:
+                raise _bad("codec", raw, f"no less lossy on {t} ({tier_codecs[t]}) than on the faster "
+                           f"{faster} ({tier_codecs[faster]}): precision only goes down as blocks go down")
+            faster = t
+        self._tier_codecs = tier_codecs
+        if isinstance(self.codec, dict):  # every tier named, as it resolved
+            self.codec = {t: MIXED if t == "device" and self.mixed else tier_codecs[t] for t in TIER_NAMES}
+        # every codec a block can hold; a tier keeps an arena for each one at least as lossy as its own
+        self._block_codecs = tuple(sorted(codecs, key=PRECISION.__getitem__))
+        self._layouts = {}
+        if "nf4" in codecs and self.head_dim % 2:
+            raise _bad("codec", raw, f"without nf4 for an odd head_dim ({self.head_dim}): nf4 packs two codes per byte")
+        quantized = sorted(c for c in codecs if c not in NATIVE)
+        if quantized:
             want = (self.num_layers, self.num_kv_heads, self.head_dim)
             got = tuple(getattr(getattr(self.calibration, "key_scale", None), "shape", ()))
             if got != want:
                 raise _bad("calibration", self.calibration,
-                           f"a codecs.Calibration with key scales of shape {want} for codec {self.codec!r}")
+                           f"a codecs.Calibration with key scales of shape {want} for codec {'/'.join(quantized)!r}")
         _int_in("topk", self.topk, 0, 1 << 20)
         _int_in("sink_blocks", self.sink_blocks, 0, 1 << 10)
         _int_in("local_blocks", self.local_blocks, 1, 1 << 10)
@@ -131,6 +196,29 @@ class EngineConfig:
         if self.importance is not None:
             lo = self.sink_blocks + self.local_blocks + (1 if self.importance == "h2o" else 0)
             _int_in("kv_budget_blocks", self.kv_budget_blocks, lo, 1 << 24)
+
+    def _codec_setting(self, value: Any) -> str | dict[str, str]:
+        """``codec`` normalized: one name for every tier, or a dict naming every tier's codec."""
+        from .codecs import codec_of_dtype
+
+        if value is None:
+            return codec_of_dtype(self.dtype)
+        if isinstance(value, str) and "=" in value:
+            pairs = [p.partition("=") for p in value.split(",") if p.strip()]
+            value = {k.strip(): v.strip() for k, _, v in pairs}
+            if any(not k or not v for k, v in value.items()) or len(value) != len(pairs):
+                raise _bad("codec", self.codec, "per tier as TIER=CODEC[,TIER=CODEC...], each tier once")
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, dict) or not value or not set(value) <= set(TIER_NAMES):
+            raise _bad("codec", value, f"a codec name or a dict from tiers ({', '.join(TIER_NAMES)}) to codec names")
+        full: dict[str, Any] = {}
+        prev: Any = codec_of_dtype(self.dtype)
+        for t in TIER_NAMES:  # a tier left out takes the next faster tier's codec (a mixed device's: its high one)
+            prev = full[t] = value.get(t, None if prev == MIXED else prev)
+        if full["device"] != MIXED and len(set(full.values())) == 1:
+            return full["device"]
+        return full
 
     @staticmethod
     def _dtype_name(value: Any) -> str:
@@ -157,15 +245,50 @@ class EngineConfig:
             raise _bad("device", value, '"cpu" or "auto" on this machine (CUDA is not available)')
         return name
 
-    # ---- derived sizes ----
+    # ---- codecs and derived sizes ----
+    def tier_codec(self, tier: str) -> str:
+        """The codec ``tier`` stores blocks in (on a mixed device: the high one new blocks get)."""
+        return self._tier_codecs[tier]
+
+    @property
+    def tier_codecs(self) -> dict[str, str]:
+        """Each existing tier's codec, fastest first."""
+        return {t: self._tier_codecs[t] for t in self.tiers}
+
+    @property
+    def block_codecs(self) -> tuple[str, ...]:
+        """Every codec a block can be held in, least lossy first."""
+        return self._block_codecs
+
+    def arena_codecs(self, tier: str) -> tuple[str, ...]:
+        """The codecs ``tier`` keeps arenas for: its own first, then the lossier ones a block can arrive in."""
+        from .codecs import PRECISION
+
+        own = self._tier_codecs[tier]
+        return (own, *(c for c in self._block_codecs if PRECISION[c] > PRECISION[own]))
+
+    def layout(self, codec: str | None = None) -> Layout:
+        """Sizes of a block under ``codec`` (default: the device tier's)."""
+        codec = codec or self._tier_codecs["device"]
+        got = self._layouts.get(codec)
+        if got is None:
+            import torch
+
+            from .codecs import NATIVE, row_payload_bytes
+
+            dtype = getattr(torch, NATIVE.get(codec, "uint8"))
+            payload = row_payload_bytes(codec, self.block_size, self.head_dim)
+            elems = -(-payload // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES // dtype.itemsize
+            got = self._layouts[codec] = Layout(
+                codec, dtype, payload, elems, elems * dtype.itemsize,
+                self.num_layers * self.num_kv_heads * elems * dtype.itemsize,
+                self.num_layers * self.num_kv_heads * payload // self.block_size)
+        return got
+
     @property
     def torch_dtype(self) -> Any:
-        """Element type of the arenas: ``dtype`` or the codec's (bytes for a quantized codec)."""
-        import torch
-
-        from .codecs import NATIVE
-
-        return getattr(torch, NATIVE.get(self.codec, "uint8"))
+        """Element type of the device tier's arena: ``dtype`` or the codec's (bytes for a quantized codec)."""
+        return self.layout().torch_dtype
 
     @property
     def compute_dtype(self) -> Any:
@@ -176,34 +299,32 @@ class EngineConfig:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes of one arena element."""
+        """Bytes of one element of the device tier's arena."""
         return self.torch_dtype.itemsize
 
     @property
     def row_payload_bytes(self) -> int:
-        """Bytes of one (layer, head) row of a block under the codec, before padding."""
-        from .codecs import row_payload_bytes
-
-        return row_payload_bytes(self.codec, self.block_size, self.head_dim)
+        """Bytes of one (layer, head) row of a block under the device tier's codec, before padding."""
+        return self.layout().row_payload_bytes
 
     @property
     def row_elems(self) -> int:
-        """Elements of one (layer, head) row of a block: its K then its V (codes and scales), padded to 128 bytes."""
-        return -(-self.row_payload_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES // self.dtype_bytes
+        """Elements of one (layer, head) row of a device block: its K then its V (codes and scales), padded to 128 bytes."""
+        return self.layout().row_elems
 
     @property
     def row_bytes(self) -> int:
-        return self.row_elems * self.dtype_bytes
+        return self.layout().row_bytes
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes in any arena, padding included."""
-        return self.num_layers * self.num_kv_heads * self.row_bytes
+        """Bytes one block takes in the device tier's arena, padding included (``layout(codec)`` for another codec)."""
+        return self.layout().bytes_per_block
 
     @property
     def payload_bytes_per_token(self) -> int:
-        """K and V bytes of one token across all layers under the codec (scales included), without padding."""
-        return self.num_layers * self.num_kv_heads * self.row_payload_bytes // self.block_size
+        """K and V bytes of one token across all layers under the device tier's codec (scales included), without padding."""
+        return self.layout().payload_bytes_per_token
 
     @property
     def tiers(self) -> tuple[str, ...]:

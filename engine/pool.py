@@ -2,9 +2,11 @@
 
 A *block* is ``block_size`` token positions of one sequence's K and V across all
 layers. It keeps its id while it moves between tiers; its *slot* is where its
-bytes sit in the current tier's arena. The pool never touches bytes: it hands out
-ids and slots, keeps the owner sets (the reference count is their size), and
-emits the ownership events. Moving bytes is ``tiers``'s job.
+bytes sit in the current tier's arenas. A block also has a *codec*, the lossiest one
+its bytes went through; it lives in the arena of that codec in its tier (see
+``storage.TierArenas``: the slot number names the arena). The pool never touches
+bytes: it hands out ids and slots, keeps the owner sets (the reference count is
+their size), and emits the ownership events. Moving bytes is ``tiers``'s job.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Block:
     slot: int
     index: int  # position of the block in its sequences: tokens index*block_size …
     owners: list[Any]  # sequence ids; the reference count is len(owners)
+    codec: str = ""  # the lossiest codec its bytes went through; it never becomes less lossy
     version: int = 0  # version of the last write into the copy the block now has
     checksum: int | None = None  # of the current bytes; None while they may still change
     last_access: int = 0  # cache tick of the last reserve/gather/ensure_resident touching it
@@ -52,42 +55,71 @@ class Sequence:
 
 
 class TierSlots:
-    """Slots of one tier: a lowest-first free heap (keeps neighbours together, so swaps copy runs)
-    and the count of blocks living there. ``free + used == capacity`` always."""
+    """Slots of one tier, shared by its codec arenas: the count of blocks living there (the tier's
+    capacity is a block count, whatever the codecs) and, per arena, a lowest-first free heap of local
+    slots (keeps neighbours together, so swaps copy runs). ``free + used == capacity`` always.
 
-    def __init__(self, name: str, capacity: int, grow: Callable[[], range]) -> None:
+    ``take(arena)`` returns a tier slot ``arena << shift | local`` (``storage.TierArenas``), so arena 0
+    hands out the plain slot numbers a single-codec tier always had.
+    """
+
+    def __init__(self, name: str, capacity: int, grow: Callable[[int], range], num_arenas: int = 1,
+                 shift: int = 0) -> None:
         self.name, self.capacity, self._grow = name, capacity, grow
-        self.grown = 0
-        self.free_slots: list[int] = []
-        self.used = 0  # slots holding a block (or, under the stale-version fault, a retained copy)
+        self.shift = shift or max(capacity, 1).bit_length()
+        self.free: list[list[int]] = [[] for _ in range(num_arenas)]  # per arena: free local slots (a heap)
+        self.grown_by = [0] * num_arenas  # per arena: slots grown so far
+        self.used_by = [0] * num_arenas  # per arena: slots holding a block (or a stale-version fault's copy)
+        self.used = 0
+
+    # the primary arena's, under the names a single-codec tier had
+    @property
+    def free_slots(self) -> list[int]:
+        return self.free[0]
+
+    @property
+    def grown(self) -> int:
+        return self.grown_by[0]
+
+    @grown.setter
+    def grown(self, value: int) -> None:
+        self.grown_by[0] = value
 
     @property
     def num_free(self) -> int:
         return self.capacity - self.used
 
-    def take(self) -> int:
-        if not self.free_slots:
-            if self.grown >= self.capacity:
-                raise OutOfBlocks(self.name, 1, 0)
-            new = self._grow()
-            self.grown += len(new)
-            self.free_slots.extend(new)  # an ascending range is already a heap when appended to an empty heap
-            heapq.heapify(self.free_slots)
+    def arena_of(self, slot: int) -> int:
+        return slot >> self.shift
+
+    def take(self, arena: int = 0) -> int:
+        heap = self.free[arena]
+        if not heap:
+            if self.grown_by[arena] >= self.capacity:
+                raise OutOfBlocks(self.name, 1, self.num_free)
+            new = self._grow(arena)
+            self.grown_by[arena] += len(new)
+            heap.extend(new)  # an ascending range is already a heap when appended to an empty heap
+            heapq.heapify(heap)
         self.used += 1
-        return heapq.heappop(self.free_slots)
+        self.used_by[arena] += 1
+        return arena << self.shift | heapq.heappop(heap)
 
     def give(self, slot: int) -> None:
+        arena = slot >> self.shift
         self.used -= 1
-        heapq.heappush(self.free_slots, slot)
+        self.used_by[arena] -= 1
+        heapq.heappush(self.free[arena], slot & ((1 << self.shift) - 1))
 
 
 class BlockPool:
     """Ids, owners and tier slots of every allocated block; emits alloc/share/release/free."""
 
-    def __init__(self, config: EngineConfig, bus: Bus, grow: dict[str, Callable[[], range]]) -> None:
+    def __init__(self, config: EngineConfig, bus: Bus, grow: dict[str, Callable[[int], range]]) -> None:
         self.config = config
         self.bus = bus
-        self.tiers: dict[str, TierSlots] = {t: TierSlots(t, config.capacity(t), grow[t]) for t in config.tiers}
+        self.tiers: dict[str, TierSlots] = {
+            t: TierSlots(t, config.capacity(t), grow[t], len(config.arena_codecs(t))) for t in config.tiers}
         self.blocks: dict[int, Block] = {}
         self._free_ids: list[int] = []
         self._next_id = 0
@@ -99,15 +131,17 @@ class BlockPool:
         self._next_id += 1
         return self._next_id - 1
 
-    def alloc(self, tier: str, seq: Any, index: int) -> Block:
-        """A new block in ``tier`` owned by ``seq`` (raises ``OutOfBlocks`` if the tier is full)."""
+    def alloc(self, tier: str, seq: Any, index: int, codec: str | None = None) -> Block:
+        """A new block in ``tier`` owned by ``seq``, held in ``codec`` (default: the tier's own; raises
+        ``OutOfBlocks`` if the tier is full)."""
         slots = self.tiers[tier]
         if slots.num_free <= 0:
             raise OutOfBlocks(tier, 1, 0)
-        blk = Block(self._new_id(), tier, slots.take(), index, [seq])
+        codec = codec or self.config.tier_codec(tier)
+        blk = Block(self._new_id(), tier, slots.take(self.config.arena_codecs(tier).index(codec)), index, [seq], codec)
         self.blocks[blk.id] = blk
         if self.bus.enabled:
-            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq)
+            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq, codec=codec)
         return blk
 
     def share(self, blk: Block, seq: Any) -> None:
@@ -147,13 +181,22 @@ class BlockPool:
     def check(self) -> None:
         """Assert the accounting invariants (tests and debugging; O(blocks))."""
         for name, ts in self.tiers.items():
+            codecs = self.config.arena_codecs(name)
             held = [b.slot for b in self.blocks.values() if b.tier == name]
             held += [b.retained[1] for b in self.blocks.values() if b.retained and b.retained[0] == name]
             held += [b.inflight.slot for b in self.blocks.values() if b.inflight is not None and b.inflight.dst == name]
-            assert ts.used == len(held), f"tier {name}: used={ts.used} but {len(held)} slots held"
+            assert ts.used == len(held) <= ts.capacity, f"tier {name}: used={ts.used} but {len(held)} slots held"
             assert len(set(held)) == len(held), f"tier {name}: a slot holds two blocks: {sorted(held)}"
-            assert not set(held) & set(ts.free_slots), f"tier {name}: a held slot is also free"
-            assert ts.used + len(ts.free_slots) == ts.grown <= ts.capacity, (
-                f"tier {name}: used {ts.used} + free {len(ts.free_slots)} != grown {ts.grown} (capacity {ts.capacity})")
+            for b in self.blocks.values():
+                if b.tier == name:
+                    assert codecs[ts.arena_of(b.slot)] == b.codec, (
+                        f"block {b.id} ({b.codec}) sits in the {codecs[ts.arena_of(b.slot)]} arena of {name}")
+            for i, free in enumerate(ts.free):
+                mine = {s & ((1 << ts.shift) - 1) for s in held if ts.arena_of(s) == i}
+                assert ts.used_by[i] == len(mine), f"tier {name} arena {i}: used={ts.used_by[i]}, {len(mine)} held"
+                assert not mine & set(free), f"tier {name} arena {i}: a held slot is also free"
+                assert ts.used_by[i] + len(free) == ts.grown_by[i] <= ts.capacity, (
+                    f"tier {name} arena {i}: used {ts.used_by[i]} + free {len(free)} != grown {ts.grown_by[i]} "
+                    f"(capacity {ts.capacity})")
         for b in self.blocks.values():
             assert b.owners, f"block {b.id} is allocated with no owner"

@@ -1,4 +1,4 @@
-"""The only place that allocates KV memory: one arena per tier.
+"""The only place that allocates KV memory: arenas per tier, one per codec the tier holds.
 
 Layout, the same in every arena: slot ``s`` holds one block as ``(L, H, R)``
 elements, where row ``(l, h)`` is that head's K (``block_size x head_dim``) then
@@ -12,6 +12,13 @@ copies it, a rare event, so paged attention can index one tensor); the disk aren
 is one memory-mapped file per chunk in a private directory, so it grows without
 copying and a full disk fails at growth (the file is preallocated) rather than
 with a SIGBUS in the middle of a swap.
+
+A tier holds blocks of several codecs when its blocks may arrive lossier than its
+own codec (a block that went to disk as nf4 comes back to the device as nf4), so
+each tier has one arena per codec (``TierArenas``), the tier's own created at once
+and the others on first use. A slot number names its arena as well:
+``slot = index << shift | local``, index 0 being the tier's own codec, so a tier
+that only ever holds its own codec has exactly the slots it would have alone.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 from .config import EngineConfig
 from .errors import StorageError
 
-__all__ = ["Arena", "TensorArena", "DiskArena", "make_arena", "runs"]
+__all__ = ["Arena", "TensorArena", "DiskArena", "TierArenas", "make_arena", "runs"]
 
 
 def runs(src: list[int], dst: list[int], src_chunk: int, dst_chunk: int) -> Iterator[tuple[int, int, int]]:
@@ -61,12 +68,16 @@ class Arena:
     tier: str
     device: torch.device
 
-    def __init__(self, tier: str, config: EngineConfig) -> None:
+    def __init__(self, tier: str, config: EngineConfig, codec: str | None = None) -> None:
         self.tier = tier
         self.config = config
-        self.capacity = config.capacity(tier)
+        self.codec = codec or config.tier_codec(tier)
+        self.layout = config.layout(self.codec)
+        self.dtype = self.layout.torch_dtype
+        self.bytes_per_block = self.layout.bytes_per_block
+        self.capacity = config.capacity(tier)  # any one codec may come to hold the whole tier
         self.num_slots = 0  # slots grown so far
-        self.block_shape = (config.num_layers, config.num_kv_heads, config.row_elems)
+        self.block_shape = (config.num_layers, config.num_kv_heads, self.layout.row_elems)
         self.chunk = config.chunk_blocks  # slots per contiguous piece (see ``runs``)
 
     def grow(self) -> range:
@@ -78,7 +89,7 @@ class Arena:
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.config.bytes_per_block
+        return self.num_slots * self.bytes_per_block
 
     def close(self) -> None:
         """Give the memory back; the arena is unusable afterwards."""
@@ -92,8 +103,8 @@ class TensorArena(Arena):
     views across a ``grow`` (the cache drains in-flight copies before growing).
     """
 
-    def __init__(self, tier: str, config: EngineConfig, device: str) -> None:
-        super().__init__(tier, config)
+    def __init__(self, tier: str, config: EngineConfig, device: str, codec: str | None = None) -> None:
+        super().__init__(tier, config, codec)
         self.device = torch.device(device)
         self.pin = tier == "host" and torch.cuda.is_available()
         self.chunk = max(self.capacity, 1)  # one contiguous piece: runs never break on chunks
@@ -101,7 +112,7 @@ class TensorArena(Arena):
 
     def _empty(self, n: int) -> torch.Tensor:
         try:
-            return torch.empty((n, *self.block_shape), dtype=self.config.torch_dtype, device=self.device,
+            return torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.device,
                                pin_memory=self.pin)
         except (RuntimeError, MemoryError) as exc:  # torch reports CUDA/host OOM as RuntimeError
             raise StorageError(self.tier, f"grow to {n} blocks", _errno.ENOMEM, None, str(exc).splitlines()[0]) from exc
@@ -141,8 +152,8 @@ class DiskArena(Arena):
     writes through the mapping. ``close`` unmaps and deletes the directory.
     """
 
-    def __init__(self, tier: str, config: EngineConfig) -> None:
-        super().__init__(tier, config)
+    def __init__(self, tier: str, config: EngineConfig, codec: str | None = None) -> None:
+        super().__init__(tier, config, codec)
         self.device = torch.device("cpu")
         try:
             self.dir = tempfile.mkdtemp(prefix="kvdoctor-spill-", dir=config.disk_dir)  # mode 0700
@@ -163,7 +174,7 @@ class DiskArena(Arena):
         if n <= 0:
             return range(old, old)
         path = self.path(len(self._chunks))
-        size = n * self.config.bytes_per_block
+        size = n * self.bytes_per_block
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -178,7 +189,7 @@ class DiskArena(Arena):
         os.close(fd)  # the mapping keeps the file open
         raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
         self._maps.append(mm)
-        self._chunks.append(raw.view(self.config.torch_dtype).view(n, *self.block_shape))
+        self._chunks.append(raw.view(self.dtype).view(n, *self.block_shape))
         self.num_slots = old + n
         return range(old, old + n)
 
@@ -198,9 +209,57 @@ class DiskArena(Arena):
         self._cleanup()
 
 
-def make_arena(tier: str, config: EngineConfig) -> Arena:
+def make_arena(tier: str, config: EngineConfig, codec: str | None = None) -> Arena:
     if tier == "device":
-        return TensorArena(tier, config, config.device)
+        return TensorArena(tier, config, config.device, codec)
     if tier == "host":
-        return TensorArena(tier, config, "cpu")
-    return DiskArena(tier, config)
+        return TensorArena(tier, config, "cpu", codec)
+    return DiskArena(tier, config, codec)
+
+
+class TierArenas:
+    """One tier's arenas, one per codec it can hold (``EngineConfig.arena_codecs``), the tier's own
+    (index 0, the *primary*) made at once and the others on first use. Slot numbers carry the arena:
+    ``slot = index << shift | local`` (see the module's docstring)."""
+
+    def __init__(self, tier: str, config: EngineConfig) -> None:
+        self.tier = tier
+        self.codecs = config.arena_codecs(tier)
+        self.shift = max(config.capacity(tier), 1).bit_length()  # every local slot is below 1 << shift
+        self.mask = (1 << self.shift) - 1
+        self._config = config
+        self.arenas: list[Arena | None] = [make_arena(tier, config, self.codecs[0])] + [None] * (len(self.codecs) - 1)
+
+    @property
+    def primary(self) -> Arena:
+        return self.arenas[0]  # type: ignore[return-value]
+
+    def index(self, codec: str) -> int:
+        """Arena index of ``codec`` in this tier (a codec the tier cannot hold is a bug: assert)."""
+        assert codec in self.codecs, f"tier {self.tier} holds {self.codecs}, not {codec}"
+        return self.codecs.index(codec)
+
+    def get(self, index: int) -> Arena:
+        """The arena of ``index``, made on first use (it grows only when a slot is taken)."""
+        a = self.arenas[index]
+        if a is None:
+            a = self.arenas[index] = make_arena(self.tier, self._config, self.codecs[index])
+        return a
+
+    def at(self, slot: int) -> tuple[Arena, int]:
+        """The arena holding ``slot`` and the slot's number inside it."""
+        return self.get(slot >> self.shift), slot & self.mask
+
+    def slot(self, index: int, local: int) -> int:
+        return index << self.shift | local
+
+    def made(self) -> list[Arena]:
+        return [a for a in self.arenas if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.made())
+
+    def close(self) -> None:
+        for a in self.made():
+            a.close()

@@ -7,6 +7,13 @@ against it, and a mismatch is emitted as ``checksum_error`` and raised as
 served. When the destination is full, the eviction policy picks victims there and
 they are demoted one tier further down; only the last tier evicts.
 
+Codecs: a block moving down to a tier with a lossier codec is re-encoded on the
+way (decoded from its codec, encoded in the tier's, per layer over the whole
+batch) and keeps the lossier codec from then on; a block moving up is copied as
+it is and keeps its codec, held in the faster tier's arena of that codec (fewer
+bytes, and no pretended precision). The checksum is always that of the bytes that
+landed, so after a re-encode it is the checksum of the new bytes.
+
 Prefetch copies on a single background thread (on a side CUDA stream where there
 is one). The worker only moves bytes between slots reserved for it; every
 bookkeeping change and every event happens on the caller's thread when the copy
@@ -26,12 +33,13 @@ import torch
 
 from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
 from .bus import Bus
+from .codecs import Codec, lossier
 from .config import TIER_NAMES, EngineConfig
 from .errors import ChecksumMismatch, OutOfBlocks
 from .faults import Faults
 from .policy import EvictionPolicy
 from .pool import Block, BlockPool
-from .storage import Arena, runs
+from .storage import Arena, TierArenas, runs
 
 __all__ = ["TierManager", "copy_slots"]
 
@@ -56,7 +64,7 @@ def copy_slots(
     s = [src_slots[i] for i in order]
     d = [dst_slots[i] for i in order]
     sums: dict[int, int] = {}
-    piece = max(1, _PIECE_BYTES // src.config.bytes_per_block) if checksum else max(len(s), 1)
+    piece = max(1, _PIECE_BYTES // src.bytes_per_block) if checksum else max(len(s), 1)
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     for s0, d0, n in runs(s, d, src.chunk, dst.chunk):
         for off in range(0, n, piece):
@@ -86,6 +94,25 @@ def _sum64(blocks: torch.Tensor) -> list[int]:
     return [v & _MASK64 for v in np.add.reduce(words.numpy(), axis=1).tolist()]
 
 
+def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
+              dst_codec: Codec, *, checksum: bool = False) -> list[int | None]:
+    """Re-encode blocks from ``src`` (held in ``src_codec``) into ``dst`` (in ``dst_codec``), one layer at a
+    time over the whole batch; with ``checksum``, each new block's checksum, taken from the destination."""
+    n, L = len(src_slots), src.config.num_layers
+    staged = torch.stack([src.view(s, 1)[0] for s in src_slots]).to(dst.device)  # (n, L, H, R_src)
+    out = torch.empty((n, *dst.block_shape), dtype=dst.dtype, device=dst.device)  # (n, L, H, R_dst)
+    for layer in range(L):
+        layers = torch.full((n,), layer, dtype=torch.long, device=dst.device)
+        k, v = src_codec.read(staged[:, layer], layer)  # (n, H, bs, D) each
+        out[:, layer] = dst_codec.encode_rows(k, v, layers, dst.block_shape[-1])
+    sums: list[int | None] = []
+    for i, d in enumerate(dst_slots):
+        view = dst.view(d, 1)
+        view.copy_(out[i : i + 1])
+        sums.append(_sum64(view)[0] if checksum else None)
+    return sums
+
+
 @dataclass(slots=True)
 class _Inflight:
     future: Future
@@ -102,10 +129,11 @@ class TierManager:
         self,
         config: EngineConfig,
         pool: BlockPool,
-        arenas: dict[str, Arena],
+        arenas: dict[str, TierArenas],
         bus: Bus,
         policy: EvictionPolicy,
         faults: Faults,
+        codecs: dict[str, Codec],
         *,
         protected: Callable[[Block], bool],
         evictable: Callable[[Block], bool],
@@ -114,6 +142,7 @@ class TierManager:
         clock: Callable[[], int],
     ) -> None:
         self.config, self.pool, self.arenas, self.bus = config, pool, arenas, bus
+        self.codecs = codecs  # codec name -> Codec, for re-encoding on the way down
         self.policy, self.faults = policy, faults
         self._protected, self._evictable, self._evict = protected, evictable, evict
         self._distance, self._clock = distance, clock
@@ -183,7 +212,7 @@ class TierManager:
                 raise
             self._exchange(blocks, dst, keep)
             return
-        dst_slots = self._take(dst, len(blocks))
+        dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
         by_src: dict[str, list[int]] = {}
         for i, b in enumerate(blocks):
             by_src.setdefault(b.tier, []).append(i)
@@ -207,11 +236,8 @@ class TierManager:
         """Swap-in when ``dst`` is full and the tiers below have no room for its victims except
         the slots the incoming blocks are leaving: stage the incoming copies, verify them, give
         their slots up, demote the victims into that room, then land the staged copies."""
-        arena = self.arenas[dst]
-        staged = torch.empty((len(blocks), *arena.block_shape), dtype=self.config.torch_dtype, device=arena.device)
-        for i, b in enumerate(blocks):
-            staged[i].copy_(self.arenas[b.tier].view(b.slot, 1)[0])
-        actual = _sum64(staged) if self.config.checksums else [None] * len(blocks)
+        staged = [self._at(b.tier, b.slot).clone() for b in blocks]  # (1, L, H, R) each, in the block's codec
+        actual = [_sum64(t)[0] for t in staged] if self.config.checksums else [None] * len(blocks)
         bad: ChecksumMismatch | None = None
         good: list[tuple[int, Block, str]] = []
         for i, (b, got) in enumerate(zip(blocks, actual)):
@@ -227,26 +253,48 @@ class TierManager:
             self.make_room(dst, len(good), keep)
         except OutOfBlocks:
             for i, b, src in good:  # nothing moved: put the staged copies back where they came from
-                b.slot = self.pool.tiers[src].take()
-                self.arenas[src].view(b.slot, 1).copy_(staged[i : i + 1])
+                b.slot = self.pool.tiers[src].take(self.arenas[src].index(b.codec))
+                self._at(src, b.slot).copy_(staged[i])
             raise
-        for (i, b, src), slot in zip(good, self._take(dst, len(good))):
-            arena.view(slot, 1).copy_(staged[i : i + 1])
+        for (i, b, src), slot in zip(good, self._take(dst, [self._arena_index(b, dst) for _, b, _ in good])):
+            self._at(dst, slot).copy_(staged[i])
             if actual[i] is not None:
                 b.checksum = actual[i]
             b.tier, b.slot = dst, slot
             self.pool.epoch += 1
             if self.bus.enabled:
-                self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version)
+                self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec)
         if bad is not None:
             raise bad
 
-    def _take(self, tier: str, n: int) -> list[int]:
+    def _at(self, tier: str, slot: int) -> torch.Tensor:
+        """``(1, L, H, R)`` view of the block at tier slot ``slot``."""
+        arena, local = self.arenas[tier].at(slot)
+        return arena.view(local, 1)
+
+    def dst_codec(self, b: Block, dst: str) -> str:
+        """The codec ``b`` is held in once in ``dst``: re-encoded down to a lossier tier's, never back up."""
+        return lossier(b.codec, self.config.tier_codec(dst))
+
+    def _arena_index(self, b: Block, dst: str) -> int:
+        return self.arenas[dst].index(self.dst_codec(b, dst))
+
+    def _copy(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int], *, checksum: bool
+              ) -> list[int | None]:
+        """``copy_slots`` between tier slots that may lie in several arenas: one batch per arena pair."""
+        out: list[int | None] = [None] * len(src_slots)
+        for sa, s_, da, d_, idx in self._arena_pairs(src, src_slots, dst, dst_slots):
+            for i, c in zip(idx, copy_slots(sa, s_, da, d_, checksum=checksum)):
+                out[i] = c
+        return out
+
+    def _take(self, tier: str, arenas: list[int]) -> list[int]:
+        """One slot of ``tier`` in each of the given arenas (all or none)."""
         ts = self.pool.tiers[tier]
         taken: list[int] = []
         try:
-            for _ in range(n):
-                taken.append(ts.take())
+            for a in arenas:
+                taken.append(ts.take(a))
         except BaseException:
             for s in taken:
                 ts.give(s)
@@ -266,26 +314,48 @@ class TierManager:
                 self.pool.move(b, dst, slot)
                 b.version, b.checksum = old_version, old_checksum
                 if self.bus.enabled:
-                    self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=emitted)
+                    self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=emitted, codec=b.codec)
                 continue
             b.prefetched = False  # a prefetch that goes back down before use was no hit
             copy_from.append(b.slot)
             copy_to.append(slot)
             copied.append(b)
         # the checksum of the bytes that left, taken as they land, is what the swap-in will expect;
-        # a block not written since its last checksum keeps it
-        need = self.config.checksums and any(b.checksum is None for b in copied)
-        sums = copy_slots(self.arenas[src], copy_from, self.arenas[dst], copy_to, checksum=need)
-        for b, slot, c in zip(copied, copy_to, sums):
-            if c is not None:
+        # a block not written since its last checksum keeps it; a re-encoded one gets that of its new bytes
+        codecs = [self.dst_codec(b, dst) for b in copied]
+        same = [i for i, b in enumerate(copied) if codecs[i] == b.codec]
+        need = self.config.checksums and any(copied[i].checksum is None for i in same)
+        sums: list[int | None] = [None] * len(copied)
+        got = self._copy(src, [copy_from[i] for i in same], dst, [copy_to[i] for i in same], checksum=need)
+        for i, c in zip(same, got):
+            sums[i] = c
+        recode: dict[tuple[str, str], list[int]] = {}
+        for i, b in enumerate(copied):
+            if codecs[i] != b.codec:
+                recode.setdefault((b.codec, codecs[i]), []).append(i)
+        for (c_src, c_dst), idx in recode.items():
+            got = self.recode(src, [copy_from[i] for i in idx], c_src, dst, [copy_to[i] for i in idx], c_dst)
+            for i, c in zip(idx, got):
+                sums[i] = c
+        for b, slot, c, codec in zip(copied, copy_to, sums, codecs):
+            if c is not None or codec != b.codec:
                 b.checksum = c
+            b.codec = codec
             self.pool.move(b, dst, slot)
             if self.bus.enabled:
-                self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version)
+                self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version, codec=codec)
+
+    def recode(self, src: str, src_slots: list[int], src_codec: str, dst: str, dst_slots: list[int],
+               dst_codec: str) -> list[int | None]:
+        """Re-encode blocks at tier slots ``src_slots`` (all in ``src_codec``) into ``dst_slots`` of ``dst``
+        (all in ``dst_codec``); returns the checksums of the new bytes (None with checksums off)."""
+        sa, da = self.arenas[src], self.arenas[dst]
+        return transcode(sa.get(sa.index(src_codec)), [x & sa.mask for x in src_slots], self.codecs[src_codec],
+                         da.get(da.index(dst_codec)), [x & da.mask for x in dst_slots], self.codecs[dst_codec],
+                         checksum=self.config.checksums)
 
     def _swap_in(self, group: list[Block], src: str, dst: str, slots: list[int]) -> ChecksumMismatch | None:
-        actual = copy_slots(self.arenas[src], [b.slot for b in group], self.arenas[dst], slots,
-                            checksum=self.config.checksums)
+        actual = self._copy(src, [b.slot for b in group], dst, slots, checksum=self.config.checksums)
         bad = None
         for b, slot, got in zip(group, slots, actual):
             err = self._arrive(b, src, dst, slot, got)
@@ -308,7 +378,7 @@ class TierManager:
         else:
             self.pool.move(b, dst, slot)
         if self.bus.enabled:
-            self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version)
+            self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec)
         return None
 
     # ---- asynchronous prefetch ----
@@ -328,7 +398,7 @@ class TierManager:
             blocks = blocks[: self.pool.tiers[dst].num_free]
         if not blocks:
             return 0
-        dst_slots = self._take(dst, len(blocks))
+        dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdoctor-prefetch")
         by_src: dict[str, list[int]] = {}
@@ -341,7 +411,9 @@ class TierManager:
             if self._stream is not None:  # the side stream must not overtake work queued on the slots it writes
                 ready = torch.cuda.Event()
                 ready.record()
-            fut = self._worker.submit(self._copy_job, src, [b.slot for b in group], dst, slots, ready)
+            # arenas are resolved (and made) here: the worker only copies
+            pairs = self._arena_pairs(src, [b.slot for b in group], dst, slots)
+            fut = self._worker.submit(self._copy_job, pairs, len(group), ready)
             for i, (b, slot) in enumerate(zip(group, slots)):
                 b.inflight = _Inflight(fut, src, dst, slot, i)
                 self.inflight[b.id] = b
@@ -349,17 +421,35 @@ class TierManager:
                 self.bus.emit(Prefetch, blocks=[b.id for b in group], src=src, dst=dst)
         return len(blocks)
 
-    def _copy_job(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int], ready: Any) -> list[int | None]:
+    def _arena_pairs(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
+                     ) -> list[tuple[Arena, list[int], Arena, list[int], list[int]]]:
+        """Per (source arena, destination arena): both arenas, their local slots, and the positions in the lists."""
+        sa, da = self.arenas[src], self.arenas[dst]
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for i, (s_, d_) in enumerate(zip(src_slots, dst_slots)):
+            pairs.setdefault((s_ >> sa.shift, d_ >> da.shift), []).append(i)
+        return [(sa.get(si), [src_slots[i] & sa.mask for i in idx], da.get(di), [dst_slots[i] & da.mask for i in idx],
+                 idx) for (si, di), idx in pairs.items()]
+
+    def _copy_job(self, pairs: list[tuple[Arena, list[int], Arena, list[int], list[int]]], n: int, ready: Any
+                  ) -> list[int | None]:
         """Runs on the worker thread: bytes only, no bookkeeping."""
         check = self.config.checksums
+        out: list[int | None] = [None] * n
+
+        def copy(non_blocking: bool) -> None:
+            for sa, s_, da, d_, idx in pairs:
+                for i, c in zip(idx, copy_slots(sa, s_, da, d_, checksum=check, non_blocking=non_blocking)):
+                    out[i] = c
+
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
-                out = copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, checksum=check,
-                                 non_blocking=True)
+                copy(True)
             self._stream.synchronize()
             return out
-        return copy_slots(self.arenas[src], src_slots, self.arenas[dst], dst_slots, checksum=check)
+        copy(False)
+        return out
 
     def settle(self, b: Block) -> None:
         """Wait for ``b``'s prefetch and book it (raises ``ChecksumMismatch`` for a bad copy)."""

@@ -33,6 +33,7 @@ __all__ = [
     "Read",
     "SwapOut",
     "SwapIn",
+    "Recode",
     "Rollback",
     "Batch",
     "Attn",
@@ -103,6 +104,7 @@ class Alloc(Event, tag="alloc"):
     tier: Tier
     seq: SeqId
     stack: list[str] | None = None  # Python frames that asked for the block, when recorded
+    codec: str | None = None  # how the block's bytes are stored ("fp16", "int8", "nf4" ...), when the producer says
 
 
 class Share(Event, tag="share"):
@@ -145,12 +147,25 @@ class SwapOut(Event, tag="swap_out"):
     src: Tier
     dst: Tier
     version: int
+    codec: str | None = None  # the codec of the copy that landed: a lossier one than before means re-encoded
 
 
 class SwapIn(Event, tag="swap_in"):
     block: int
     src: Tier
     dst: Tier
+    version: int
+    codec: str | None = None  # the codec of the copy that landed (moving up never re-encodes)
+
+
+class Recode(Event, tag="recode"):
+    """A block re-encoded in place, in its tier, to a lossier codec (mixed resolution demotes the blocks
+    attention finds unimportant). Its tokens and its version are unchanged; only their precision drops."""
+
+    block: int
+    tier: Tier
+    src_codec: str
+    dst_codec: str
     version: int
 
 
@@ -256,7 +271,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 
 
 KNOWN_EVENTS: tuple[type[Event], ...] = (
-    SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn,
+    SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, TraceEnd,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}

@@ -14,6 +14,7 @@ ints = st.integers(0, 2**53)
 tiers = st.sampled_from(E.TIERS)
 floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
 int_lists = st.lists(ints, max_size=8)
+codecs = st.sampled_from(["fp16", "bf16", "int8", "nf4"])
 common = {"t": ints, "step": ints}
 
 
@@ -21,15 +22,16 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
     fields = {
         E.SeqStart: dict(seq=seq_ids, prompt_len=ints, stack=st.none() | st.lists(st.text(max_size=30), max_size=3)),
         E.SeqEnd: dict(seq=seq_ids, reason=st.sampled_from(["finished", "aborted"])),
-        E.Alloc: dict(block=ints, tier=tiers, seq=seq_ids),
+        E.Alloc: dict(block=ints, tier=tiers, seq=seq_ids, codec=st.none() | codecs),
         E.Share: dict(block=ints, seq=seq_ids),
         E.Release: dict(block=ints, seq=seq_ids),
         E.Free: dict(block=ints),
         E.Evict: dict(block=ints, tier=tiers, reason=st.text(max_size=10)),
         E.Write: dict(block=ints, seq=seq_ids, pos=ints, n=ints, version=ints),
         E.Read: dict(seq=seq_ids, blocks=int_lists, versions=int_lists, layer=st.none() | ints),
-        E.SwapOut: dict(block=ints, src=tiers, dst=tiers, version=ints),
-        E.SwapIn: dict(block=ints, src=tiers, dst=tiers, version=ints),
+        E.SwapOut: dict(block=ints, src=tiers, dst=tiers, version=ints, codec=st.none() | codecs),
+        E.SwapIn: dict(block=ints, src=tiers, dst=tiers, version=ints, codec=st.none() | codecs),
+        E.Recode: dict(block=ints, tier=tiers, src_codec=codecs, dst_codec=codecs, version=ints),
         E.Rollback: dict(seq=seq_ids, n=ints, version=ints),
         E.Batch: dict(rows=st.lists(seq_ids, max_size=6), positions=int_lists, n=int_lists,
                       shape=st.none() | int_lists),

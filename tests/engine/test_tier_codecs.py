@@ -1,0 +1,306 @@
+"""Per-tier codecs and mixed resolution: a block's codec travels with it, precision only goes down.
+
+Hand-made K/V on the tiny cache of ``engine_support`` (2 layers, 2 KV heads, head_dim 8,
+blocks of 4 tokens); the calibration's key scale is 5 everywhere, which the standard-normal
+keys stay inside, so the codecs' error bounds below are the whole story.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_support import Recorder, tiny_config
+from kvdoctor.checks import make_suite
+from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.codecs import NF4_LEVELS, Calibration
+from kvdoctor.engine.config import EngineConfig
+
+KEY_SCALE = 5.0
+CAL = Calibration(torch.full((2, 2, 8), KEY_SCALE), 1, 1, "constant 5")
+PER_TIER = "device=fp32,host=int8,disk=nf4"
+_NF4_HALF_GAP = max(b - a for a, b in zip(NF4_LEVELS, NF4_LEVELS[1:])) / 2  # worst rounding, relative to absmax
+
+
+def cache(**kw) -> Recorder:
+    kw.setdefault("calibration", CAL)
+    return Recorder(PagedKVCache(tiny_config(**kw)))
+
+
+def bound(codec: str, x: torch.Tensor, key: bool) -> torch.Tensor:
+    """The largest error ``codec`` may add to ``x`` (..., D), element-wise (a float32 slack included)."""
+    if codec == "fp32":
+        return torch.zeros_like(x)
+    if codec in ("fp16", "bf16"):
+        return x.abs() * (2**-11 if codec == "fp16" else 2**-8) + 1e-6
+    if codec == "int8":
+        step = torch.full_like(x, KEY_SCALE / 127) if key else x.abs().amax(-1, keepdim=True).expand_as(x) / 127
+        return step * 0.5 * 1.01 + 1e-6  # +1%: the value scale is rounded to fp16
+    scale = KEY_SCALE**0.5 if key else 1.0  # nf4 keys are divided by the root of the key scale first
+    absmax = (x / scale).abs().amax(-1, keepdim=True).expand_as(x)  # head_dim 8: one group per token
+    return absmax * scale * _NF4_HALF_GAP * 1.01 + 1e-6
+
+
+def decoded(r: Recorder, block: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's K, V (H, bs, D) as stored in its tier, decoded with its own codec."""
+    b = r.cache.pool.blocks[block]
+    arena, local = r.cache.tier_arenas[b.tier].at(b.slot)
+    rows = arena.view(local, 1)[:, layer]  # (1, H, R)
+    k, v = r.cache.codecs[b.codec].read(rows, layer)
+    return k[0], v[0]
+
+
+def written(r: Recorder, seq, block: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What was written into ``block`` of ``seq`` at ``layer``, (H, bs, D) each."""
+    b, bs = r.cache.pool.blocks[block], r.cache.block_size
+    k, v = r.kv[seq][layer]
+    sl = slice(b.index * bs, (b.index + 1) * bs)
+    return k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+
+
+# ---- configuration ----
+def test_per_tier_codecs_in_both_forms():
+    # GIVEN the dict form and the CLI's string form, and a dict that leaves a tier out
+    a = tiny_config(codec={"device": "fp32", "host": "int8", "disk": "nf4"}, calibration=CAL)
+    b = tiny_config(codec=PER_TIER, calibration=CAL)
+    c = tiny_config(codec={"host": "int8"}, calibration=CAL)
+    # THEN they resolve per tier; a tier left out takes the next faster tier's codec
+    assert a.tier_codecs == b.tier_codecs == {"device": "fp32", "host": "int8", "disk": "nf4"}
+    assert c.tier_codecs == {"device": "fp32", "host": "int8", "disk": "int8"}
+    # AND sizes are derived per codec: each tier's arenas hold its own codec and the lossier ones below
+    assert b.arena_codecs("device") == ("fp32", "int8", "nf4") and b.arena_codecs("disk") == ("nf4",)
+    assert b.layout("nf4").payload_bytes_per_token < b.layout("int8").payload_bytes_per_token < b.payload_bytes_per_token
+    assert b.layout("nf4").bytes_per_block < b.bytes_per_block  # rows are padded to 128 bytes in every codec
+
+
+def test_one_codec_stays_one_string():
+    c = tiny_config(codec="fp16")
+    assert c.codec == "fp16" and set(c.tier_codecs.values()) == {"fp16"} and c.block_codecs == ("fp16",)
+    assert tiny_config(codec={"device": "fp16", "host": "fp16"}).codec == "fp16"
+
+
+def test_bytes_capacity_uses_each_tiers_codec():
+    c = tiny_config(codec=PER_TIER, calibration=CAL, host_bytes=100_000, disk_bytes=100_000)
+    assert c.host_blocks == 100_000 // c.layout("int8").bytes_per_block
+    assert c.disk_blocks == 100_000 // c.layout("nf4").bytes_per_block
+
+
+@pytest.mark.parametrize("codec, match", [
+    ("device=int8,host=fp32", r"EngineConfig.codec='device=int8,host=fp32'.*no less lossy on host \(fp32\)"),
+    ({"device": "nf4", "disk": "int8"}, r"EngineConfig.codec=.*precision only goes down"),
+    ("host=mixed", r"EngineConfig.codec='host=mixed'.*device tier only"),
+    ("device=fp16,host=int4", r"EngineConfig.codec=.*host='int4' is not"),
+    ("device=fp16,cache=nf4", r"EngineConfig.codec=.*dict from tiers"),
+    ("device=fp16,host", r"EngineConfig.codec=.*TIER=CODEC"),
+    (["fp16"], r"EngineConfig.codec=\['fp16'\]"),
+])
+def test_bad_per_tier_codecs_name_the_field(codec, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(codec=codec, calibration=CAL)
+
+
+def test_a_quantized_tier_needs_the_calibration():
+    with pytest.raises(ValueError, match=r"EngineConfig.calibration=None.*'int8/nf4'"):
+        tiny_config(codec=PER_TIER)
+
+
+def test_mixed_settings_are_validated():
+    c = tiny_config(codec="mixed", calibration=CAL)
+    assert c.mixed and c.tier_codecs["device"] == "fp16" and c.block_codecs == ("fp16", "nf4")  # fp32 model: fp16 high
+    assert tiny_config(codec="mixed", calibration=CAL, dtype="bfloat16").tier_codecs["device"] == "bf16"
+    with pytest.raises(ValueError, match="EngineConfig.mixed_low='fp16'"):
+        tiny_config(codec="mixed", mixed_low="fp16", calibration=CAL)
+    with pytest.raises(ValueError, match="EngineConfig.mixed_window=0"):
+        tiny_config(codec="mixed", mixed_window=0, calibration=CAL)
+    with pytest.raises(ValueError, match="EngineConfig.mixed_high_fraction=1.5"):
+        tiny_config(codec="mixed", mixed_high_fraction=1.5, calibration=CAL)
+    with pytest.raises(ValueError, match="EngineConfig.calibration=None"):
+        tiny_config(codec="mixed")
+
+
+# ---- a block's codec travels with it ----
+def test_block_keeps_codec_and_version_through_swaps():
+    # GIVEN a block written on a fp32 device, with host int8 and disk nf4
+    r = cache(codec=PER_TIER)
+    r.add("a", 6)
+    first = r.cache.block_table("a")[0]
+    blk = r.cache.pool.blocks[first]
+    version = blk.version
+    assert blk.codec == "fp32"
+    # WHEN it goes down to host, to disk, and back up to the device
+    path = []
+    for step in (lambda: r.cache.swap_out([first], "host"), lambda: r.cache.swap_out([first], "disk"),
+                 lambda: r.cache.swap_in([first])):
+        step()
+        path.append((blk.tier, blk.codec, blk.version))
+    # THEN it is re-encoded on each way down, keeps nf4 on the way up, and its version never changes
+    assert path == [("host", "int8", version), ("disk", "nf4", version), ("device", "nf4", version)]
+    r.cache.pool.check()  # and it sits in the device's nf4 arena
+    assert r.cache.tier_arenas["device"].at(blk.slot)[0].codec == "nf4"
+    moves = [(e.src, e.dst, e.codec, e.version) for e in r.kinds("swap_out", "swap_in") if e.block == first]
+    assert moves == [("device", "host", "int8", version), ("host", "disk", "nf4", version),
+                     ("disk", "device", "nf4", version)]
+    assert [e.codec for e in r.kinds("alloc")] == ["fp32", "fp32"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.floats(0.05, 3.0))
+def test_down_transcodes_decode_within_the_codec_bound(seed, scale):
+    # GIVEN tokens of any magnitude inside the calibration's range, written on the device
+    r = cache(codec=PER_TIER)
+    r._gen.manual_seed(seed)
+    r.cache.add_sequence("a")
+    slots = r.cache.reserve("a", 4)
+    g = torch.Generator().manual_seed(seed)
+    kv = [((torch.randn(4, 2, 8, generator=g) * scale).clamp(-KEY_SCALE, KEY_SCALE),  # keys: inside calibration
+           torch.randn(4, 2, 8, generator=g) * scale) for _ in range(2)]
+    r.kv["a"] = kv
+    for layer, (k, v) in enumerate(kv):
+        r.cache.store(layer, slots, k, v)
+    r.cache.commit("a")
+    (b,) = r.cache.block_table("a")
+    # WHEN the block goes to host (int8), then disk (nf4)
+    r.cache.swap_out([b], "host")
+    host = [decoded(r, b, layer) for layer in range(2)]
+    r.cache.swap_out([b], "disk")
+    for layer in range(2):
+        k0, v0 = written(r, "a", b, layer)
+        k1, v1 = host[layer]
+        k2, v2 = decoded(r, b, layer)
+        # THEN each copy decodes within its codec's bound of what it was made from
+        assert ((k1 - k0).abs() <= bound("int8", k0, True)).all() and ((v1 - v0).abs() <= bound("int8", v0, False)).all()
+        assert ((k2 - k1).abs() <= bound("nf4", k1, True)).all() and ((v2 - v1).abs() <= bound("nf4", v1, False)).all()
+
+
+def test_up_moves_copy_the_bytes_exactly_and_verify_them():
+    # GIVEN two blocks re-encoded down to disk (nf4)
+    r = cache(codec=PER_TIER)
+    r.add("a", 8)
+    ids = r.cache.block_table("a")
+    r.cache.swap_out(ids, "disk")
+    before = {}
+    for i in ids:
+        b = r.cache.pool.blocks[i]
+        arena, local = r.cache.tier_arenas["disk"].at(b.slot)
+        before[i] = (arena.view(local, 1).clone(), b.checksum)
+    # WHEN they come back up (disk -> device, the second one by way of the host)
+    r.cache.swap_out(ids[1:], "host")
+    r.cache.swap_in(ids)
+    # THEN the device holds the very same bytes (and checksum), in its nf4 arena, fewer bytes than fp32
+    for i in ids:
+        b = r.cache.pool.blocks[i]
+        arena, local = r.cache.tier_arenas["device"].at(b.slot)
+        assert arena.codec == "nf4" and torch.equal(arena.view(local, 1), before[i][0])
+        assert b.checksum == before[i][1] is not None
+    dev = r.cache.stats()["tiers"]["device"]
+    assert dev["blocks_by_codec"] == {"nf4": 2}
+    assert dev["used_bytes"] == 2 * r.cache.config.layout("nf4").bytes_per_block < 2 * r.cache.config.bytes_per_block
+
+
+def test_a_corrupt_recoded_copy_is_caught_coming_back():
+    # GIVEN a block re-encoded to nf4 on disk, whose disk bytes then flip
+    r = cache(codec=PER_TIER)
+    r.add("a", 4)
+    (b,) = r.cache.block_table("a")
+    r.cache.swap_out([b], "disk")
+    blk = r.cache.pool.blocks[b]
+    arena, local = r.cache.tier_arenas["disk"].at(blk.slot)
+    arena.view(local, 1).view(-1)[0] ^= 1
+    # WHEN it is swapped in THEN the checksum of the new bytes catches it, and it stays on disk
+    from kvdoctor.engine.errors import ChecksumMismatch
+
+    with pytest.raises(ChecksumMismatch):
+        r.cache.swap_in([b])
+    assert blk.tier == "disk" and len(r.kinds("checksum_error")) == 1
+
+
+def test_read_blocks_over_mixed_codecs_equals_each_block_alone():
+    # GIVEN a sequence whose blocks sit in three codecs on the device (fp32, int8 and nf4 arenas)
+    r = cache(codec=PER_TIER, device_blocks=6)
+    r.add("a", 12)
+    ids = r.cache.block_table("a")
+    r.cache.swap_out(ids[:1], "host")
+    r.cache.swap_out(ids[1:2], "disk")
+    r.cache.swap_in(ids[:2])
+    assert [r.cache.pool.blocks[i].codec for i in ids] == ["int8", "nf4", "fp32"]
+    table = r.cache.slot_table("a")
+    for layer in range(2):
+        # WHEN attention reads them in one paged read (and per head, as block-sparse decode does)
+        k, v = r.cache.read_blocks(layer, table[None])  # (1, nb, H, bs, D)
+        heads = torch.tensor([[1, 0, 1]])
+        kh, vh = r.cache.read_blocks(layer, table[None], heads)  # (1, nb, bs, D)
+        # THEN each block equals itself decoded alone with its codec
+        for j, i in enumerate(ids):
+            ek, ev = decoded(r, i, layer)
+            assert torch.equal(k[0, j], ek) and torch.equal(v[0, j], ev)
+            assert torch.equal(kh[0, j], ek[heads[0, j]]) and torch.equal(vh[0, j], ev[heads[0, j]])
+    # AND the raw view refuses, naming why
+    with pytest.raises(ValueError, match=r"2 device blocks are held in other codecs.*read_blocks"):
+        r.cache.layer_kv(0)
+
+
+def test_appending_to_a_block_that_came_back_lossier():
+    # GIVEN a partly filled tail block that went to disk (nf4) and came back
+    r = cache(codec=PER_TIER)
+    r.add("a", 6)
+    tail = r.cache.block_table("a")[-1]
+    r.cache.swap_out([tail], "disk")
+    # WHEN the sequence appends (its tail is brought back up and written in its own codec)
+    r.write("a", 2)
+    blk = r.cache.pool.blocks[tail]
+    assert blk.tier == "device" and blk.codec == "nf4"
+    # THEN the new tokens read back within nf4's bound, and the fp32 block stays exact
+    for layer in range(2):
+        k0, v0 = written(r, "a", tail, layer)
+        k, v = decoded(r, tail, layer)
+        assert ((k - k0).abs() <= 2 * bound("nf4", k0, True)).all() and ((v - v0).abs() <= 2 * bound("nf4", v0, False)).all()
+        got_k, _ = r.cache.gather("a", layer)
+        assert torch.equal(got_k[:, :4], r.kv["a"][layer][0][:4].transpose(0, 1))
+
+
+def test_checks_find_nothing_with_per_tier_codecs_and_swaps():
+    # GIVEN a run that writes, swaps down and up through re-encoding tiers, reads, and ends
+    r = cache(codec=PER_TIER, device_blocks=4, host_blocks=3)
+    r.add("a", 8)
+    r.add("b", 6)
+    r.cache.end_step()
+    r.add("c", 8)  # pushes older blocks down (host int8, then disk nf4)
+    r.cache.end_step()
+    r.cache.swap_out(r.cache.block_table("c")[:1], "disk")
+    r.cache.ensure_resident(["a"])
+    r.write("a", 3)
+    r.cache.emit_read("a")
+    r.cache.end_step()
+    for s in ("a", "b", "c"):
+        r.cache.remove_sequence(s)
+    r.cache.end_step()
+    assert {e.codec for e in r.kinds("swap_out")} >= {"int8", "nf4"} and r.kinds("swap_in")
+    # WHEN every check reads the events THEN none has a finding
+    suite = make_suite()
+    for e in r.events:
+        suite.observe(e)
+    findings = suite.findings + suite.finish()
+    assert findings == [], [f.message for f in findings]
+
+
+def test_usage_events_carry_the_real_bytes():
+    r = cache(codec=PER_TIER)
+    r.add("a", 8)
+    r.cache.swap_out(r.cache.block_table("a"), "host")
+    r.cache.end_step()
+    host = [e for e in r.kinds("usage") if e.tier == "host"][-1]
+    assert host.used_blocks == 2 and host.bytes == 2 * r.cache.config.layout("int8").bytes_per_block
+
+
+def test_single_codec_cache_is_unchanged():
+    # GIVEN the default (one codec everywhere) THEN slots are plain and nothing is re-encoded
+    r = cache(calibration=None)
+    r.add("a", 8)
+    ids = r.cache.block_table("a")
+    r.cache.swap_out(ids, "disk")
+    r.cache.swap_in(ids)
+    r.assert_intact("a")
+    assert {r.cache.pool.blocks[i].codec for i in ids} == {"fp32"} and not r.kinds("recode")
+    assert r.cache.layer_kv(0).shape[0] == r.cache.arenas["device"].num_slots
