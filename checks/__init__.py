@@ -21,6 +21,7 @@ from .accounting import AccountingCheck
 from .attention import AttentionCheck, AttentionSettings
 from .base import CheckBase, CheckSuite, Rule
 from .batch import BatchCheck
+from .codec import CodecCheck
 from .leak import LeakCheck, LeakSettings
 from .ledger import Ledger
 from .stale import StaleCheck
@@ -28,10 +29,12 @@ from .stale import StaleCheck
 __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
-    "AccountingCheck",
+    "AccountingCheck", "CodecCheck",
 ]
 
-ALL_CHECKS: tuple[type[CheckBase], ...] = (LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck)
+ALL_CHECKS: tuple[type[CheckBase], ...] = (
+    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck,
+)
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
 RULES: dict[str, Rule] = {f"{c.name}/{r.id}": r for c in ALL_CHECKS for r in c.RULES}
@@ -47,7 +50,7 @@ def make_suite(
     ledger = Ledger(history=history)
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
-        AttentionCheck(attention, ledger), AccountingCheck(ledger),
+        AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

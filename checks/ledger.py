@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from ..events import (
-    Alloc, Event, Evict, Free, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
+    Alloc, Event, Evict, Free, Recode, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
     Write, to_dict,
 )
 
@@ -64,6 +64,7 @@ class Ledger:
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc,
             Share: self._share, Release: self._release, Free: self._free, Evict: self._free,
             Write: self._write, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
+            Recode: self._recode,
         }
 
     # ---- reading --------------------------------------------------------------------
@@ -218,6 +219,9 @@ class Ledger:
         used[ev.dst] = used.get(ev.dst, 0) + 1
         self.tier[block] = ev.dst
         self.hist[block].append(ev)
+
+    def _recode(self, ev: Recode) -> None:
+        self._note(ev.block, ev)  # the block stays where it is: only its precision is part of its story
 
     def _rollback(self, ev: Rollback) -> None:
         state = self._seq(ev.seq)

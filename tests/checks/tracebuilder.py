@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvdoctor.checks import make_suite
 from kvdoctor.events import (
-    Alloc, Attn, Batch, Evict, Free, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
+    Alloc, Attn, Batch, Evict, Free, Read, Recode, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
     SwapIn, SwapOut, Usage, Write,
 )
 
@@ -42,9 +42,9 @@ class TraceBuilder:
         return self._emit(SeqEnd, seq=seq, reason=reason)
 
     # blocks
-    def alloc(self, block, seq, tier="device"):
+    def alloc(self, block, seq, tier="device", codec=None):
         self.block_tier[block] = tier
-        return self._emit(Alloc, block=block, tier=tier, seq=seq)
+        return self._emit(Alloc, block=block, tier=tier, seq=seq, codec=codec)
 
     def share(self, block, seq):
         return self._emit(Share, block=block, seq=seq)
@@ -73,17 +73,22 @@ class TraceBuilder:
         versions = [self.block_version[b] for b in blocks] if versions is None else versions
         return self._emit(Read, seq=seq, blocks=list(blocks), versions=list(versions), layer=layer)
 
-    def swap_out(self, block, dst="host", *, src=None, version=None):
-        src = src or self.block_tier[block]
-        self.block_tier[block] = dst
-        version = self.block_version.get(block, 0) if version is None else version
-        return self._emit(SwapOut, block=block, src=src, dst=dst, version=version)
+    def swap_out(self, block, dst="host", *, src=None, version=None, codec=None):
+        return self._move(SwapOut, block, dst, src, version, codec)
 
-    def swap_in(self, block, dst="device", *, src=None, version=None):
+    def swap_in(self, block, dst="device", *, src=None, version=None, codec=None):
+        return self._move(SwapIn, block, dst, src, version, codec)
+
+    def _move(self, cls, block, dst, src, version, codec):
         src = src or self.block_tier[block]
         self.block_tier[block] = dst
         version = self.block_version.get(block, 0) if version is None else version
-        return self._emit(SwapIn, block=block, src=src, dst=dst, version=version)
+        return self._emit(cls, block=block, src=src, dst=dst, version=version, codec=codec)
+
+    def recode(self, block, src_codec, dst_codec, *, tier=None, version=None):
+        tier = tier or self.block_tier.get(block, "device")
+        version = self.block_version.get(block, 0) if version is None else version
+        return self._emit(Recode, block=block, tier=tier, src_codec=src_codec, dst_codec=dst_codec, version=version)
 
     def rollback(self, seq, n, *, version=None):
         version = self.seq_version[seq] + 1 if version is None else version
