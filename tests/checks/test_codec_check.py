@@ -5,11 +5,17 @@ from __future__ import annotations
 from tracebuilder import rules
 
 
+def _written(trace, block=10, codec="fp16", seq="r1"):
+    """A block of ``seq`` allocated under ``codec`` and filled (the sequence is started first if new)."""
+    if seq not in trace.seq_len:
+        trace.start(seq, prompt_len=4)
+    trace.alloc(block, seq, codec=codec)
+    trace.write(block, seq, 4)
+
+
 def test_a_block_going_down_the_tiers_and_back_keeps_its_lossiest_codec_silently(trace):
     # GIVEN device fp16, host int8, disk nf4: the block comes back up as nf4 (its bytes went through nf4)
-    trace.start("r1", prompt_len=4)
-    trace.alloc(10, "r1", codec="fp16")
-    trace.write(10, "r1", 4)
+    _written(trace)
     trace.swap_out(10, "host", codec="int8")
     trace.swap_out(10, "disk", codec="nf4")
     trace.swap_in(10, "device", codec="nf4")
@@ -20,9 +26,7 @@ def test_a_block_going_down_the_tiers_and_back_keeps_its_lossiest_codec_silently
 
 def test_a_swap_in_that_shows_more_precision_than_the_block_kept_is_an_error(trace):
     # GIVEN a block re-encoded to int8 on its way to the host
-    trace.start("r1", prompt_len=4)
-    trace.alloc(10, "r1", codec="fp16")
-    trace.write(10, "r1", 4)
+    _written(trace)
     trace.swap_out(10, "host", codec="int8")
     # WHEN it comes back labelled fp16 (a stale fp16 copy served, or the wrong label)
     trace.swap_in(10, "device", codec="fp16")
@@ -51,9 +55,7 @@ def test_recodes_must_lose_precision_work_on_the_latest_copy_and_happen_where_th
 
 
 def test_fp16_and_bf16_rank_alike_and_unknown_codecs_are_not_judged(trace):
-    trace.start("r1", prompt_len=4)
-    trace.alloc(10, "r1", codec="bf16")
-    trace.write(10, "r1", 4)
+    _written(trace, codec="bf16")
     trace.swap_out(10, "host", codec="fp16")
     trace.swap_in(10, "device", codec="fp16")
     trace.alloc(11, "r1", codec="fp8-e4m3")
@@ -62,9 +64,7 @@ def test_fp16_and_bf16_rank_alike_and_unknown_codecs_are_not_judged(trace):
 
 
 def test_a_reused_block_id_starts_a_new_codec_life(trace):
-    trace.start("r1", prompt_len=4)
-    trace.alloc(10, "r1", codec="fp16")
-    trace.write(10, "r1", 4)
+    _written(trace)
     trace.recode(10, "fp16", "nf4")
     trace.free(10)
     trace.alloc(10, "r1", codec="fp16")
