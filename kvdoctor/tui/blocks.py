@@ -40,7 +40,8 @@ def cell_is_leaked(code: int) -> bool:
 class BlockRecord:
     """What is known about one block id: where it is, who owns it, what happened to it."""
 
-    __slots__ = ("block", "cell", "tier", "owners", "version", "flags", "born", "history", "last_read_step")
+    __slots__ = ("block", "cell", "tier", "owners", "version", "flags", "born", "history", "last_read_step",
+                 "codec")
 
     def __init__(self, block: int, cell: int) -> None:
         self.block = block
@@ -52,6 +53,7 @@ class BlockRecord:
         self.born: Any = None  # the Alloc event of the current allocation (with its stack, when recorded)
         self.history: deque[Any] = deque(maxlen=_HISTORY)
         self.last_read_step: int | None = None
+        self.codec: str | None = None  # how its bytes are stored, when the producer says (alloc/swap/recode)
 
     @property
     def code(self) -> int:

@@ -127,6 +127,8 @@ def describe_block(m: Monitor, block: int) -> Text | None:
     tier = ("free", "device", "host", "disk")[rec.tier]
     out.append(f"block {block}", "bold")
     out.append(f"  {tier}", "bold cyan")
+    if rec.codec is not None:
+        out.append(f" {rec.codec}", "cyan")
     flags = [n for f, n in ((UNOWNED, "unowned"), (LEAKED, "leaked"), (STALE, "stale")) if rec.flags & f]
     if flags:
         out.append("  " + " ".join(flags), "bold red")

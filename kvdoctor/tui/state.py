@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..events import (
     TIERS, Alloc, Attn, Batch, ChecksumError, Evict, Free, Header, Mem, Prefetch, Read, Release,
-    Rollback, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TraceEnd, Unknown, Usage, Write,
+    Recode, Rollback, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TraceEnd, Unknown, Usage, Write,
 )
 from ..findings import Finding
 from .blocks import FREE, LEAKED, STALE, TIER_CODES, UNOWNED, BlockTable
@@ -158,7 +158,7 @@ class Monitor:
             Read: self._read, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
             Batch: self._batch, Attn: self._attn, Usage: self._usage_ev, Mem: self._mem_ev,
             StepEnd: self._step_end, ChecksumError: self._checksum, Prefetch: _ignore,
-            TraceEnd: self._trace_end, Unknown: _ignore,
+            TraceEnd: self._trace_end, Unknown: _ignore, Recode: self._recode,
         }
         if header is not None:
             self.set_header(header)
@@ -326,6 +326,7 @@ class Monitor:
         rec.owners = [ev.seq]
         rec.version = 0
         rec.flags = 0
+        rec.codec = ev.codec
         rec.born = ev
         rec.history.append(ev)
         table.recode(rec)
@@ -394,9 +395,16 @@ class Monitor:
         table = self.blocks
         rec = table.get(ev.block)
         rec.history.append(ev)
+        if ev.codec is not None:
+            rec.codec = ev.codec
         if rec.tier != FREE:
             rec.tier = TIER_CODES.get(ev.dst, rec.tier)
             table.recode(rec)
+
+    def _recode(self, ev: Recode) -> None:
+        rec = self.blocks.get(ev.block)
+        rec.history.append(ev)
+        rec.codec = ev.dst_codec
 
     def _rollback(self, ev: Rollback) -> None:
         s = self.seqs.get(ev.seq)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 from kvdoctor.events import (
-    Alloc, Attn, Free, Header, Mem, Release, SeqEnd, SeqStart, Share, StepEnd, SwapOut, TierSpec, TraceEnd,
-    Usage, Write,
+    Alloc, Attn, Free, Header, Mem, Recode, Release, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TierSpec,
+    TraceEnd, Usage, Write,
 )
 from kvdoctor.findings import Finding
 from kvdoctor.tui.blocks import LEAKED, SHARED, TIER_CODES, UNOWNED
+from kvdoctor.tui.details import describe_block
 from kvdoctor.tui.state import Monitor
 from kvdoctor.tui.synthetic import SyntheticWorkload
 
@@ -143,3 +144,17 @@ def test_synthetic_workload_is_clean_for_the_checks_and_each_fault_trips_its_own
         found = [f for ev in SyntheticWorkload(num_steps=300, fault=fault).events() for f in suite.observe(ev)]
         found += suite.finish()
         assert {f"{f.check}/{f.rule}" for f in found} == rules, fault
+
+
+def test_block_detail_shows_the_codec_its_bytes_are_held_in_and_its_recodes():
+    # GIVEN a block allocated at fp16, swapped out as int8, back up as int8, then demoted to nf4 in place
+    m = fold(
+        SeqStart(seq=1, prompt_len=4), Alloc(block=3, tier="device", seq=1, codec="fp16"),
+        SwapOut(block=3, src="device", dst="host", version=4, codec="int8"),
+        SwapIn(block=3, src="host", dst="device", version=4, codec="int8"),
+        Recode(block=3, tier="device", src_codec="int8", dst_codec="nf4", version=4),
+    )
+    # THEN the detail names the tier and codec now, and the history holds the recode
+    text = describe_block(m, 3).plain
+    assert text.startswith("block 3  device nf4")
+    assert "recode" in text
