@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_support import Recorder, tiny_config
+from test_runner_cli import checkpoint  # noqa: F401  (the tiny checkpoint fixture)
 from kvdoctor.checks import make_suite
 from kvdoctor.engine.cache import PagedKVCache
 from kvdoctor.engine.codecs import NF4_LEVELS, Calibration
@@ -304,3 +305,189 @@ def test_single_codec_cache_is_unchanged():
     r.assert_intact("a")
     assert {r.cache.pool.blocks[i].codec for i in ids} == {"fp32"} and not r.kinds("recode")
     assert r.cache.layer_kv(0).shape[0] == r.cache.arenas["device"].num_slots
+
+
+# ---- mixed resolution ----
+def mixed(**kw) -> Recorder:
+    base = dict(codec="mixed", device_blocks=16, host_blocks=8, mixed_window=2, mixed_high_blocks=1,
+                mixed_high_fraction=0.0, sink_blocks=1)
+    base.update(kw)
+    return cache(**base)
+
+
+def test_mixed_demotes_old_unimportant_blocks_and_keeps_sink_window_and_the_most_attended():
+    # GIVEN a mixed cache (window 2, one more block kept high by attention mass, sink 1)
+    r = mixed()
+    r.add("a", 4)
+    high = r.cache.config.tier_codec("device")
+    # WHEN the sequence grows block by block, and attention dwells on its third block
+    for i in range(7):
+        if len(r.cache.seqs["a"].blocks) == 3:
+            r.cache.observe_attention("a", None, [0.1, 0.1, 5.0])
+        r.write("a", 4)
+    s = r.cache.seqs["a"]
+    codecs = [b.codec for b in s.blocks]
+    # THEN the sink, the window and the most attended block stay high; every other one is nf4
+    assert codecs == [high, "nf4", high, "nf4", "nf4", "nf4", high, high]
+    recodes = r.kinds("recode")
+    assert [e.block for e in recodes] == [b.id for b in s.blocks if b.codec == "nf4"]
+    for e in recodes:  # each demotion is a recode event, the version as written
+        blk = r.cache.pool.blocks[e.block]
+        assert (e.tier, e.src_codec, e.dst_codec, e.version) == ("device", high, "nf4", blk.version)
+    assert not [e for e in r.kinds("write") if e.block in {x.block for x in recodes} and e.step > 0]
+    r.cache.pool.check()
+    # AND the bytes resident are counted per codec
+    lay = r.cache.config.layout
+    st_ = r.cache.stats()
+    assert st_["tiers"]["device"]["blocks_by_codec"] == {high: 4, "nf4": 4}
+    assert st_["kv_bytes"] == 4 * (lay(high).bytes_per_block + lay("nf4").bytes_per_block)
+    # AND attention reads every block within its codec's error
+    for layer in range(2):
+        k, v = r.cache.gather("a", layer)  # (H, T, D)
+        for j, b in enumerate(s.blocks):
+            k0, v0 = written(r, "a", b.id, layer)
+            kj, vj = k[:, 4 * j : 4 * j + 4], v[:, 4 * j : 4 * j + 4]
+            assert ((kj - k0).abs() <= bound(b.codec, k0, True)).all()
+            assert ((vj - v0).abs() <= bound(b.codec, v0, False)).all()
+
+
+def test_mixed_kv_bytes_resident_go_down():
+    # GIVEN rows big enough that padding does not hide the codec (head_dim 64, blocks of 16)
+    cal = Calibration(torch.full((2, 2, 64), KEY_SCALE), 1, 1, "constant 5")
+    kw = dict(head_dim=64, block_size=16, calibration=cal, device_blocks=16)
+    dense, mix = cache(codec="fp16", **kw), mixed(**kw)
+    # WHEN both hold the same 8 blocks
+    for r in (dense, mix):
+        r.add("a", 128)
+    # THEN mixed holds 4 of them as nf4 (sink, window of 2, one kept) and takes that much less
+    lay = mix.cache.config.layout
+    assert mix.cache.stats()["tiers"]["device"]["blocks_by_codec"] == {"fp16": 4, "nf4": 4}
+    assert dense.cache.stats()["kv_bytes"] == 8 * lay("fp16").bytes_per_block
+    assert mix.cache.stats()["kv_bytes"] == 4 * lay("fp16").bytes_per_block + 4 * lay("nf4").bytes_per_block
+    assert mix.cache.stats()["kv_bytes"] / dense.cache.stats()["kv_bytes"] < 0.65
+
+
+@settings(max_examples=25, deadline=None)
+@given(writes=st.lists(st.integers(1, 9), min_size=1, max_size=8), window=st.integers(1, 3),
+       keep=st.integers(0, 2), fraction=st.sampled_from([0.0, 0.25, 0.5]),
+       scores=st.lists(st.floats(0, 10), min_size=12, max_size=12))
+def test_mixed_never_demotes_sink_or_window_and_never_promotes(writes, window, keep, fraction, scores):
+    r = mixed(mixed_window=window, mixed_high_blocks=keep, mixed_high_fraction=fraction)
+    r.add("a", 1)
+    high = r.cache.config.tier_codec("device")
+    seen_low: set[int] = set()
+    for n in writes:
+        s = r.cache.seqs["a"]
+        if s.length + n > 16 * 4:
+            break
+        r.cache.observe_attention("a", None, scores[: len(s.blocks)])
+        r.write("a", n)
+        blocks = s.blocks
+        assert blocks[0].codec == high and all(b.codec == high for b in blocks[-window:])
+        old = blocks[1:-window]
+        allowed = max(keep, int(fraction * len(blocks)))
+        assert sum(b.codec == high for b in old) == min(allowed, len(old))
+        assert seen_low <= {b.id for b in blocks if b.codec == "nf4"}  # never promoted back
+        seen_low = {b.id for b in blocks if b.codec == "nf4"}
+    r.cache.pool.check()
+
+
+def test_mixed_demoted_blocks_swap_down_and_back_as_nf4():
+    # GIVEN a demoted block
+    r = mixed()
+    r.add("a", 20)
+    low = [b for b in r.cache.seqs["a"].blocks if b.codec == "nf4"]
+    assert low
+    b = low[0]
+    # WHEN it goes to host (fp16 there) and comes back THEN it stays nf4, copied, not re-encoded
+    r.cache.swap_out([b.id], "host")
+    assert (b.tier, b.codec) == ("host", "nf4")
+    r.cache.swap_in([b.id])
+    assert (b.tier, b.codec) == ("device", "nf4")
+    assert [e.codec for e in r.kinds("swap_out", "swap_in")] == ["nf4", "nf4"]
+    r.cache.pool.check()
+
+
+def test_recode_refuses_what_it_cannot_do():
+    r = mixed()
+    r.add("a", 8)
+    ids = r.cache.block_table("a")
+    with pytest.raises(ValueError, match="the device holds fp16, nf4"):
+        r.cache.recode(ids[:1], "int8")
+    r.cache.swap_out(ids[:1], "host")
+    with pytest.raises(ValueError, match="not settled on the device"):
+        r.cache.recode(ids[:1], "nf4")
+    r.cache.recode(ids[1:], "fp16")  # already that precision: nothing happens
+    assert not r.kinds("recode")
+
+
+def test_kvdoctor_check_finds_nothing_on_a_mixed_run_with_swaps(tmp_path, capsys):
+    # GIVEN a traced run: mixed demotions, swaps of high and nf4 blocks down and back, reads, ends
+    from kvdoctor.cli import main
+    from kvdoctor.trace import TraceWriter
+
+    r = mixed(device_blocks=6, host_blocks=4)
+    path = tmp_path / "mixed.kvtrace"
+    writer = TraceWriter(str(path), r.cache.header())
+    r.cache.bus.subscribe(writer.write_many)
+    r.add("a", 16)
+    r.cache.end_step()
+    r.add("b", 12)  # the device is full: a's blocks go down to the host
+    r.cache.end_step()
+    r.cache.ensure_resident(["a"])
+    r.write("a", 4)
+    r.cache.emit_read("a")
+    r.cache.end_step()
+    for s in ("a", "b"):
+        r.cache.remove_sequence(s)
+    r.cache.end_step()
+    r.cache.close()
+    writer.close()
+    assert r.kinds("recode") and r.kinds("swap_out") and r.kinds("swap_in")
+    # WHEN kvdoctor check reads the trace THEN it finds nothing
+    code = main(["check", "--trace", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1] == "KVDOCTOR SUMMARY: 0 errors, 0 warnings, 0 info"
+
+
+def test_tui_monitor_takes_recode_events():
+    from kvdoctor.events import Recode
+    from kvdoctor.tui.state import Monitor
+
+    Monitor().observe(Recode(block=0, tier="device", src_codec="fp16", dst_codec="nf4", version=4))
+
+
+# ---- kvdoctor run ----
+@pytest.mark.parametrize("setting, tier_codecs", [
+    ("mixed", {"device": "fp16", "host": "fp16"}),
+    ("device=fp32,host=int8,disk=nf4", {"device": "fp32", "host": "int8", "disk": "nf4"}),
+])
+def test_run_takes_mixed_and_per_tier_codecs(checkpoint, tmp_path, capsys, monkeypatch, setting, tier_codecs):  # noqa: F811
+    import json
+
+    from test_runner_cli import _run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    prompt = " ".join(f"w{i % 100 + 3}" for i in range(40))
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--greedy", "--max-new-tokens", "4",
+                        "--block-size", "4", "--disk-blocks", "8", "--codec", setting, "--json")
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["tier_codecs"] == {**tier_codecs, **({"disk": tier_codecs["host"]} if "disk" not in tier_codecs else {})}
+    assert result["kv_bytes"] == 0  # the request finished: nothing is left resident
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("int4", "'int4' is not one of"),
+    ("device=fp16,gpu=int8", "'gpu=int8': per tier"),
+    ("device=int8,host=fp16", "precision only goes down"),
+])
+def test_run_refuses_bad_codecs_in_one_line(checkpoint, capsys, setting, message):  # noqa: F811
+    from test_runner_cli import _run
+
+    try:
+        code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt", "w3 w4", "--codec", setting)
+    except SystemExit as exc:  # argparse's own usage error
+        code, err = exc.code, capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
