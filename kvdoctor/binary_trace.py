@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 
 from .errors import TraceFormatError
-from .events import KINDS, AnyEvent, Event, Header, Unknown, to_dict
+from .events import AnyEvent, Event, Header, Unknown, from_dict, to_dict
 
 __all__ = ["MAGIC", "SUFFIX", "encode_frame", "encode_header", "split_header", "FrameSplitter"]
 
@@ -63,20 +63,13 @@ def _decode_frame(path: Path, payload: bytes, number: int) -> list[Event | Unkno
     try:
         return _events.decode(payload)  # type: ignore[no-any-return]
     except msgspec.ValidationError:
-        pass  # a kind this version does not know: take the frame apart event by event
+        pass  # a kind this version does not know, or a nil statistic: take the frame apart event by event
     except msgspec.DecodeError as exc:
         raise TraceFormatError(str(path), number, f"malformed frame {number}: {exc}") from None
     out: list[Event | Unknown] = []
     for raw in _loose.decode(payload):
-        kind = raw.get("kind")
         try:
-            if kind in KINDS:
-                out.append(msgspec.convert(raw, KINDS[kind]))
-                continue
-            if not isinstance(kind, str):
-                raise msgspec.ValidationError("event without a kind")
-            fields = {k: v for k, v in raw.items() if k not in ("kind", "t", "step")}
-            out.append(Unknown(kind=kind, t=raw.get("t", 0), step=raw.get("step", 0), fields=fields))
+            out.append(from_dict(raw))
         except msgspec.ValidationError as exc:
             raise TraceFormatError(str(path), number, f"malformed event in frame {number}: {exc}") from None
     return out
@@ -85,30 +78,43 @@ def _decode_frame(path: Path, payload: bytes, number: int) -> list[Event | Unkno
 class FrameSplitter:
     """Turns byte chunks into decoded events frame by frame; same interface as the JSON line splitter.
 
+    ``split`` yields one list per frame (one step, as a rule): a consumer that is done with a step
+    before the next is decoded keeps its objects in the CPU cache, which more than doubles the
+    throughput of reading compared with decoding a megabyte of frames into one list.
     The ``line`` of a format error is the frame number (the header is frame 0).
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.next_frame = 1
-        self.tail = b""
+        self._parts: list[bytes] = []  # bytes of the frame still incomplete, kept apart until it is
+        self._have = 0
+        self._need = _LEN.size  # bytes the next frame needs before it can be decoded
 
-    def feed(self, data: bytes) -> list[Event | Unknown]:
-        buf = self.tail + data if self.tail else data
-        out: list[Event | Unknown] = []
-        pos = 0
-        while len(buf) - pos >= _LEN.size:
-            (size,) = _LEN.unpack_from(buf, pos)
-            end = pos + _LEN.size + size
-            if end > len(buf):
+    def split(self, data: bytes) -> Iterator[list[Event | Unknown]]:
+        self._parts.append(data)
+        self._have += len(data)
+        if self._have < self._need:
+            return  # a frame larger than a chunk: join its pieces once, not once per chunk
+        buf = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts, self._have, self._need = [], 0, _LEN.size
+        pos, size = 0, len(buf)
+        while size - pos >= _LEN.size:
+            (length,) = _LEN.unpack_from(buf, pos)
+            end = pos + _LEN.size + length
+            if end > size:
+                self._need = end - pos
                 break
-            out += _decode_frame(self.path, buf[pos + _LEN.size : end], self.next_frame)
-            self.next_frame += 1
+            number, self.next_frame = self.next_frame, self.next_frame + 1
+            events = _decode_frame(self.path, buf[pos + _LEN.size : end], number)
             pos = end
-        self.tail = buf[pos:]
-        return out
+            if events:
+                yield events
+        if pos < size:
+            self._parts, self._have = [buf[pos:]], size - pos
 
     def finish(self) -> tuple[list[Event | Unknown], bool]:
         """At the end of the data: leftover bytes are a frame cut short by a killed writer."""
-        cut, self.tail = bool(self.tail), b""
+        cut = self._have > 0
+        self._parts, self._have, self._need = [], 0, _LEN.size
         return [], cut

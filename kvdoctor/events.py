@@ -49,6 +49,7 @@ __all__ = [
     "encode",
     "encode_lines",
     "decode",
+    "from_dict",
     "to_dict",
 ]
 
@@ -183,31 +184,17 @@ class Batch(Event, tag="batch"):
 
 
 class Attn(Event, tag="attn"):
-    # JSON has no NaN or infinity: the encoder writes them as null, and null decodes back to
-    # NaN here, so a trace of broken attention stays readable and consumers always see floats.
+    # JSON has no NaN or infinity: the encoder writes them as null. The statistics are typed float,
+    # so the usual finite event decodes without running any Python; a null fails that validation
+    # and the reader's slow path (``from_dict``) gives it back as NaN, so consumers always see floats.
     seq: SeqId
     layer: int
-    max_logit: float | None
-    entropy: float | None
-    sink: float | None
+    max_logit: float
+    entropy: float
+    sink: float
     nonfinite: int
-    heads_entropy: list[float | None] | None = None
-    heads_max_logit: list[float | None] | None = None
-
-    def __post_init__(self) -> None:
-        # Runs for every decoded attn event (the most common kind), so the usual case is one test.
-        if (self.max_logit is None or self.entropy is None or self.sink is None
-                or self.heads_entropy is not None or self.heads_max_logit is not None):
-            self._restore_nan()
-
-    def _restore_nan(self) -> None:
-        for name in ("max_logit", "entropy", "sink"):
-            if getattr(self, name) is None:
-                msgspec.structs.force_setattr(self, name, _NAN)
-        for name in ("heads_entropy", "heads_max_logit"):
-            values = getattr(self, name)
-            if values is not None and None in values:
-                msgspec.structs.force_setattr(self, name, [_NAN if v is None else v for v in values])
+    heads_entropy: list[float] | None = None
+    heads_max_logit: list[float] | None = None
 
 
 class Usage(Event, tag="usage"):
@@ -306,15 +293,39 @@ def decode(line: bytes | str) -> Event | Unknown:
     try:
         return _decoder.decode(line)
     except msgspec.ValidationError:
-        raw = _loose.decode(line)
-        kind = raw.get("kind")
-        if not isinstance(kind, str) or kind in KINDS or kind == "header":
-            raise
-        t, step = raw.pop("t", 0), raw.pop("step", 0)
-        if not (isinstance(t, int) and isinstance(step, int)):
-            raise
-        del raw["kind"]
-        return Unknown(kind=kind, t=t, step=step, fields=raw)
+        return from_dict(_loose.decode(line))
+
+
+def from_dict(raw: dict[str, Any]) -> Event | Unknown:
+    """An event from the plain map of its line or frame: the slow path, for what the typed decoders reject.
+
+    That is an unknown kind (kept as ``Unknown``) or an attn event with null statistics (NaN again);
+    a known kind with fields of the wrong type raises ``msgspec.ValidationError``.
+    """
+    kind = raw.get("kind")
+    if not isinstance(kind, str) or kind == "header":
+        raise msgspec.ValidationError("an event needs a string `kind` other than header")
+    if kind in KINDS:
+        if kind == "attn":
+            raw = _nan_for_null(raw)
+        return msgspec.convert(raw, KINDS[kind])
+    t, step = raw.get("t", 0), raw.get("step", 0)
+    if not (isinstance(t, int) and isinstance(step, int)):
+        raise msgspec.ValidationError("`t` and `step` must be integers")
+    fields = {k: v for k, v in raw.items() if k not in ("kind", "t", "step")}
+    return Unknown(kind=kind, t=t, step=step, fields=fields)
+
+
+def _nan_for_null(raw: dict[str, Any]) -> dict[str, Any]:
+    fixed = dict(raw)
+    for name in ("max_logit", "entropy", "sink"):
+        if name in fixed and fixed[name] is None:
+            fixed[name] = _NAN
+    for name in ("heads_entropy", "heads_max_logit"):
+        values = fixed.get(name)
+        if isinstance(values, list):
+            fixed[name] = [_NAN if v is None else v for v in values]
+    return fixed
 
 
 def decode_lines(buf: bytes) -> list[Event]:

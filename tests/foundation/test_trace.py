@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gzip
+import math
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 
+import msgspec
 import pytest
 
 from kvdoctor import events as E
@@ -207,3 +209,80 @@ def test_binary_trace_keeps_unknown_kinds_and_names_a_corrupt_frame(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(TraceFormatError, match="frame"):
         list(TraceReader(path))
+
+
+def _long_trace(num_steps: int = 300) -> list[list[E.Event]]:
+    """Steps of every shape the reader must split: growing block lists, one read longer than a
+    megabyte of chunking would hold in a line, null (NaN) statistics, and a producer's own kind."""
+    steps: list[list[E.Event]] = []
+    for s in range(num_steps):
+        width = 20_000 if s == 150 else s
+        evs: list[E.Event] = [E.Read(t=s, step=s, seq=s % 3, blocks=list(range(width)), versions=[s] * width)]
+        evs += [E.Attn(t=s, step=s, seq=s % 3, layer=layer, entropy=2.0, sink=0.25, nonfinite=0,
+                       max_logit=float("nan") if s % 17 == 3 and layer == 1 else 1.5) for layer in range(16)]
+        if s % 29 == 5:
+            evs.append(E.Unknown(kind="gpu_sync", t=s, step=s, fields={"stream": s}))
+        evs.append(E.StepEnd(t=s, step=s))
+        steps.append(evs)
+    return steps
+
+
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.gz", "t.kvtrace.msgpack"])
+def test_a_long_trace_reads_back_whole_in_bounded_batches(tmp_path, name):
+    # GIVEN a trace of ~1 MB (JSON) that spans many read chunks, with a line and a frame longer than one
+    steps = _long_trace()
+    events = [e for step in steps for e in step]
+    with TraceWriter(tmp_path / name, HEADER) as w:
+        for step in steps:
+            w.write_many(step)
+    # WHEN read batch by batch
+    reader = TraceReader(tmp_path / name)
+    batches = list(reader.batches())
+    got = [e for b in batches for e in b][:-1]
+    # THEN every event comes back, null statistics as NaN floats, unknown kinds kept
+    assert [E.to_dict(e) for e in got] == [E.to_dict(e) for e in events]
+    nans = [e for e in got if type(e) is E.Attn and e.max_logit != e.max_logit]
+    assert len(nans) == sum(1 for s in range(300) if s % 17 == 3)
+    assert sum(type(e) is E.Unknown for e in got) == sum(1 for s in range(300) if s % 29 == 5)
+    # AND no batch holds more than a small part of the trace: memory stays bounded by the batch, not the file
+    assert max(map(len, batches)) < len(events) / 5
+    assert reader.closed and not reader.truncated
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_corrupt_line_deep_in_a_long_trace_is_named_by_its_number(tmp_path, gz):
+    # GIVEN a long trace with blank lines and, far past the first read chunks, one bad line
+    plain = tmp_path / "ok.kvtrace"
+    with TraceWriter(plain, HEADER) as w:
+        for step in _long_trace():
+            w.write_many(step)
+    lines = plain.read_bytes().split(b"\n")
+    lines[40:40] = [b"", b"   "]
+    bad = len(lines) - 30
+    lines[bad] = b'{"kind":"write","t":1,"step":1,"block":"oops"}'
+    data = b"\n".join(lines)
+    path = tmp_path / ("bad.kvtrace.gz" if gz else "bad.kvtrace")
+    path.write_bytes(gzip.compress(data) if gz else data)
+    # WHEN read THEN the error names the file and the 1-based number of that line
+    with pytest.raises(TraceFormatError) as err:
+        list(TraceReader(path))
+    assert err.value.line == bad + 1 and str(path) in str(err.value)
+
+
+def test_null_statistics_from_other_producers_read_back_as_nan(tmp_path):
+    # GIVEN a JSON line written by hand and a msgpack frame whose producer wrote nil for NaN
+    line = {"kind": "attn", "t": 4, "step": 1, "seq": "a", "layer": 2, "max_logit": None, "entropy": 1.0,
+            "sink": None, "nonfinite": 3, "heads_entropy": [0.5, None]}
+    header = msgspec.msgpack.encode(HEADER)
+    frame = msgspec.msgpack.encode([line, {"kind": "step_end", "t": 5, "step": 1}])
+    packed = tmp_path / "nil.kvtrace.msgpack"
+    packed.write_bytes(b"kvdoctor-trace msgpack 1\n" + len(header).to_bytes(4, "little") + header
+                       + len(frame).to_bytes(4, "little") + frame)
+    plain = tmp_path / "null.kvtrace"
+    plain.write_bytes(E.encode(HEADER) + b"\n" + msgspec.json.encode(line) + b"\n")
+    for path in (plain, packed):
+        # WHEN read THEN the statistics are NaN floats and the rest is as written
+        ev = next(iter(TraceReader(path)))
+        assert type(ev) is E.Attn and (ev.seq, ev.layer, ev.entropy, ev.nonfinite) == ("a", 2, 1.0, 3)
+        assert all(math.isnan(v) for v in (ev.max_logit, ev.sink, ev.heads_entropy[1]))
+        assert ev.heads_entropy[0] == 0.5
