@@ -421,7 +421,7 @@ class TraceFollower:
                 if isinstance(self._f, _GzipStream):
                     raise TraceError(f"{self.path} is gzip-compressed; follow a plain .kvtrace instead")
             if self._f is not None:
-                pending += self._f.read()
+                pending += self._f.read(_CHUNK)
                 started = _start(self.path, pending, at_end=False) if pending else None
                 if started is not None:
                     self.header, self._splitter, self._pending = started
@@ -459,7 +459,7 @@ class TraceFollower:
                     self.ended = "stopped"
                     return
                 elif self.pid is not None and not _pid_alive(self.pid):
-                    rest = self._f.read()
+                    rest = self._f.read(_CHUNK)
                     if rest:
                         data = rest
                         continue
@@ -472,7 +472,7 @@ class TraceFollower:
                 else:
                     yield []
                     time.sleep(self.poll_s)
-                data = self._f.read()
+                data = self._f.read(_CHUNK)  # bounded: a follower that starts far behind catches up chunk by chunk
         finally:
             self._f.close()
 

@@ -286,3 +286,19 @@ def test_null_statistics_from_other_producers_read_back_as_nan(tmp_path):
         assert type(ev) is E.Attn and (ev.seq, ev.layer, ev.entropy, ev.nonfinite) == ("a", 2, 1.0, 3)
         assert all(math.isnan(v) for v in (ev.max_logit, ev.sink, ev.heads_entropy[1]))
         assert ev.heads_entropy[0] == 0.5
+
+
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.msgpack"])
+def test_follow_catches_up_on_a_long_trace_chunk_by_chunk(tmp_path, name):
+    # GIVEN a long trace already written and closed before the follower starts
+    steps = _long_trace()
+    with TraceWriter(tmp_path / name, HEADER) as w:
+        for step in steps:
+            w.write_many(step)
+    # WHEN followed THEN every event arrives, in batches no larger than the reader's, and it ends at the close
+    follower = follow(tmp_path / name, poll_s=0.01)
+    batches = [b for b in follower.batches() if b]
+    got = [e for b in batches for e in b][:-1]
+    assert [E.to_dict(e) for e in got] == [E.to_dict(e) for step in steps for e in step]
+    assert max(map(len, batches)) < len(got) / 5
+    assert follower.ended == "closed"
