@@ -90,13 +90,17 @@ def main() -> None:
     print(f"events: {n:,} in {len(steps):,} steps, {size / n:.0f} bytes/event, file {size / 1e6:.1f} MB"
           f"{' (gzip)' if args.gzip else ' (msgpack)' if args.binary else ''}")
     # CPU time is the fairer clock on a shared machine: it leaves out time the process waited for a core.
+    # The range shows how much the machine's noise moved the repeats around their median.
     print(f"encode+write: {n / w / 1e6:.2f} M events/s wall, {n / cw / 1e6:.2f} M per CPU-second "
-          f"(median of {args.repeats}; raw write of the same bytes "
+          f"({_spread(n, cpu_writes)}; median of {args.repeats}; raw write of the same bytes "
           f"{size / statistics.median(raw_writes) / 1e9:.2f} GB/s)")
     print(f"read+decode:  {n / r / 1e6:.2f} M events/s wall, {n / cr / 1e6:.2f} M per CPU-second "
-          f"(median of {args.repeats}; raw read "
+          f"({_spread(n, cpu_reads)}; median of {args.repeats}; raw read "
           f"{size / statistics.median(raw_reads) / 1e9:.2f} GB/s)")
 
+
+def _spread(n: int, seconds: list[float]) -> str:
+    return f"{n / max(seconds) / 1e6:.2f}-{n / min(seconds) / 1e6:.2f}"
 
 if __name__ == "__main__":
     main()
