@@ -91,6 +91,7 @@ class EngineConfig:
     topk: int = 0  # block-sparse attention reads this many blocks chosen by key summary (+ sinks, window); 0: dense
     sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
     local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
+    sparse_block_size: int = 0  # tokens per page top-k selects (a multiple of block_size); 0: block_size
     importance: str | None = None  # importance eviction: "h2o" or "streaming" (None: off)
     kv_budget_blocks: int = 0  # importance eviction keeps each sequence within this many blocks
     mixed_low: str = "nf4"  # mixed: the codec a block is demoted to
@@ -191,6 +192,10 @@ class EngineConfig:
         _int_in("topk", self.topk, 0, 1 << 20)
         _int_in("sink_blocks", self.sink_blocks, 0, 1 << 10)
         _int_in("local_blocks", self.local_blocks, 1, 1 << 10)
+        _int_in("sparse_block_size", self.sparse_block_size, 0, 1 << 16)
+        self.sparse_block_size = self.sparse_block_size or self.block_size
+        if self.sparse_block_size % self.block_size:
+            raise _bad("sparse_block_size", self.sparse_block_size, f"a multiple of block_size ({self.block_size})")
         if self.importance is not None and self.importance not in IMPORTANCE_MODES:
             raise _bad("importance", self.importance, f"None or one of {', '.join(IMPORTANCE_MODES)}")
         if self.importance is not None:

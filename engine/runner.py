@@ -352,15 +352,18 @@ class Runner:
         return out
 
     def _attend_sparse(self, layer: int, qg: torch.Tensor, rows: list[SeqId], g: _Group, scale: float
-                       ) -> tuple[torch.Tensor, None]:
-        """Block-sparse attention (and the attention mass importance eviction accumulates); no statistics."""
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block-sparse attention (and the attention mass importance eviction accumulates). On a statistics
+        step it also returns the newest query's scores over the blocks it read (the rest at the lowest
+        finite score: no probability), so ``attn`` events come from what attention really saw."""
         want_mass = self._importance is not None and self._importance.needs_mass
         kv_lens = [self.cache.num_tokens(seq) for seq in rows]
-        o, mass = self._sparse.attend(layer, qg, rows, g.table, g.layout, kv_lens, scale, want_mass=want_mass)
+        o, mass, scores = self._sparse.attend(layer, qg, rows, g.table, g.layout, kv_lens, scale,
+                                              want_mass=want_mass, want_scores=self.stats_due())
         if mass is not None:
             for seq, m in zip(rows, mass):
                 self._importance.observe(seq, self.cache.block_table(seq), m)
-        return o, None
+        return o, scores
 
     def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[list[torch.Tensor]]) -> None:
         """One ``attn`` event per row and layer, from statistics computed once for all layers of a group."""

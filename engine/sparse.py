@@ -15,6 +15,13 @@ chunk (prefill) lets each query choose its own blocks, as it would when decoding
 at that position, and masks the rest; every query's own block and the blocks
 before it within the window are always in. When ``k`` covers every candidate, the
 dense computation runs unchanged, so the two agree exactly.
+
+Selection works over *pages* of ``sparse_block_size`` tokens, a multiple of the
+cache's block size: a page's summary is the minimum and maximum over its blocks,
+``k``, the sinks and the local window count pages, and a chosen page reads every
+cache block it holds. Small cache blocks keep allocation and swaps fine-grained
+while the choice stays at the 64-128 tokens where a key summary still bounds
+scores tightly enough to be worth its read (Quest uses pages of 16-64 tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ def quest_bound(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torc
     return bound.amax(dim=1)  # (H_kv, S, nb)
 
 
+def _top(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest scores along the last dim; ties go to the earlier block, so a
+    decode query and the same query inside a chunk choose alike (several heads' best blocks tie at 0)."""
+    return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def select_blocks(score: torch.Tensor, num_blocks: int, k: int, sink_blocks: int, local_blocks: int) -> torch.Tensor:
     """Blocks one decode query reads: sinks, the top ``k`` by ``score`` (H_kv, nb) among the others, the local window.
 
@@ -60,28 +73,34 @@ def select_blocks(score: torch.Tensor, num_blocks: int, k: int, sink_blocks: int
     take = min(k, hi - lo)
     if take <= 0:
         return fixed.expand(H_kv, -1)
-    top = score[:, lo:hi].topk(take, dim=-1).indices + lo  # (H_kv, take)
+    top = _top(score[:, lo:hi], take) + lo  # (H_kv, take)
     return torch.cat([fixed.expand(H_kv, -1), top], dim=-1).sort(dim=-1).values
 
 
 def chunk_block_mask(score: torch.Tensor, q_pos: torch.Tensor, block_size: int, k: int, sink_blocks: int,
-                     local_blocks: int) -> torch.Tensor:
-    """Blocks each query of a chunk may read: ``score`` (H_kv, S, nb), ``q_pos`` (S,) positions among the present tokens.
+                     local_blocks: int, blocks_per_page: int = 1) -> torch.Tensor:
+    """Pages each query of a chunk may read: ``score`` (H_kv, S, np) per page of ``blocks_per_page`` cache
+    blocks of ``block_size`` tokens, ``q_pos`` (S,) positions among the present tokens.
 
-    Returns a bool mask (H_kv, S, nb): the sinks, the query's own block and the
-    ``local_blocks - 1`` before it, and the top ``k`` of the blocks in between.
+    Returns a bool mask (H_kv, S, np): the sink pages (those holding the first ``sink_blocks``
+    blocks), the pages holding the query's own block and the ``local_blocks - 1`` blocks
+    before it, and the top ``k`` of the pages in between.
     """
     H_kv, S, nb = score.shape
+    r = blocks_per_page
     blk = torch.arange(nb, device=score.device)
-    own = (q_pos // block_size)[:, None]  # (S, 1)
-    local = (blk[None] <= own) & (blk[None] > own - local_blocks)  # (S, nb)
-    sink = (blk < sink_blocks)[None].expand(S, nb)
-    cand = (blk[None] <= own - local_blocks) & ~sink  # (S, nb)
+    own_block = q_pos // block_size  # (S,)
+    own = (own_block // r)[:, None]  # (S, 1): the query's own page
+    first_local = ((own_block - local_blocks + 1).clamp_min(0) // r)[:, None]  # (S, 1)
+    local = (blk[None] <= own) & (blk[None] >= first_local)  # (S, nb)
+    sink = (blk < -(-sink_blocks // r))[None].expand(S, nb)
+    cand = (blk[None] < first_local) & ~sink  # (S, nb)
     allowed = (local | (sink & (blk[None] <= own)))[None].expand(H_kv, S, nb).clone()
     take = min(k, nb)
     if take > 0 and bool(cand.any()):
         masked = score.masked_fill(~cand[None], _NEG)
-        vals, idx = masked.topk(take, dim=-1)  # (H_kv, S, take)
+        idx = _top(masked, take)  # (H_kv, S, take)
+        vals = masked.gather(-1, idx)
         allowed.scatter_(-1, idx, vals > _NEG)
         allowed |= (local | (sink & (blk[None] <= own)))[None]
     return allowed
@@ -172,16 +191,23 @@ class SparseRead:
 
 
 class BlockSparse:
-    """Top-k block retrieval for the runner: summaries, selection, the sparse gather and attention.
+    """Top-k page retrieval for the runner: summaries, selection, the sparse gather and attention.
 
     ``attend`` is called per layer and group of rows in place of dense attention;
     ``mass`` (when ``want_mass``) is the attention probability each block received,
-    summed over heads and queries, for importance eviction.
+    summed over heads and queries, for importance eviction; ``scores`` (when
+    ``want_scores``) are the newest query's scaled scores over the keys it read, for
+    the ``attn`` statistics. A page is ``blocks_per_page`` cache blocks; ``k``, the
+    sinks and the window are counted in pages (see the module's docstring).
     """
 
-    def __init__(self, cache: Any, *, k: int, sink_blocks: int = 1, local_blocks: int = 1) -> None:
+    def __init__(self, cache: Any, *, k: int, sink_blocks: int = 1, local_blocks: int = 1,
+                 blocks_per_page: int = 1) -> None:
+        if blocks_per_page < 1:
+            raise ValueError(f"blocks_per_page={blocks_per_page}: must be >= 1")
         self.cache = cache
         self.k, self.sink_blocks, self.local_blocks = k, sink_blocks, local_blocks
+        self.blocks_per_page = blocks_per_page
         self.summaries = KeySummaries(cache)
         self.read = SparseRead()
 
@@ -191,7 +217,9 @@ class BlockSparse:
         c = cache.config
         if not c.topk and c.importance != "h2o":
             return None
-        return cls(cache, k=c.topk or 1 << 30, sink_blocks=c.sink_blocks, local_blocks=c.local_blocks)
+        page = getattr(c, "sparse_block_size", 0) or c.block_size
+        return cls(cache, k=c.topk or 1 << 30, sink_blocks=c.sink_blocks, local_blocks=c.local_blocks,
+                   blocks_per_page=page // c.block_size)
 
     def read_ids(self, seq: Any) -> list[int]:
         """Ids of the blocks of ``seq`` this step's attention read (any layer or head), in position order."""
@@ -220,17 +248,49 @@ class BlockSparse:
         for seq in seqs:
             self.summaries.commit(seq)
 
+    # ---- pages ----
+    def _num_pages(self, num_blocks: int) -> int:
+        return -(-num_blocks // self.blocks_per_page)
+
+    def _fixed_pages(self, num_blocks: int) -> tuple[int, int]:
+        """(sink pages, local pages) of a decode query over ``num_blocks``: the pages holding the first
+        ``sink_blocks`` blocks, and those holding the newest ``local_blocks``."""
+        r, n_pages = self.blocks_per_page, self._num_pages(num_blocks)
+        first_local = max(num_blocks - self.local_blocks, 0) // r
+        return min(-(-self.sink_blocks // r), n_pages), n_pages - first_local
+
     def covers_all(self, num_blocks: int) -> bool:
-        """True when ``k`` reaches every block between the sinks and the window: sparse is dense."""
-        return self.k >= num_blocks - min(self.sink_blocks, num_blocks) - self.local_blocks
+        """True when ``k`` reaches every page between the sinks and the window: sparse is dense."""
+        sinks, local = self._fixed_pages(num_blocks)
+        return self.k >= self._num_pages(num_blocks) - sinks - local
+
+    def _page_score(self, q: torch.Tensor, seq: Any, layer: int, num_blocks: int) -> torch.Tensor:
+        """Selection scores (H_kv, S, np) of queries ``q`` (H, S, D) against each page's key summary."""
+        H, S, D = q.shape
+        H_kv, r = self.cache.config.num_kv_heads, self.blocks_per_page
+        summ = self.summaries.get(seq, layer)[:num_blocks]  # (nb, H_kv, 2, D)
+        if r > 1:
+            pad = self._num_pages(num_blocks) * r - num_blocks  # missing blocks of the last page: no keys
+            lo = F.pad(summ[:, :, 0], (0, 0, 0, 0, 0, pad), value=float("inf")).unflatten(0, (-1, r)).amin(dim=1)
+            hi = F.pad(summ[:, :, 1], (0, 0, 0, 0, 0, pad), value=_NEG).unflatten(0, (-1, r)).amax(dim=1)
+        else:
+            lo, hi = summ[:, :, 0], summ[:, :, 1]  # (np, H_kv, D)
+        return quest_bound(q.view(H_kv, H // H_kv, S, D), lo.transpose(0, 1), hi.transpose(0, 1))
+
+    def _page_blocks(self, pages: torch.Tensor) -> torch.Tensor:
+        """Cache-block indices (..., n * r) of pages (..., n), page by page; some may be past the last block."""
+        r = self.blocks_per_page
+        return (pages[..., None] * r + torch.arange(r, device=pages.device)).flatten(-2)
 
     def attend(self, layer: int, q: torch.Tensor, seqs: Sequence[Any], table: torch.Tensor, layout: AttnLayout,
-               kv_lens: Sequence[int], scale: float, *, want_mass: bool = False
-               ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+               kv_lens: Sequence[int], scale: float, *, want_mass: bool = False, want_scores: bool = False
+               ) -> tuple[torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:
         """Attention of ``q`` (B, H, S, D) for rows ``seqs`` with block ``table`` (B, nb) of device slots.
 
-        Returns the output (B, H, S, D) and, with ``want_mass``, per row the attention mass on each
-        of its blocks (nb_row,) summed over heads and queries.
+        Returns the output (B, H, S, D); with ``want_mass``, per row the attention mass on each
+        of its blocks (nb_row,) summed over heads and queries; with ``want_scores``, each row's
+        newest query's scaled scores (B, H, T) over its keys, the keys it did not read at the
+        lowest finite value (no probability, and no non-finite count in the statistics).
         """
         B, H, S, D = q.shape
         nbs = [-(-t // self.cache.block_size) for t in kv_lens]
@@ -238,10 +298,12 @@ class BlockSparse:
         for r, seq in enumerate(seqs):
             self.read.rows_dense += nbs[r] * H_kv
         if not want_mass and all(self.covers_all(nb) for nb in nbs):
-            return self._dense(layer, q, seqs, table, layout, kv_lens, nbs, scale), None
+            out, scores = self._dense(layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores)
+            return out, None, scores
         if S == 1 and not want_mass:
-            return self._decode(layer, q, seqs, table, kv_lens, nbs, scale), None
-        return self._masked(layer, q, seqs, table, kv_lens, nbs, scale, want_mass)
+            out, scores = self._decode(layer, q, seqs, table, kv_lens, nbs, scale, want_scores)
+            return out, None, scores
+        return self._masked(layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores)
 
     # ---- paths ----
     def _gather(self, layer: int, table: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,47 +314,61 @@ class BlockSparse:
         v = vb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]
         return k, v
 
-    def _dense(self, layer, q, seqs, table, layout, kv_lens, nbs, scale) -> torch.Tensor:
+    def _dense(self, layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores=False):
         """Every block is chosen: the runner's own dense computation, so the two agree exactly."""
         k, v = self._gather(layer, table, max(kv_lens))
-        out, _ = attend(q, k, v, layout, scale=scale)
+        out, scores = attend(q, k, v, layout, scale=scale, scores=want_scores)
         H_kv = k.shape[1]
         for r, seq in enumerate(seqs):
             self.read.blocks.setdefault(seq, set()).update(range(nbs[r]))
             self.read.rows_read += nbs[r] * H_kv
-        return out
+        return out, scores
 
-    def _decode(self, layer: int, q: torch.Tensor, seqs, table, kv_lens, nbs, scale) -> torch.Tensor:
-        """One query per row: gather only the chosen blocks' rows (per KV head) and attend over them."""
+    def _decode(self, layer: int, q: torch.Tensor, seqs, table, kv_lens, nbs, scale, want_scores=False):
+        """One query per row: gather only the chosen pages' block rows (per KV head) and attend over them."""
         cache, bs = self.cache, self.cache.block_size
         B, H, _, D = q.shape
         H_kv = cache.config.num_kv_heads
         g = H // H_kv
         picks = []
         for r, seq in enumerate(seqs):
-            summ = self.summaries.get(seq, layer)[: nbs[r]]  # (nb, H_kv, 2, D)
-            score = quest_bound(q[r].view(H_kv, g, 1, D), summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1))
-            sel = select_blocks(score[:, 0], nbs[r], self.k, self.sink_blocks, self.local_blocks)  # (H_kv, n)
+            score = self._page_score(q[r], seq, layer, nbs[r])  # (H_kv, 1, np)
+            sinks, local = self._fixed_pages(nbs[r])
+            pages = select_blocks(score[:, 0], self._num_pages(nbs[r]), self.k, sinks, local)  # (H_kv, n)
+            sel = self._page_blocks(pages)  # (H_kv, n * r), in position order
             picks.append(sel)
-            self.read.blocks.setdefault(seq, set()).update(sel.unique().tolist())
-            self.read.rows_read += sel.numel()
+            real = sel < nbs[r]  # the last page may reach past the last block
+            self.read.blocks.setdefault(seq, set()).update(sel[real].unique().tolist())
+            self.read.rows_read += int(real.sum())
         n = max(p.shape[1] for p in picks)
         sel = torch.zeros(B, H_kv, n, dtype=torch.long, device=q.device)
         ok = torch.zeros(B, H_kv, n, bs, dtype=torch.bool, device=q.device)
         tok = torch.arange(bs, device=q.device)
         for r, p in enumerate(picks):
             m = p.shape[1]
-            sel[r, :, :m] = p
+            sel[r, :, :m] = p.clamp_max(nbs[r] - 1)  # a block past the last is masked out below
             ok[r, :, :m] = (p[..., None] * bs + tok) < kv_lens[r]  # the tail block is partly filled
         slots = table.gather(1, sel.view(B, -1)).view(B, H_kv, n)  # (B, H_kv, n) device slots
         heads = torch.arange(H_kv, device=q.device)[None, :, None].expand(B, H_kv, n)
         k, v = cache.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
         k, v = k.reshape(B, H_kv, n * bs, D), v.reshape(B, H_kv, n * bs, D)
         mask = ok.view(B, H_kv, 1, n * bs).repeat_interleave(g, dim=1)  # (B, H, 1, n*bs)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+        if not want_scores:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1), None
+        raw = (q.view(B, H_kv, g, D) @ k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g, n*bs)
+        low = torch.finfo(raw.dtype).min
+        raw = raw.masked_fill(~ok.view(B, H_kv, 1, n * bs), low)
+        probs = torch.softmax(raw, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = (probs @ v).view(B, H, 1, D)
+        # the newest query's scores in key positions: what was not read stays at the lowest finite value
+        T = max(kv_lens)
+        pos = (sel[..., None] * bs + tok).view(B, H_kv, 1, n * bs)
+        pos = pos.masked_fill(~ok.view(B, H_kv, 1, n * bs), T).expand(B, H_kv, g, n * bs)  # unread -> a spare column
+        scores = raw.new_full((B, H_kv, g, T + 1), low).scatter_(-1, pos, raw)
+        return out, scores[..., :T].reshape(B, H, T)
 
-    def _masked(self, layer, q, seqs, table, kv_lens, nbs, scale, want_mass):
-        """Queries choose their own blocks (prefill chunks, or any step that needs attention mass)."""
+    def _masked(self, layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores=False):
+        """Queries choose their own pages (prefill chunks, or any step that needs attention mass)."""
         cache, bs = self.cache, self.cache.block_size
         B, H, S, D = q.shape
         H_kv = cache.config.num_kv_heads
@@ -304,29 +380,31 @@ class BlockSparse:
             nb, t = nbs[r], kv_lens[r]
             q_pos = torch.arange(t - S, t, device=q.device)  # the row's queries are its newest tokens
             causal = torch.arange(T, device=q.device)[None] <= q_pos[:, None]  # (S, T)
-            summ = self.summaries.get(seq, layer)[:nb]
-            score = quest_bound(q[r].view(H_kv, g, S, D), summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1))
             if self.covers_all(nb):
                 blocks = torch.ones(H_kv, S, nb, dtype=torch.bool, device=q.device)
             else:
-                blocks = chunk_block_mask(score, q_pos, bs, self.k, self.sink_blocks, self.local_blocks)
+                score = self._page_score(q[r], seq, layer, nb)  # (H_kv, S, np)
+                pages = chunk_block_mask(score, q_pos, bs, self.k, self.sink_blocks, self.local_blocks,
+                                         self.blocks_per_page)
+                blocks = pages.repeat_interleave(self.blocks_per_page, dim=-1)[..., :nb]  # (H_kv, S, nb)
             used = blocks.any(dim=1)  # (H_kv, nb): read by some query of the chunk
             self.read.blocks.setdefault(seq, set()).update(used.any(dim=0).nonzero().flatten().tolist())
             self.read.rows_read += int(used.sum())
             tokens = blocks.repeat_interleave(bs, dim=-1)[..., :T]  # (H_kv, S, T)
             tokens = tokens & causal[None] & (torch.arange(T, device=q.device) < t)
             allowed[r] = tokens.repeat_interleave(g, dim=0)
-        mass = None
-        if not want_mass:
+        if not (want_mass or want_scores):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=g > 1)
-            return out, None
+            return out, None, None
         qg = q.reshape(B, H_kv, g * S, D)
         scores = (qg @ k.transpose(-1, -2)).mul_(scale).view(B, H, S, T)
-        probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1,
-                              dtype=torch.float32).to(q.dtype)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = (probs.view(B, H_kv, g * S, T) @ v).view(B, H, S, D)
-        per_tok = probs.float().sum(dim=(1, 2))  # (B, T): mass each key received
-        nb_max = table.shape[1]
-        padded = F.pad(per_tok, (0, nb_max * bs - T)).view(B, nb_max, bs).sum(-1)  # (B, nb)
-        mass = [padded[r, : nbs[r]] for r in range(B)]
-        return out, mass
+        mass = None
+        if want_mass:
+            per_tok = probs.float().sum(dim=(1, 2))  # (B, T): mass each key received
+            nb_max = table.shape[1]
+            padded = F.pad(per_tok, (0, nb_max * bs - T)).view(B, nb_max, bs).sum(-1)  # (B, nb)
+            mass = [padded[r, : nbs[r]] for r in range(B)]
+        return out, mass, scores[:, :, -1] if want_scores else None

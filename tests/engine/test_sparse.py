@@ -44,22 +44,64 @@ def _filled(make_cache, n: int, **kw) -> Recorder:
     return r
 
 
-def test_decode_reads_only_chosen_rows_and_matches_masked_attention(make_cache):
-    # GIVEN 40 cached tokens in 10 blocks and a decode query (4 query heads on 2 KV heads)
-    r = _filled(make_cache, 40)
-    sp = BlockSparse(r.cache, k=2, sink_blocks=1, local_blocks=2)
+def _summarised(make_cache, n: int, seed: int, **kw) -> tuple[Recorder, BlockSparse, torch.Tensor, torch.Tensor]:
+    """``n`` cached tokens in blocks of 4, their summaries, a decode query (4 query heads on 2 KV heads), the table."""
+    r = _filled(make_cache, n)
+    sp = BlockSparse(r.cache, **kw)
     sp.begin_step(["a"])
     for layer in range(2):
         sp.after_store(layer, ["a"])
-    q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(1))
-    table = r.cache.slot_table("a")[None]
+    q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(seed))
+    return r, sp, q, r.cache.slot_table("a")[None]
+
+
+def test_decode_reads_only_chosen_rows_and_matches_masked_attention(make_cache):
+    # GIVEN 40 cached tokens in 10 blocks and a decode query (4 query heads on 2 KV heads)
+    r, sp, q, table = _summarised(make_cache, 40, 1, k=2, sink_blocks=1, local_blocks=2)
     # WHEN attention gathers only the chosen blocks per KV head
-    out = sp._decode(1, q, ["a"], table, [40], [10], 0.3)
+    out, _ = sp._decode(1, q, ["a"], table, [40], [10], 0.3)
     # THEN exactly sink + k + window rows were read ...
     assert sp.read.rows_read == 2 * (1 + 2 + 2)
     # ... and the output is that of full attention masked to the same blocks
-    ref, _ = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False)
+    ref, _, _ = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pages_of_several_blocks_are_chosen_whole_with_the_sink_page_and_the_window(make_cache):
+    # GIVEN 40 cached tokens in 10 blocks of 4, selected in pages of 2 blocks (5 pages)
+    r, sp, q, table = _summarised(make_cache, 40, 2, k=1, sink_blocks=1, local_blocks=1, blocks_per_page=2)
+    # WHEN a decode query takes the top page
+    out, scores = sp._decode(1, q, ["a"], table, [40], [10], 0.3, want_scores=True)
+    # THEN every KV head read the sink page, the newest page and one more: 3 pages of 2 blocks
+    assert sp.read.rows_read == 2 * 3 * 2
+    read = sorted(sp.read.blocks["a"])
+    assert {0, 1, 8, 9} <= set(read) and all({b - b % 2, b - b % 2 + 1} <= set(read) for b in read)
+    # ... the output is masked attention over the same pages, and the scores it hands back are
+    # the keys' real scores where read and carry no probability elsewhere
+    ref, _, ref_scores = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False, True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.softmax(scores, -1), torch.softmax(ref_scores, -1), atol=1e-6, rtol=1e-5)
+    assert torch.isfinite(scores).all() and (torch.softmax(scores, -1)[..., 8:32].sum(-1) < 1).all()
+
+
+def test_a_page_that_is_partly_filled_reads_only_its_blocks(make_cache):
+    # GIVEN 21 tokens: 6 blocks of 4 (the last holds one token), pages of 4 blocks (the last page has 2)
+    r, sp, q, table = _summarised(make_cache, 21, 3, k=0, sink_blocks=1, local_blocks=1, blocks_per_page=4)
+    # WHEN a decode query reads (both pages are fixed: sink and window)
+    out, _ = sp._decode(0, q, ["a"], table, [21], [6], 0.3)
+    # THEN it read the 6 blocks that exist, never one past the end
+    assert sorted(sp.read.blocks["a"]) == list(range(6)) and sp.read.rows_read == 2 * 6
+    assert torch.isfinite(out).all()
+
+
+def test_chunk_pages_keep_each_querys_window_and_sink_page():
+    # 6 pages of 2 blocks of 4 tokens; sink_blocks=1 -> page 0; local_blocks=3 -> the pages of the 3 newest blocks
+    score = torch.tensor([[0.0, -1.0, -5.0, -0.5, -2.0, -9.0]])
+    q_pos = torch.tensor([10, 45])  # blocks 2 and 11: pages 1 and 5
+    mask = chunk_block_mask(score[:, None].expand(1, 2, 6), q_pos, 4, 1, 1, 3, blocks_per_page=2)
+    # query at token 10 (block 2): blocks 0..2 are its window -> pages 0, 1; nothing between
+    # query at token 45 (block 11): blocks 9..11 -> pages 4, 5; sink page 0; top-1 of pages 1..3 is page 3
+    assert mask[0].int().tolist() == [[1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 1, 1]]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +111,8 @@ def model():
     return tiny_llama().model
 
 
-def _run(model, **config) -> tuple[list[torch.Tensor], Runner, list]:
-    runner = Runner.create(model, stats_every=0, block_size=4, device_blocks=64, host_blocks=0, **config)
+def _run(model, stats_every: int = 0, **config) -> tuple[list[torch.Tensor], Runner, list]:
+    runner = Runner.create(model, stats_every=stats_every, block_size=4, device_blocks=64, host_blocks=0, **config)
     events: list = []
     runner.bus.subscribe(events.extend)
     runner.cache.add_sequence("s", prompt_len=37)
@@ -91,6 +133,61 @@ def test_topk_covering_every_block_equals_dense_exactly(model):
     assert all(torch.equal(a, b) for a, b in zip(dense, sparse))
     r1.close()
     r2.close()
+
+
+def test_topk_covering_every_page_equals_dense_exactly(model):
+    # GIVEN cache blocks of 4 tokens and pages of 16 (4 blocks), k covering all 3 pages
+    dense, r1, _ = _run(model)
+    sparse, r2, _ = _run(model, topk=3, sparse_block_size=16)
+    assert r2._sparse.blocks_per_page == 4
+    assert all(torch.equal(a, b) for a, b in zip(dense, sparse))
+    r1.close()
+    r2.close()
+
+
+def test_pages_read_whole_and_read_events_list_cache_blocks(model):
+    # GIVEN pages of 2 cache blocks and k=1 page
+    logits, runner, events = _run(model, topk=1, sparse_block_size=8, sink_blocks=1, local_blocks=1)
+    # THEN a decode step over 11 blocks (6 pages) read sink page + top page + newest page: <= 6 blocks per head
+    # (the newest page holds the 11th block only)
+    assert runner._sparse.read.rows_read == 2 * 2 * 5 and runner._sparse.read.rows_dense == 2 * 2 * 11
+    reads = [e for e in events if type(e).__struct_config__.tag == "read"]
+    table = runner.cache.block_table("s")
+    last = set(reads[-1].blocks)
+    assert {table[0], table[1], table[10]} <= last and last < set(table)
+    runner.close()
+
+
+def _attn(events) -> list:
+    return [e for e in events if type(e).__struct_config__.tag == "attn"]
+
+
+def test_sparse_path_emits_attn_events_from_what_it_read(model):
+    # GIVEN statistics every step, dense and with k covering everything
+    _, r1, dense = _run(model, 1)
+    _, r2, full = _run(model, 1, topk=64)
+    _, r3, sparse = _run(model, 1, topk=1)
+    # THEN every path emits one attn event per layer and step, the same when k covers every block
+    assert len(_attn(full)) == len(_attn(dense)) == len(_attn(sparse)) == 5 * 2
+    for a, b in zip(_attn(dense), _attn(full)):
+        assert (a.layer, a.entropy, a.sink, a.max_logit) == (b.layer, b.entropy, b.sink, b.max_logit)
+    # AND top-1's statistics are over the keys it read: finite, with the (always read) sink block's mass
+    for e in _attn(sparse):
+        assert e.nonfinite == 0 and 0 < e.sink <= 1 and e.entropy >= 0
+    decode_dense = [e.entropy for e in _attn(dense)[2:]]
+    decode_sparse = [e.entropy for e in _attn(sparse)[2:]]
+    assert sum(decode_sparse) < sum(decode_dense)  # 3 of 11 blocks: a narrower distribution
+    for r in (r1, r2, r3):
+        r.close()
+
+
+def test_sparse_block_size_is_a_multiple_of_the_block_size():
+    from kvdoctor.engine.config import EngineConfig
+
+    assert EngineConfig(2, 2, 8, block_size=16).sparse_block_size == 16
+    assert EngineConfig(2, 2, 8, block_size=16, sparse_block_size=64).sparse_block_size == 64
+    with pytest.raises(ValueError, match="sparse_block_size"):
+        EngineConfig(2, 2, 8, block_size=16, sparse_block_size=40)
 
 
 def test_small_topk_reads_fewer_blocks_and_says_so_in_read_events(model):
