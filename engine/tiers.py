@@ -97,12 +97,15 @@ def _sum64(blocks: torch.Tensor) -> list[int]:
 def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
               dst_codec: Codec, *, checksum: bool = False) -> list[int | None]:
     """Re-encode blocks from ``src`` (held in ``src_codec``) into ``dst`` (in ``dst_codec``), one layer at a
-    time over the whole batch; with ``checksum``, each new block's checksum, taken from the destination."""
+    time over the whole batch; with ``checksum``, each new block's checksum, taken from the destination.
+
+    The arithmetic runs where the source is (the GPU for a device block going down), and only the
+    re-encoded, smaller rows cross to the destination."""
     n, L = len(src_slots), src.config.num_layers
-    staged = torch.stack([src.view(s, 1)[0] for s in src_slots]).to(dst.device)  # (n, L, H, R_src)
-    out = torch.empty((n, *dst.block_shape), dtype=dst.dtype, device=dst.device)  # (n, L, H, R_dst)
+    staged = torch.stack([src.view(s, 1)[0] for s in src_slots])  # (n, L, H, R_src)
+    out = torch.empty((n, *dst.block_shape), dtype=dst.dtype, device=src.device)  # (n, L, H, R_dst)
     for layer in range(L):
-        layers = torch.full((n,), layer, dtype=torch.long, device=dst.device)
+        layers = torch.full((n,), layer, dtype=torch.long, device=src.device)
         k, v = src_codec.read(staged[:, layer], layer)  # (n, H, bs, D) each
         out[:, layer] = dst_codec.encode_rows(k, v, layers, dst.block_shape[-1])
     sums: list[int | None] = []
@@ -312,6 +315,7 @@ class TierManager:
                 b.retained = None
                 emitted = b.version
                 self.pool.move(b, dst, slot)
+                b.codec = self.arenas[dst].codecs[slot >> self.arenas[dst].shift]  # and the old copy's codec
                 b.version, b.checksum = old_version, old_checksum
                 if self.bus.enabled:
                     self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=emitted, codec=b.codec)
