@@ -146,7 +146,8 @@ class Runner:
         if self._window is not None and self._sparse is not None:
             raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
         # The hybrid eviction policy ranks blocks by the attention they get: fed from statistics steps.
-        self._observe = cache.config.eviction == "hybrid"
+        # the hybrid policy and mixed resolution both rank blocks by the attention mass they got
+        self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,

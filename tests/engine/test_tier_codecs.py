@@ -493,3 +493,41 @@ def test_run_refuses_bad_codecs_in_one_line(checkpoint, capsys, setting, message
     except SystemExit as exc:  # argparse's own usage error
         code, err = exc.code, capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_runner_feeds_mixed_resolution_the_attention_mass():
+    # GIVEN a tiny model served with mixed resolution (window 2, one old block kept high by attention mass)
+    from kvdoctor.engine.model import tiny_llama
+    from kvdoctor.engine.runner import Runner
+
+    model = tiny_llama().model
+    cfg = model.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    cal = Calibration(torch.full((cfg.num_hidden_layers, cfg.num_key_value_heads, D), 8.0), 1, 1, "constant 8")
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, codec="mixed", calibration=cal,
+                       mixed_window=2, mixed_high_blocks=1, mixed_high_fraction=0.0) as runner:
+        cache = runner.cache
+        seen: list[tuple[list[float], list[float]]] = []  # (demoted, kept high) importances at each demotion
+        real_recode = cache.recode
+
+        def recode(ids, codec):  # the real recode, watched: what did the blocks weigh when it was called?
+            ids = list(ids)
+            owner = cache.pool.blocks[ids[0]].owners[0]
+            old = cache.seqs[owner].blocks[cache.config.sink_blocks : -cache.config.mixed_window]
+            kept = [b.importance for b in old if b.id not in ids and b.codec != "nf4"]
+            seen.append(([cache.pool.blocks[i].importance for i in ids], kept))
+            real_recode(ids, codec)
+
+        cache.recode = recode
+        runner.bus.subscribe(lambda events: None)  # statistics steps (and so attention mass) need a listener
+        # WHEN it generates past several blocks, taking attention statistics every step
+        from kvdoctor.engine.scheduler import Request, Scheduler
+
+        sched = Scheduler(runner)
+        seq = sched.submit(Request([3 + i % 50 for i in range(30)], max_new_tokens=10, ignore_eos=True))
+        gen = sched.run()[seq]
+    # THEN blocks were demoted while the runner fed their attention mass, the most attended kept high
+    assert len(gen.token_ids) == 10 and seen
+    assert any(w > 0 for demoted, kept in seen for w in demoted + kept)
+    for demoted, kept in seen:
+        assert len(kept) <= 1 and all(d <= k for d in demoted for k in kept)
