@@ -302,3 +302,22 @@ def test_follow_catches_up_on_a_long_trace_chunk_by_chunk(tmp_path, name):
     assert [E.to_dict(e) for e in got] == [E.to_dict(e) for step in steps for e in step]
     assert max(map(len, batches)) < len(got) / 5
     assert follower.ended == "closed"
+
+
+@pytest.mark.parametrize("name", ["t.kvtrace", "t.kvtrace.gz", "t.kvtrace.msgpack"])
+@pytest.mark.parametrize("read_size", [1, 3, 5, 17, 200])
+def test_any_cut_between_reads_leaves_the_events_whole(tmp_path, monkeypatch, name, read_size):
+    # GIVEN a short trace with every shape of event, read a few bytes at a time, so that reads cut
+    # lines, frames and the 4-byte frame lengths at every possible place
+    from kvdoctor import trace
+
+    steps = _long_trace(12)
+    with TraceWriter(tmp_path / name, HEADER) as w:
+        for step in steps:
+            w.write_many(step)
+    monkeypatch.setattr(trace, "_READ", read_size)
+    # WHEN read THEN the events are exactly those written
+    reader = TraceReader(tmp_path / name)
+    got = list(reader)[:-1]
+    assert [E.to_dict(e) for e in got] == [E.to_dict(e) for step in steps for e in step]
+    assert reader.closed and not reader.truncated
