@@ -101,6 +101,8 @@ class PagedKVCache:
         self._dev_slots = self.pool.tiers["device"]
         self.seqs: dict[Any, Sequence] = {}
         self._tick = 0
+        self.peak_kv_bytes = 0  # the most KV bytes resident (every tier, each block in its codec) at a step's end
+        self.num_recodes = 0  # blocks re-encoded in place (mixed resolution's demotions)
         self._pinned: set[Any] = set()  # sequences the current step uses
         self._reserved: list[Any] = []  # sequences in the order this step reserved them
         self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
@@ -407,6 +409,7 @@ class PagedKVCache:
             for b, slot, c in zip(group, slots, sums):
                 b.codec, b.checksum = codec, c
                 self.pool.move(b, "device", slot)  # the high slot goes back to its arena's free list
+                self.num_recodes += 1
                 if self.bus.enabled:
                     self.bus.emit(Recode, block=b.id, tier="device", src_codec=src, dst_codec=codec, version=b.version)
 
@@ -643,6 +646,7 @@ class PagedKVCache:
     def end_step(self, num_tokens: int = 0) -> None:
         """Book finished prefetches, emit each tier's usage, close the step on the bus, unpin."""
         self.tiers.poll()
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(self._used_bytes(t) for t in self.pool.tiers))
         if self.bus.enabled:
             landing = {t: 0 for t in self.pool.tiers}  # slots held for prefetches still in flight
             landing_bytes = {t: 0 for t in self.pool.tiers}
@@ -691,6 +695,8 @@ class PagedKVCache:
             "blocks": len(self.pool.blocks),
             "tokens": tokens,
             "kv_bytes": sum(t["used_bytes"] for t in tiers.values()),  # resident in every tier, each block in its codec
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "recodes": self.num_recodes,
             "fragmentation": (1 - tokens / slots) if slots else 0.0,  # empty slots in allocated blocks
             "prefetch_hits": self.tiers.prefetch_hits,
             "prefetch_misses": self.tiers.prefetch_misses,

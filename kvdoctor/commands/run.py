@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         "fault": args.fault,
         "codec": runner.cache.config.codec,  # as given: one name, "mixed", or {tier: codec}
         "tier_codecs": runner.cache.config.tier_codecs,
-        "kv_bytes": stats["kv_bytes"],  # at the end, every block in its own codec's bytes
+        "peak_kv_bytes": stats["peak_kv_bytes"],  # the most resident at a step's end, each block in its codec's bytes
+        "recodes": stats["recodes"],  # blocks mixed resolution demoted
         "topk": args.topk,
     }
     if args.json:

@@ -1,4 +1,4 @@
-"""Arenas: layout, growth in chunks, and the private, self-cleaning spill directory."""
+"""Arenas: layout, growth in chunks, the private, self-cleaning spill directory, and a tier's arenas per codec."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.errors import StorageError
-from kvdoctor.engine.storage import DiskArena, TensorArena, runs
+from kvdoctor.engine.codecs import Calibration
+from kvdoctor.engine.errors import OutOfBlocks
+from kvdoctor.engine.pool import TierSlots
+from kvdoctor.engine.storage import DiskArena, TensorArena, TierArenas, runs
 
 
 def cfg(**kw):
@@ -120,3 +123,46 @@ def test_spill_dir_goes_even_without_close(tmp_path):
     del a
     gc.collect()
     assert not os.path.exists(d)
+
+
+def test_tier_arenas_are_made_per_codec_on_first_use(tmp_path):
+    # GIVEN per-tier codecs: the device may hold fp32, int8 and nf4 blocks, the disk only nf4
+    c = cfg(codec="device=fp32,host=int8,disk=nf4", calibration=Calibration(torch.ones(2, 2, 8), 1, 1, "ones"),
+            disk_dir=str(tmp_path))
+    dev, disk = TierArenas("device", c), TierArenas("disk", c)
+    try:
+        # THEN only the tier's own arena exists until another codec's is asked for
+        assert dev.codecs == ("fp32", "int8", "nf4") and [a is not None for a in dev.arenas] == [True, False, False]
+        assert disk.codecs == ("nf4",) and disk.primary.codec == "nf4" and disk.primary.dtype == torch.uint8
+        nf4 = dev.get(dev.index("nf4"))
+        assert nf4.codec == "nf4" and nf4.block_shape[-1] == c.layout("nf4").row_elems and nf4.num_slots == 0
+        # AND a slot number names its arena; the primary's slots are the plain numbers
+        assert dev.shift == c.device_blocks.bit_length() and dev.slot(0, 5) == 5
+        assert dev.at(dev.slot(2, 3)) == (nf4, 3)
+    finally:
+        dev.close()
+        disk.close()
+    assert not os.listdir(tmp_path)  # every codec's spill directory is gone
+
+
+def test_tier_slots_count_blocks_across_arenas():
+    # GIVEN a tier of capacity 3 with two arenas, each growing by 2
+    grown: list[int] = []
+
+    def grow(arena: int) -> range:
+        n = sum(1 for a in grown if a == arena)
+        grown.extend([arena] * 2)
+        return range(2 * n, min(2 * n + 2, 3))
+
+    ts = TierSlots("device", 3, grow, num_arenas=2)
+    # WHEN slots are taken in both arenas
+    a, b, c = ts.take(0), ts.take(1), ts.take(1)
+    # THEN arena 0 hands out plain numbers, arena 1 numbers above 1 << shift, and the tier is full
+    assert a == 0 and (b, c) == (1 << ts.shift, 1 << ts.shift | 1)
+    assert ts.used == 3 and ts.num_free == 0 and ts.used_by == [1, 2]
+    # AND a slot given back returns to its own arena
+    ts.give(c)
+    assert ts.used_by == [1, 1] and ts.free == [[1], [1]] and ts.take(1) == c
+    assert ts.grown_by == [2, 2]
+    with pytest.raises(OutOfBlocks):
+        TierSlots("host", 0, grow).take()

@@ -367,6 +367,13 @@ def test_mixed_kv_bytes_resident_go_down():
     assert dense.cache.stats()["kv_bytes"] == 8 * lay("fp16").bytes_per_block
     assert mix.cache.stats()["kv_bytes"] == 4 * lay("fp16").bytes_per_block + 4 * lay("nf4").bytes_per_block
     assert mix.cache.stats()["kv_bytes"] < dense.cache.stats()["kv_bytes"]
+    assert mix.cache.stats()["recodes"] == 4
+    for r in (dense, mix):  # the peak is taken at a step's end and outlives the blocks
+        r.cache.end_step()
+        peak = r.cache.stats()["kv_bytes"]
+        r.cache.remove_sequence("a")
+        r.cache.end_step()
+        assert r.cache.stats()["kv_bytes"] == 0 and r.cache.stats()["peak_kv_bytes"] == peak
 
 
 @settings(max_examples=25, deadline=None)
@@ -477,7 +484,7 @@ def test_run_takes_mixed_and_per_tier_codecs(checkpoint, tmp_path, capsys, monke
     assert code == 0, out
     result = json.loads(out)
     assert result["tier_codecs"] == {**tier_codecs, **({"disk": tier_codecs["host"]} if "disk" not in tier_codecs else {})}
-    assert result["kv_bytes"] == 0  # the request finished: nothing is left resident
+    assert result["peak_kv_bytes"] > 0 and (result["recodes"] > 0) == (setting == "mixed")
 
 
 @pytest.mark.parametrize("setting, message", [
