@@ -21,6 +21,11 @@ Columns:
 Usage::
 
     .venv/bin/python benchmarks/quality.py [--context 4096] [--chunk 512] [--block-size 64] [--only int8,topk8] [--json]
+
+Settings: fp32 (the baseline), fp16, bf16, int8, nf4, mixed (when the engine has
+it), ``topkK`` for each ``--topk`` (pages = cache blocks of ``--block-size``),
+``topkK-p64`` for each ``--topk-pages`` (64-token pages over 16-token cache
+blocks), streaming and h2o eviction.
 """
 
 from __future__ import annotations
@@ -55,16 +60,30 @@ def settings(calibration: Any, args: argparse.Namespace) -> list[Setting]:
         Setting("fp16", {"codec": "fp16"}),
         Setting("bf16", {"codec": "bf16"}),
         Setting("int8", {"codec": "int8", **cal}, "keys per channel (calibrated), values per token"),
-        Setting("nf4", {"codec": "nf4", **cal}, f"blockwise absmax, groups of 32"),
+        Setting("nf4", {"codec": "nf4", **cal}, "keys per channel over 32 tokens (min/max), values per token "
+                "(Hadamard-rotated NF4, groups of 32)"),
     ]
+    if _has_mixed():
+        out.append(Setting("mixed", {"codec": "mixed", **cal}, "recent and most-attended blocks fp16, the rest nf4"))
     for k in args.topk:
         out.append(Setting(f"topk{k}", {"topk": k, "sink_blocks": 1, "local_blocks": 1},
                            f"top-{k} blocks + sink + local block"))
+    for k in args.topk_pages:  # the same selection at 64-token pages over the cache's 16-token blocks
+        out.append(Setting(f"topk{k}-p64", {"topk": k, "sink_blocks": 1, "local_blocks": 1, "block_size": 16,
+                                            "sparse_block_size": 64},
+                           f"top-{k} pages of 64 tokens (cache blocks of 16) + sink page + local page"))
     out.append(Setting("streaming", {"importance": "streaming", "kv_budget_blocks": budget, "sink_blocks": 1,
                                      "local_blocks": window}, f"{args.budget}-token budget: sink + sliding window"))
     out.append(Setting("h2o", {"importance": "h2o", "kv_budget_blocks": budget, "sink_blocks": 1,
                                "local_blocks": window}, f"{args.budget}-token budget: sink + window + heavy hitters"))
     return out
+
+
+def _has_mixed() -> bool:
+    """Whether the engine has mixed resolution (``codec="mixed"``)."""
+    from kvdoctor.engine import config
+
+    return getattr(config, "MIXED", None) == "mixed"
 
 
 def texts(tokenizer: Any, context: int) -> dict[str, list[int]]:
@@ -87,9 +106,9 @@ def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namesp
     from kvdoctor.engine.runner import Runner
 
     ctx = args.context
-    blocks = -(-(ctx + args.decode) // args.block_size)
-    runner = Runner.create(model, stats_every=0, block_size=args.block_size, device_blocks=blocks + 2,
-                           host_blocks=0, **setting.config)
+    config = {"block_size": args.block_size, **setting.config}
+    blocks = -(-(ctx + args.decode) // config["block_size"])
+    runner = Runner.create(model, stats_every=0, device_blocks=blocks + 2, host_blocks=0, **config)
     cache = runner.cache
     cache.add_sequence("text", prompt_len=ctx)
     nll, count = 0.0, 0
@@ -136,6 +155,8 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=64, help="KV block size, also the sparse block (default 64)")
     p.add_argument("--topk", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 14],
                    help="top-k settings, comma-separated (default 4,8,14)")
+    p.add_argument("--topk-pages", type=lambda s: [int(x) for x in s.split(",") if x], default=[8],
+                   help="top-k settings over 64-token pages of 16-token cache blocks (default 8; '' for none)")
     p.add_argument("--budget", type=int, default=1024, help="eviction budget in tokens (default 1024)")
     p.add_argument("--decode", type=int, default=4, help="decode steps measured after the context (default 4)")
     p.add_argument("--only", help="comma-separated setting names to run (fp32 always runs: the baseline)")
