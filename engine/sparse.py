@@ -18,8 +18,8 @@ dense computation runs unchanged, so the two agree exactly.
 
 Selection works over *pages* of ``sparse_block_size`` tokens, a multiple of the
 cache's block size: a page's summary is the minimum and maximum over its blocks,
-``k``, the sinks and the local window count pages, and a chosen page reads every
-cache block it holds. Small cache blocks keep allocation and swaps fine-grained
+``k`` counts pages, the pages holding the sink blocks and the local window's blocks
+are always read, and a chosen page reads every cache block it holds. Small cache blocks keep allocation and swaps fine-grained
 while the choice stays at the 64-128 tokens where a key summary still bounds
 scores tightly enough to be worth its read (Quest uses pages of 16-64 tokens).
 """
@@ -197,8 +197,9 @@ class BlockSparse:
     ``mass`` (when ``want_mass``) is the attention probability each block received,
     summed over heads and queries, for importance eviction; ``scores`` (when
     ``want_scores``) are the newest query's scaled scores over the keys it read, for
-    the ``attn`` statistics. A page is ``blocks_per_page`` cache blocks; ``k``, the
-    sinks and the window are counted in pages (see the module's docstring).
+    the ``attn`` statistics. A page is ``blocks_per_page`` cache blocks; ``k`` counts
+    pages, and the pages holding the ``sink_blocks`` first and ``local_blocks`` newest
+    blocks are always read.
     """
 
     def __init__(self, cache: Any, *, k: int, sink_blocks: int = 1, local_blocks: int = 1,
