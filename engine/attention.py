@@ -11,12 +11,15 @@ weighted sum) and the scaled scores of each row's newest query are handed back;
 one vectorized pass: the largest scaled logit, the mean over heads of the Shannon
 entropy in nats, the probability mass on the sequence's first block (attention
 sinks), and the number of non-finite scores or probabilities. When they are not
-due, the cheap path is PyTorch's fused ``scaled_dot_product_attention``.
+due, prefill takes PyTorch's fused ``scaled_dot_product_attention``; decode (one
+query per row) is explicit either way, as fast as the fused kernel at that size, so
+a step with statistics attends no slower than one without.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -43,6 +46,16 @@ class AttnLayout:
     sink_tokens: int
     causal: bool  # no mask, and the queries are the whole fresh sequence: query i sees keys 0 … i
     uniform_last: bool  # every row's newest query is the last of S
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        """``allowed`` as an additive float32 mask (B, 1, S, T): 0 where a key is seen, the lowest finite
+        value where not (so a row with no key left averages V rather than turning NaN). Built on first
+        use, then shared by every layer of the step."""
+        if self.allowed is None:
+            return None
+        low = torch.finfo(torch.float32).min
+        return torch.zeros(self.allowed.shape, device=self.allowed.device).masked_fill_(~self.allowed, low)
 
     @classmethod
     def build(
@@ -117,21 +130,30 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``q`` (B, H, S, D) over ``k``, ``v`` (B, H_kv, T, D); returns (B, H, S, D) and the scores.
 
-    With ``scores`` attention is computed explicitly and the scaled pre-softmax scores of
-    each row's newest query come back as (B, H, T) for ``attention_stats``; without it (and
-    without ``corrupt``) the fused SDPA kernel runs and no scores come back. ``corrupt``
-    sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan fault's hook).
+    With ``scores`` the scaled pre-softmax scores of each row's newest query come back as
+    (B, H, T) for ``attention_stats``. Decode (``S == 1``) is always computed explicitly: at one
+    query per row two matmuls are as fast as the fused kernel, so statistics cost nothing extra
+    there. Longer queries use the fused SDPA kernel unless scores or ``corrupt`` need the explicit
+    path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan
+    fault's hook).
     """
     B, H, S, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     if H % H_kv:
         raise ValueError(f"{H} query heads are not a multiple of {H_kv} key/value heads")
+    g = H // H_kv
+    if S == 1 and corrupt is None:
+        # One query per row (decode): two small matmuls cost no more than the fused kernel at this size,
+        # and the scores statistics need are already there, so a statistics step attends no slower.
+        raw = torch.matmul(q.reshape(B, H_kv, g, D), k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g, T)
+        masked = raw if layout.bias is None else raw + layout.bias.to(raw.dtype)  # bias (B, 1, 1, T)
+        probs = torch.softmax(masked, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v).view(B, H, 1, D), (raw.view(B, H, T) if scores else None)
     if not scores and corrupt is None:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=layout.allowed, scale=scale, is_causal=layout.causal, enable_gqa=H != H_kv
         )
         return out, None
-    g = H // H_kv
     qg = q.reshape(B, H_kv, g * S, D)  # query head h uses kv head h // g, as repeat_kv lays them out
     raw = (qg @ k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g*S, T)
     if corrupt is not None:
