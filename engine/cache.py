@@ -134,7 +134,8 @@ class PagedKVCache:
         return Header(
             block_size=c.block_size,
             num_layers=c.num_layers,
-            tiers=[TierSpec(name=t, capacity_blocks=c.capacity(t)) for t in c.tiers],
+            tiers=[TierSpec(name=t, capacity_blocks=c.capacity(t),
+                            codec="mixed" if c.mixed and t == "device" else c.tier_codec(t)) for t in c.tiers],
             model=c.extra.get("model"),
             engine="kvdoctor.engine",
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -66,6 +66,7 @@ SeqId = Union[int, str]
 class TierSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     capacity_blocks: int
+    codec: str | None = None  # how the tier stores new blocks ("fp16", "int8", "nf4"; "mixed" for a mixed device)
 
 
 class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="header"):

@@ -45,6 +45,7 @@ def summarize(path: str) -> dict:
         "block_size": h.block_size,
         "num_layers": h.num_layers,
         "tiers": {t.name: t.capacity_blocks for t in h.tiers},
+        "codecs": {t.name: t.codec for t in h.tiers if t.codec is not None},
         "num_events": reader.num_events,
         "kinds": dict(kinds.most_common()),
         "steps": [first_step, last_step] if first_step is not None else None,
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
         return 0
-    tiers = ", ".join(f"{k} {v} blocks" for k, v in info["tiers"].items())
+    tiers = ", ".join(f"{k} {v} blocks" + (f" ({info['codecs'][k]})" if k in info["codecs"] else "")
+                      for k, v in info["tiers"].items())
     steps = "none" if info["steps"] is None else f"{info['steps'][0]}..{info['steps'][1]}"
     ending = "truncated (the writer was killed mid-line; events before the cut are used)" if info["truncated"] else (
         "closed by the writer" if info["closed"] else "not closed (writer still running, or killed between steps)")

@@ -209,7 +209,19 @@ def test_unknown_sequence_and_bad_blocks(make_cache):
 def test_header_describes_the_tiers(make_cache):
     h = make_cache().cache.header()
     assert h.block_size == 4 and h.num_layers == 2
-    assert [(t.name, t.capacity_blocks) for t in h.tiers] == [("device", 4), ("host", 4), ("disk", 8)]
+    assert [(t.name, t.capacity_blocks, t.codec) for t in h.tiers] == [
+        ("device", 4, "fp32"), ("host", 4, "fp32"), ("disk", 8, "fp32")]
+
+
+def test_header_names_each_tiers_codec(make_cache):
+    from engine_support import tiny_config
+
+    mixed = PagedKVCache(tiny_config(codec={"device": "mixed", "host": "fp16"}, mixed_low="bf16"))
+    try:
+        assert [(t.name, t.codec) for t in mixed.header().tiers] == [
+            ("device", "mixed"), ("host", "fp16"), ("disk", "fp16")]
+    finally:
+        mixed.close()
 
 
 def test_trace_env_records_a_readable_trace(tmp_path, monkeypatch):

@@ -36,13 +36,15 @@ def test_info_reads_the_hand_written_trace_from_the_docs(tmp_path, capsys):
 
 def test_info_reads_a_written_trace(tmp_path, capsys):
     path = tmp_path / "w.kvtrace"
-    header = E.Header(block_size=16, num_layers=30, tiers=[E.TierSpec(name="device", capacity_blocks=4)], model="m")
+    header = E.Header(block_size=16, num_layers=30, model="m", tiers=[
+        E.TierSpec(name="device", capacity_blocks=4, codec="mixed"), E.TierSpec(name="host", capacity_blocks=8)])
     with TraceWriter(path, header) as w:
         w.write_many([E.SeqStart(seq="a", prompt_len=4), E.SeqStart(t=5, seq="b", prompt_len=4),
                       E.StepEnd(t=2_000_000_000)])
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     assert "sequences  2" in out and "closed by the writer" in out and "duration   2.000 s" in out
+    assert "device 4 blocks (mixed), host 8 blocks" in out
 
 
 @pytest.mark.parametrize("content, code, message", [
