@@ -7,7 +7,7 @@ serving). With ``--fault NAME`` one of the engine's deliberate faults is switche
 its finding appears within seconds. Tracing is switched on by ``KVDOCTOR_TRACE``, like
 any workload; ``kvdoctor watch --demo`` sets it and follows the file.
 
-    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--seconds S] [--steps N]
+    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--seconds S] [--steps N]
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+
+from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
+from .errors import UsageError
 
 __all__ = ["DemoConfig", "run_demo", "main", "PROMPTS"]
 
@@ -50,12 +53,14 @@ class DemoConfig:
     max_new_tokens: int = 96
     abort_rate: float = 0.1         # chance per step, per swapped-out request, that its client gives up
     seed: int = 0
+    codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
 
 
 def run_demo(cfg: DemoConfig) -> int:
     """Serve requests until time or steps run out (or Ctrl-C); returns the number of steps run."""
     from .engine.model import load_model, tiny_llama
     from .engine.runner import Runner, SamplingParams
+    from .compression import engine_settings
     from .engine.scheduler import Request, Scheduler
     from .probes import ENV_PROBES, attach_to_cache
 
@@ -63,6 +68,7 @@ def run_demo(cfg: DemoConfig) -> int:
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
         host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name},
+        **engine_settings(cfg.codec, 0, lm),
     )
     if runner.bus.enabled and not os.environ.get(ENV_PROBES):
         # Memory readings when a trace is being written, unless the engine's probe hook attached them.
@@ -101,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="stop after this many steps")
     p.add_argument("--device-blocks", type=int, default=DemoConfig.device_blocks)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
-                     device_blocks=a.device_blocks, seed=a.seed)
+                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec)
     try:
         run_demo(cfg)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, UsageError) as exc:
         print(f"kvdoctor demo: {exc}", file=sys.stderr)
         return 2
     return 0

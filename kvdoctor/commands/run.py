@@ -13,15 +13,13 @@ import json
 import sys
 import time
 
+from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting, engine_settings
+
 NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
 FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan")
-# The codec names, for --help without the engine; kept equal to engine.codecs.CODECS by a test.
-CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
-TIER_NAMES = ("device", "host", "disk")
-QUANTIZED = ("int8", "nf4", "mixed")  # settings that need the calibration (mixed demotes to nf4)
 
 
 def _int_at_least(lo: int):
@@ -42,27 +40,6 @@ def _int_at_least(lo: int):
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
-def _codec(text: str) -> str:
-    """An argparse type: a codec, ``mixed``, or per tier ``device=fp16,host=int8,disk=nf4``. The engine's
-    config judges the order of the tiers' codecs; this only catches names that cannot be right."""
-    names = (*CODEC_NAMES, "mixed")
-    if "=" not in text:
-        if text not in names:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)} or TIER=CODEC,...")
-        return text
-    for part in text.split(","):
-        tier, _, name = part.partition("=")
-        if tier not in TIER_NAMES or name not in names:
-            raise argparse.ArgumentTypeError(
-                f"{part!r}: per tier, each part is TIER=CODEC with TIER one of {', '.join(TIER_NAMES)} "
-                f"and CODEC one of {', '.join(names)} (e.g. device=fp16,host=int8,disk=nf4)")
-    return text
-
-
-def _codec_names(setting: str) -> set[str]:
-    return {part.partition("=")[2] or part for part in setting.split(",")}
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--model", metavar="PATH", help="a local Hugging Face Llama-family checkpoint directory "
@@ -81,32 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention statistics every N steps (default 1; 0 never)")
     p.add_argument("--trace", metavar="FILE", help="write the engine's events to FILE (.kvtrace or .kvtrace.gz)")
     p.add_argument("--fault", choices=FAULT_NAMES, help="switch on one of the engine's deliberate faults")
-    p.add_argument("--codec", type=_codec, metavar="{" + ",".join((*CODEC_NAMES, "mixed")) + "}|TIER=CODEC,...",
-                   help="store KV blocks in this codec (default: the model's dtype), or one per tier "
-                   "(device=fp16,host=int8,disk=nf4: blocks are re-encoded as they go down), or 'mixed' "
-                   "(blocks attention finds unimportant are demoted to nf4 on the device); int8, nf4 and mixed "
-                   "calibrate key scales once on Python's own documentation and keep them in ~/.cache/kvdoctor")
+    p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
     p.add_argument("--topk", type=_non_negative, default=0, metavar="K",
                    help="block-sparse attention: read the K blocks whose keys can score highest, plus the first "
                    "block and the newest (default 0: dense); use with --block-size 64 or 128")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-
-
-def _compression(args: argparse.Namespace, loaded: object) -> dict[str, object]:
-    """The engine settings of ``--codec`` and ``--topk``; a quantized codec brings its calibration."""
-    out: dict[str, object] = {}
-    if args.codec:
-        out["codec"] = args.codec
-    if args.codec and _codec_names(args.codec) & set(QUANTIZED):
-        from ..engine.codecs import default_calibration
-        from ..errors import UsageError
-
-        if loaded.tokenizer is None:
-            raise UsageError(f"--codec {args.codec} calibrates on text, and {loaded.path} has no tokenizer")
-        out["calibration"] = default_calibration(loaded.model, loaded.tokenizer, name=loaded.name)
-    if args.topk:
-        out["topk"] = args.topk
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
             disk_blocks=args.disk_blocks, fault=args.fault, extra={"model": loaded.name},
-            **_compression(args, loaded),
+            **engine_settings(args.codec, args.topk, loaded),
         )
     except (ModelLoadError, UnsupportedModel, ValueError) as exc:
         raise UsageError(str(exc)) from None

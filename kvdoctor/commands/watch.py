@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting
+
 NAME = "watch"
 HELP = "live TUI of a workload's KV cache: --demo [--fault NAME], --trace FILE, or -- CMD ARGS"
 
@@ -30,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH",
                    help="with --demo: a local Hugging Face checkpoint, or 'tiny' for a small random model "
                         "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR,
+                   help="with --demo: " + CODEC_HELP + ". The block detail then shows each block's codec")
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="how long to wait for the trace to appear (default 10 s; 300 s for a workload we start, "
                         "which stops waiting as soon as the workload exits)")
@@ -53,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--fault applies to a workload kvdoctor starts (--demo or -- CMD), not to --trace")
     if args.model and not args.demo:
         raise UsageError("--model applies to --demo only")
+    if args.codec and not args.demo:
+        raise UsageError("--codec applies to --demo only (a workload of your own sets its engine's codec itself)")
     if args.fault:
         from ..engine.faults import FAULTS
 
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     workload = None
     if args.demo:
-        workload = Workload.demo(fault=args.fault, model=args.model)
+        workload = Workload.demo(fault=args.fault, model=args.model, codec=args.codec)
     elif command:
         workload = Workload(command, fault=args.fault)
     path = str(workload.trace) if workload is not None else args.trace

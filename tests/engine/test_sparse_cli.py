@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvdoctor.commands import run as run_cmd
+from kvdoctor.compression import CODEC_NAMES
 from kvdoctor.engine.codecs import CODECS
 from kvdoctor.events import Read
 from kvdoctor.trace import TraceReader
@@ -15,7 +15,7 @@ PROMPT = " ".join(f"w{i % 100 + 3}" for i in range(40))
 
 
 def test_codec_names_match_the_engine():
-    assert run_cmd.CODEC_NAMES == CODECS
+    assert CODEC_NAMES == CODECS
 
 
 def test_topk_reads_fewer_blocks_than_the_sequence_holds(checkpoint, tmp_path, capsys):  # noqa: F811

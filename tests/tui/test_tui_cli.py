@@ -16,6 +16,7 @@ from kvdoctor.cli import main
     (["watch", "--demo", "--fault", "bogus"], 2, "unknown fault 'bogus'"),
     (["watch", "--trace", "x.kvtrace", "--fault", "leak-swapped"], 2, "--fault applies to a workload"),
     (["watch", "--model", "tiny", "--", "python", "x.py"], 2, "--model applies to --demo only"),
+    (["watch", "--codec", "mixed", "--trace", "x.kvtrace"], 2, "--codec applies to --demo only"),
     (["replay", "missing.kvtrace"], 3, "no such trace file"),
     (["replay", "--speed", "-1", "missing.kvtrace"], 2, "--speed must be >= 0"),
     (["replay", "--config", "nope.toml", "missing.kvtrace"], 3, "no such trace file"),

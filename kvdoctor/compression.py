@@ -1,0 +1,59 @@
+"""The KV-compression options every command that builds an engine takes: ``--codec`` and ``--topk``.
+
+``kvdoctor run``, the demo and ``kvdoctor watch --demo`` read them the same way. The
+names are listed here so ``--help`` needs no engine import (a test keeps them equal to
+``engine.codecs.CODECS``); the engine's config judges the rest (the order of the tiers'
+codecs, the calibration's shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["CODEC_NAMES", "CODEC_METAVAR", "CODEC_HELP", "codec_setting", "engine_settings"]
+
+CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
+_TIER_NAMES = ("device", "host", "disk")
+_QUANTIZED = ("int8", "nf4", "mixed")  # settings that need the calibration (mixed demotes to nf4)
+CODEC_METAVAR = "{" + ",".join((*CODEC_NAMES, "mixed")) + "}|TIER=CODEC,..."
+CODEC_HELP = ("store KV blocks in this codec (default: the model's dtype), or one per tier "
+              "(device=fp16,host=int8,disk=nf4: blocks are re-encoded as they go down), or 'mixed' "
+              "(blocks attention finds unimportant are demoted to nf4 on the device); int8, nf4 and mixed "
+              "calibrate key scales once on Python's own documentation and keep them in ~/.cache/kvdoctor")
+
+
+def codec_setting(text: str) -> str:
+    """An argparse type: a codec, ``mixed``, or per tier ``device=fp16,host=int8,disk=nf4``. Only names
+    that cannot be right are caught here."""
+    names = (*CODEC_NAMES, "mixed")
+    if "=" not in text:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)} or TIER=CODEC,...")
+        return text
+    for part in text.split(","):
+        tier, _, name = part.partition("=")
+        if tier not in _TIER_NAMES or name not in names:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: per tier, each part is TIER=CODEC with TIER one of {', '.join(_TIER_NAMES)} "
+                f"and CODEC one of {', '.join(names)} (e.g. device=fp16,host=int8,disk=nf4)")
+    return text
+
+
+def engine_settings(codec: str | None, topk: int, loaded: Any) -> dict[str, Any]:
+    """The ``EngineConfig`` fields of ``--codec`` and ``--topk`` for a loaded model; a quantized codec
+    brings its calibration (computed once per model and kept in the cache directory)."""
+    out: dict[str, Any] = {}
+    if codec:
+        out["codec"] = codec
+        names = {part.partition("=")[2] or part for part in codec.split(",")}
+        if names & set(_QUANTIZED):
+            from .engine.codecs import default_calibration
+            from .errors import UsageError
+
+            if loaded.tokenizer is None:
+                raise UsageError(f"--codec {codec} calibrates on text, and the model {loaded.name} has no tokenizer")
+            out["calibration"] = default_calibration(loaded.model, loaded.tokenizer, name=loaded.name)
+    if topk:
+        out["topk"] = topk
+    return out

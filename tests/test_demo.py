@@ -1,0 +1,33 @@
+"""The demo workload behind `kvdoctor watch --demo`, on the tiny random model: its codec setting reaches the
+engine and the trace, and a setting it cannot honour is one line and exit status 2."""
+
+from __future__ import annotations
+
+from kvdoctor.checks import make_suite
+from kvdoctor.demo import DemoConfig, main, run_demo
+from kvdoctor.events import SwapOut
+from kvdoctor.trace import TraceReader
+
+
+def test_per_tier_codecs_reach_the_trace_and_the_checks_find_nothing(tmp_path, monkeypatch):
+    # GIVEN the demo with a small device tier at fp32 and a host tier at fp16, traced
+    path = tmp_path / "demo.kvtrace"
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    # WHEN it serves for a while (preempting and swapping requests to the host)
+    run_demo(DemoConfig(model="tiny", steps=40, device_blocks=8, codec="device=fp32,host=fp16"))
+    reader = TraceReader(path)
+    events = list(reader)
+    # THEN the header names each tier's codec, blocks went down re-encoded as fp16, and nothing is wrong
+    assert [(t.name, t.codec) for t in reader.header.tiers] == [("device", "fp32"), ("host", "fp16")]
+    swaps = [e for e in events if isinstance(e, SwapOut)]
+    assert swaps and {e.codec for e in swaps} == {"fp16"}
+    suite = make_suite()
+    for e in events:
+        suite.observe(e)
+    assert suite.findings + suite.finish() == []
+
+
+def test_a_codec_that_needs_calibration_text_is_refused_for_a_model_without_tokenizer(capsys):
+    assert main(["--model", "tiny", "--steps", "1", "--codec", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "calibrates on text" in err and len(err.strip().splitlines()) == 1
