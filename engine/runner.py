@@ -27,7 +27,7 @@ from .cache import PagedKVCache
 from .config import EngineConfig
 from .importance import ImportanceEviction
 from .sparse import BlockSparse
-from .weights import layer_weights, lm_head_weights
+from .weights import layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "Generation"]
@@ -141,6 +141,9 @@ class Runner:
         # q/k/v and gate/up as one matmul each (the model's weights become views of the fused ones).
         self._weights = [layer_weights(layer, pack=pack_weights) for layer in self._layers]
         self._lm_head = lm_head_weights(model.lm_head, pack=pack_weights)
+        self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
+                       for layer in self._layers]
+        self._final_norm = rms_norm(self._base.norm)
         if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
             self.num_layers, self.num_kv_heads, self.head_dim
         ):
@@ -250,26 +253,28 @@ class Runner:
         N, H, H_kv, D = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[list[torch.Tensor]] = [[] for _ in groups]
-        for li, (layer, w) in enumerate(zip(self._layers, self._weights)):
+        for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = w.qkv(h).split([H * D, H_kv * D, H_kv * D], dim=-1)  # (N, H*D), (N, H_kv*D) x2
-            q, k, v = q.view(N, H, D), k.view(N, H_kv, D), v.view(N, H_kv, D)
+            qkv = w.qkv(norm1(x))  # (N, (H + 2 H_kv) * D): q, k, v side by side
+            v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)
             if hasattr(a, "q_norm"):  # Qwen3-style per-head norms before RoPE
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = self._apply_rope(q, k, cos, sin, unsqueeze_dim=1)  # (N, H, D), (N, H_kv, D)
+                q, k = qkv[:, : H * D].view(N, H, D), qkv[:, H * D : (H + H_kv) * D].view(N, H_kv, D)
+                q, k = self._apply_rope(a.q_norm(q), a.k_norm(k), cos, sin, unsqueeze_dim=1)
+            else:  # q and k heads are adjacent: one rotation for both, half the elementwise calls
+                qk = _rope(qkv[:, : (H + H_kv) * D].view(N, H + H_kv, D), cos[:, None], sin[:, None])
+                q, k = qk[:, :H], qk[:, H:]  # (N, H, D), (N, H_kv, D)
             cache.store(li, slots, k, v)
             if self._sparse is not None:
                 self._sparse.after_store(li, seqs)
             out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats else None, cache.score_hook(li))
             x = x + w.o(out)
-            gate, up = w.gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)  # (N, I) each
+            gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
         if all_logits:
-            logits = self._lm_head(self._base.norm(x)).float()  # (N, V)
+            logits = self._lm_head(self._final_norm(x)).float()  # (N, V)
         else:
             last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
-            logits = self._lm_head(self._base.norm(x[last])).float()  # (B, V)
+            logits = self._lm_head(self._final_norm(x[last])).float()  # (B, V)
 
         if stats and self._observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
@@ -471,6 +476,14 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (N, heads, D) with ``cos``, ``sin`` (N, 1, D): the same
+    operations as transformers' ``apply_rotary_pos_emb`` for Llama-family models (rotate_half), so the
+    same bits, applied to q and k heads in one pass."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _check_supported(model: Any) -> None:

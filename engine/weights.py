@@ -23,12 +23,12 @@ Both reorder floating-point sums, so logits differ from transformers' in the las
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Projection", "LayerWeights", "layer_weights", "lm_head_weights", "PACKED_MIN_ROWS"]
+__all__ = ["Projection", "LayerWeights", "layer_weights", "lm_head_weights", "rms_norm", "PACKED_MIN_ROWS"]
 
 PACKED_MIN_ROWS = 2  # one row: MKL's GEMV is as fast as oneDNN's packed GEMM and needs no packed copy
 
@@ -132,6 +132,17 @@ def layer_weights(layer: Any, *, pack: bool) -> LayerWeights:
         gate_up=_projection(*gate_up, pack, mlp.gate_proj),
         down=_projection(mlp.down_proj.weight, mlp.down_proj.bias, pack, mlp.down_proj),
     )
+
+
+def rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's RMSNorm as one fused ``F.rms_norm`` call (bit-identical in fp32, one kernel instead
+    of seven per norm, 61 norms a step for SmolLM2); the module itself for other norms and dtypes."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    plain = type(norm).__name__.endswith("RMSNorm") and not type(norm).__name__.startswith("Gemma")
+    if not plain or weight is None or eps is None or weight.dtype != torch.float32 or weight.dim() != 1:
+        return norm
+    shape, w = (weight.shape[0],), weight.detach()
+    return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else norm(x)
 
 
 def lm_head_weights(lm_head: Any, *, pack: bool) -> Projection:
