@@ -7,15 +7,20 @@ run decodes the same number of tokens:
 - batch 1: one prompt;
 - batch 8: eight prompts of different lengths, continuously batched by the runner and
   left-padded into one batch for transformers;
-- the runner with events off (nobody listening: no statistics, no trace) and with
+- events: the runner with events off (nobody listening: no statistics, no trace) against
   every event, attention statistics included, written to a trace file.
 
 Decode tokens/s counts the tokens generated after the first one, over the time after
 the first token (prefill excluded), by the wall clock and by this process's CPU time
-(the fairer clock on a shared machine with ``--threads 1``). Runs alternate and
-repeat; the median is reported with the peak RSS of the process. Usage::
+(the fairer clock on a shared machine with ``--threads 1``). The two sides of every
+comparison run alternately in this process (ABBA), and what is reported is the median
+of the per-pair ratios with its quartiles: a burst of load from other processes hits
+one pair, not the figure. Events on/off alternates step by step inside one continuous
+batch (off, on, on, off, …) and reports the median extra time of a listened step over its
+neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
 
-    .venv/bin/python benchmarks/decode.py [--new-tokens 64] [--repeats 3] [--threads N] [--json]
+    .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
+        [--event-runs 2] [--event-tokens 64] [--mixed-outputs] [--no-pack] [--json]
 """
 
 from __future__ import annotations
@@ -103,20 +108,79 @@ def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: list[int]) 
     return rates
 
 
+def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int
+                   ) -> dict[str, list[float]]:
+    """Seconds per decode step (wall, CPU) with events off and with ``sink`` listening, alternating step
+    by step in one continuous batch (off, on, on, off, …): each pair compares two neighbouring steps of
+    the same batch, so machine load and the growing context hit both sides alike."""
+    from kvdoctor.engine.scheduler import Request, Scheduler
+
+    sched = Scheduler(runner, max_batch=len(prompts))
+    for p in prompts:
+        sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
+    sched.step()  # prefill
+    times: dict[str, list[float]] = {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []}
+    i = 0
+    while len(sched.done) < len(prompts):
+        on = i % 4 in (1, 2)
+        if on:
+            runner.bus.subscribe(sink)
+        w0, c0 = _clocks()
+        sched.step()  # a listened step ends by handing its events to the sink (the trace writer)
+        if on:
+            runner.bus.unsubscribe(sink)
+        w1, c1 = _clocks()
+        side = "on" if on else "off"
+        times[f"{side}_wall"].append(w1 - w0)
+        times[f"{side}_cpu"].append(c1 - c0)
+        i += 1
+    n = min(len(times["off_cpu"]), len(times["on_cpu"]))
+    return {k: v[:n] for k, v in times.items()}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def paired(a: Callable[[], tuple[float, float]], b: Callable[[], tuple[float, float]], pairs: int
+           ) -> dict[str, Any]:
+    """Run ``a`` and ``b`` alternately ``pairs`` times (ABBA order, so a drift in machine load hits both
+    alike) and compare them pair by pair: the median of the per-pair ratios b/a of tokens/s, by wall
+    clock and by CPU time, is robust to the bursts of load a shared machine has; quartiles show the noise."""
+    runs: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+    for i in range(pairs):
+        order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
+        for name, fn in order:
+            runs[name].append(fn())
+    out: dict[str, Any] = {}
+    for clock, j in (("wall", 0), ("cpu", 1)):
+        ratios = [rb[j] / ra[j] for ra, rb in zip(runs["a"], runs["b"])]
+        lo, hi = _quartiles(ratios)
+        out[clock] = {"a": round(_median([r[j] for r in runs["a"]]), 2), "b": round(_median([r[j] for r in runs["b"]]), 2),
+                      "ratio": round(_median(ratios), 4), "ratio_q1": round(lo, 4), "ratio_q3": round(hi, 4)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a local checkpoint directory (default: the embedded SmolLM2)")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=48, help="tokens per request in the speed comparison")
+    ap.add_argument("--repeats", type=int, default=5, help="transformers/runner pairs per case")
+    ap.add_argument("--event-runs", type=int, default=2, help="batch-8 runs alternating events off/on step by step")
+    ap.add_argument("--event-tokens", type=int, default=64, help="tokens per request in each events run")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batch-lengths", default="24,40,56,72,88,104,120,136",
                     help="prompt lengths of the batch-8 run (comma separated)")
     ap.add_argument("--mixed-outputs", action="store_true",
                     help="also run batch 8 with different output budgets per request (continuous batching's case)")
+    ap.add_argument("--no-pack", action="store_true", help="runner without oneDNN-prepacked weights")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -133,64 +197,66 @@ def main(argv: list[str] | None = None) -> int:
     batch1 = [batch8[len(batch8) // 2]]
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else model.config.eos_token_id
-    runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0)
+    runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0, pack_weights=not args.no_pack)
     trace_path = os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "decode.kvtrace")
 
-    def events_on(fn: Callable[[], tuple[float, float]]) -> tuple[float, float]:
-        writer = TraceWriter(trace_path, runner.cache.header())
-        runner.bus.subscribe(writer.write_many)
-        try:
-            return fn()
-        finally:
-            runner.bus.unsubscribe(writer.write_many)
-            writer.close()
-
-    cases: dict[str, dict[str, Callable[[], tuple[float, float]]]] = {}
     N = args.new_tokens
-    # The last case gives the eight requests different output budgets (N/4 … N), as a server sees them:
+    # The mixed case gives the eight requests different output budgets (N/4 … N), as a server sees them:
     # the runner's batch shrinks as requests finish, a static batch keeps computing finished rows.
     mixed = [max(2, N * (i + 2) // 9) for i in range(len(batch8))]
     scenarios = [("batch1", batch1, [N]), ("batch8", batch8, [N] * len(batch8))]
     if args.mixed_outputs:
         scenarios.append(("batch8_mixed_outputs", batch8, mixed))
-    for name, prompts, budgets in scenarios:
-        cases[name] = {
-            "transformers": lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
-            "runner_events_off": lambda p=prompts, b=budgets: runner_decode(runner, p, b),
-            "runner_events_on": lambda p=prompts, b=budgets: events_on(lambda: runner_decode(runner, p, b)),
-        }
-    # Warm both paths once (allocator, kernels) before timing anything.
+    # Warm both paths once (allocator, kernels, packed weights) before timing anything.
     hf_decode(model, batch1, [4], pad)
     runner_decode(runner, batch1, [4])
-    results: dict[str, Any] = {"model": lm.name, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
-                               "repeats": args.repeats, "batch8_prompt_lengths": lengths}
-    for name, fns in cases.items():
-        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
-        for _ in range(args.repeats):
-            for k, fn in fns.items():  # alternate, so drifting machine load hits every variant alike
-                runs[k].append(fn())
-        for clock, i in (("wall", 0), ("cpu", 1)):
-            med = {k: _median([r[i] for r in v]) for k, v in runs.items()}
-            results[f"{name}_{clock}"] = {
-                "tokens_per_s": {k: round(v, 2) for k, v in med.items()},
-                "runs": {k: [round(r[i], 2) for r in v] for k, v in runs.items()},
-                "speedup": round(med["runner_events_off"] / med["transformers"], 3),
-                "events_overhead": round(1 - med["runner_events_on"] / med["runner_events_off"], 4),
-            }
+    runner_decode(runner, batch8, [4] * len(batch8))
+    results: dict[str, Any] = {"model": lm.name, "new_tokens": N, "threads": torch.get_num_threads(),
+                               "repeats": args.repeats, "batch8_prompt_lengths": lengths,
+                               "packed_weights": not args.no_pack, "load_before": os.getloadavg()[0]}
+    for name, prompts, budgets in scenarios:
+        r = paired(lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
+                   lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
+        results[name] = {clock: {"transformers": v["a"], "runner": v["b"], "speedup": v["ratio"],
+                                 "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]} for clock, v in r.items()}
+    E = args.event_tokens
+    writer = TraceWriter(trace_path, runner.cache.header())
+    for name, prompts in (("events_batch1", batch1), ("events_batch8", batch8)):
+        steps: dict[str, list[float]] = {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []}
+        for _ in range(args.event_runs):
+            for k, v in events_by_step(runner, writer.write_many, prompts, E).items():
+                steps[k] += v
+        results[name] = {"pairs": len(steps["off_cpu"])}
+        for clock in ("cpu", "wall"):
+            off, on = steps[f"off_{clock}"], steps[f"on_{clock}"]
+            ratios = [b / a - 1 for a, b in zip(off, on)]  # extra time of the listened step
+            lo, hi = _quartiles(ratios)
+            results[name][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(on), 2),
+                                    "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
+                                    "overhead_q3": round(hi, 4)}
+    writer.close()
+    results["event_tokens"] = E
     results["trace_bytes"] = os.path.getsize(trace_path)
     results["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    results["load_after"] = os.getloadavg()[0]
     runner.close()
     if args.json:
         print(json.dumps(results))
-    else:
-        for name in cases:
-            for clock in ("wall", "cpu"):
-                r = results[f"{name}_{clock}"]
-                t = r["tokens_per_s"]
-                print(f"{name} ({clock} clock): transformers {t['transformers']:.2f} tok/s, runner "
-                      f"{t['runner_events_off']:.2f} tok/s ({r['speedup']:.2f}x), events on "
-                      f"{t['runner_events_on']:.2f} tok/s (overhead {100 * r['events_overhead']:.1f}%)")
-        print(f"peak RSS {results['peak_rss_mb']} MB, threads {results['threads']}, new tokens {args.new_tokens}")
+        return 0
+    for name, _, _ in scenarios:
+        for clock in ("cpu", "wall"):
+            r = results[name][clock]
+            print(f"{name} ({clock} clock): transformers {r['transformers']:.2f} tok/s, runner {r['runner']:.2f} tok/s, "
+                  f"speedup {r['speedup']:.2f}x (median of {args.repeats} pairs; quartiles "
+                  f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
+    for name in ("events_batch1", "events_batch8"):
+        for clock in ("cpu", "wall"):
+            r = results[name][clock]
+            print(f"{name} on vs off ({clock} clock): step {r['off_ms']:.1f} ms off, {r['on_ms']:.1f} ms on, "
+                  f"overhead {100 * r['overhead']:+.1f}% (median of {results[name]['pairs']} neighbouring step "
+                  f"pairs; quartiles {100 * r['overhead_q1']:+.1f}% to {100 * r['overhead_q3']:+.1f}%)")
+    print(f"peak RSS {results['peak_rss_mb']} MB, threads {results['threads']}, new tokens {N}, "
+          f"trace {results['trace_bytes']} bytes, load average {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0
 
 
