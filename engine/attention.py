@@ -192,9 +192,11 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     L, B, H, T = scores.shape
     # (1 or L, B, 1, T): padding past a row's keys, and keys behind a sliding window
     hidden = None if keep is None else ~(keep if keep.dim() == 3 else keep[None])[:, :, None, :]
-    visible = scores if hidden is None else scores.masked_fill(hidden, 0.0)
-    if bool(torch.isfinite(visible).all()):
-        return _finite_stats(scores, hidden, sink_tokens, per_head)
+    # The common case first: a visible score that is not finite turns its head's statistics into NaN
+    # or inf there (see _finite_stats), so one check of the small result replaces a pass over the scores.
+    stats = _finite_stats(scores, hidden, sink_tokens, per_head)
+    if bool(torch.isfinite(stats.summary).all()):
+        return stats
     keep4 = torch.ones(1, B, 1, T, dtype=torch.bool, device=scores.device) if hidden is None else ~hidden
     finite = torch.isfinite(scores)
     bad = ~finite & keep4
@@ -213,14 +215,16 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
 
 
 def _finite_stats(scores: torch.Tensor, hidden: torch.Tensor | None, sink_tokens: int, per_head: bool) -> AttnStats:
-    """The common case, every visible score finite: entropy as ``log Z - E[s - m]``, one exponential pass."""
+    """The common case, every visible score finite: entropy as ``log Z - E[s - m]``, one exponential pass.
+
+    Hidden keys take the lowest finite score rather than -inf: their ``exp(s - m)`` is still 0, and
+    ``0 * (s - m)`` stays 0 without a second masking pass. A visible NaN or +inf makes ``m`` or ``s - m``
+    NaN, and a visible -inf makes ``0 * -inf`` NaN, so any non-finite visible score shows in the result."""
     if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
+        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
     m = scores.amax(dim=-1, keepdim=True)  # (L, B, H, 1)
     d = scores - m
-    e = d.exp()  # hidden keys: exp(-inf) = 0
-    if hidden is not None:
-        d = d.masked_fill(hidden, 0.0)  # 0 * -inf would be NaN below
+    e = d.exp()  # hidden keys: exp(lowest - m) = 0
     z = e.sum(dim=-1)  # (L, B, H)
     heads_entropy = z.log() - (e * d).sum(dim=-1) / z
     sink = (e[..., :sink_tokens].sum(dim=-1) / z).mean(dim=-1)  # (L, B)
