@@ -129,12 +129,12 @@ def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namesp
     read, dense = [], []
     for i in range(args.decode):
         runner.forward([("text", [ids[ctx + i]])])
-        present = len(cache.block_table("text"))
         if runner._sparse is not None:
             read.append(runner._sparse.bytes_read)
             dense.append(runner._sparse.bytes_dense)
-        else:
-            read.append(present * c.num_layers * c.num_kv_heads * c.row_bytes)
+        else:  # dense attention reads every block, each in its own codec (mixed: fp16 or nf4)
+            codecs = [cache.pool.blocks[b].codec for b in cache.block_table("text")]
+            read.append(sum(c.layout(codec).row_bytes for codec in codecs) * c.num_layers * c.num_kv_heads)
             dense.append(read[-1])
         cache.end_step()
     runner.close()
