@@ -112,3 +112,22 @@ def test_corrupt_hook_sees_scores_before_softmax_and_forces_the_explicit_path():
 
     out, newest = attend(q, k, v, layout, scale=0.5, corrupt=poison)
     assert newest is None and torch.isnan(out[0, 0]).all() and not torch.isnan(out[0, 1:]).any()
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf"), float("nan")])
+def test_any_visible_nonfinite_score_is_counted_and_hidden_garbage_is_not(bad):
+    # GIVEN scores of two rows whose second row is shorter: keys past its length hold garbage
+    L, B, H, T = 2, 2, 3, 6
+    scores = torch.randn(L, B, H, T, generator=torch.Generator().manual_seed(3))
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    scores[:, 1, :, 4:] = float("nan")  # hidden: never seen by the query, never counted
+    clean = attention_stats(scores, keep, sink_tokens=2).summary
+    # WHEN one visible score of layer 1, row 0, head 2 is not finite
+    scores[1, 0, 2, 3] = bad
+    summary = attention_stats(scores, keep, sink_tokens=2).summary
+    # THEN that row counts it (and, for NaN or +inf, the 6 probabilities of the head it breaks), the
+    # hidden NaNs count nothing, and every other statistic stays a finite number
+    assert summary[1, 0, 3].item() == (1 if bad == float("-inf") else 1 + 6)
+    assert summary[:, :, 3].sum().item() == summary[1, 0, 3].item()
+    assert torch.isfinite(summary).all()
+    torch.testing.assert_close(summary[0], clean[0])
