@@ -220,13 +220,18 @@ def _finite_stats(scores: torch.Tensor, hidden: torch.Tensor | None, sink_tokens
     Hidden keys take the lowest finite score rather than -inf: their ``exp(s - m)`` is still 0, and
     ``0 * (s - m)`` stays 0 without a second masking pass. A visible NaN or +inf makes ``m`` or ``s - m``
     NaN, and a visible -inf makes ``0 * -inf`` NaN, so any non-finite visible score shows in the result."""
+    # Two (L, B, H, T) buffers in all, ``d`` and ``e``, each written in place after it is made: a fresh
+    # buffer of that size costs as much as the arithmetic on it (page faults), so this halves the time.
     if hidden is not None:
-        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-    m = scores.amax(dim=-1, keepdim=True)  # (L, B, H, 1)
-    d = scores - m
+        d = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+        m = d.amax(dim=-1, keepdim=True)  # (L, B, H, 1)
+        d.sub_(m)
+    else:
+        m = scores.amax(dim=-1, keepdim=True)
+        d = scores - m
     e = d.exp()  # hidden keys: exp(lowest - m) = 0
     z = e.sum(dim=-1)  # (L, B, H)
-    heads_entropy = z.log() - (e * d).sum(dim=-1) / z
+    heads_entropy = z.log() - d.mul_(e).sum(dim=-1) / z
     sink = (e[..., :sink_tokens].sum(dim=-1) / z).mean(dim=-1)  # (L, B)
     heads_max = m.squeeze(-1)
     summary = torch.stack(
