@@ -18,6 +18,7 @@ a step with statistics attends no slower than one without.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 __all__ = ["AttnLayout", "AttnStats", "attend", "attention_stats", "STAT_FIELDS"]
 
 STAT_FIELDS = ("max_logit", "entropy", "sink", "nonfinite")
+_EXP_FLOOR = -80.0  # exp() of anything lower is treated as exp(-80): see _finite_stats
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     # The common case first: a visible score that is not finite turns its head's statistics into NaN
     # or inf there (see _finite_stats), so one check of the small result replaces a pass over the scores.
     stats = _finite_stats(scores, hidden, sink_tokens, per_head)
-    if bool(torch.isfinite(stats.summary).all()):
+    if stats is not None and bool(torch.isfinite(stats.summary).all()):
         return stats
     keep4 = torch.ones(1, B, 1, T, dtype=torch.bool, device=scores.device) if hidden is None else ~hidden
     finite = torch.isfinite(scores)
@@ -214,22 +216,29 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     return AttnStats(summary, heads_entropy, heads_max) if per_head else AttnStats(summary)
 
 
-def _finite_stats(scores: torch.Tensor, hidden: torch.Tensor | None, sink_tokens: int, per_head: bool) -> AttnStats:
+def _finite_stats(scores: torch.Tensor, hidden: torch.Tensor | None, sink_tokens: int, per_head: bool
+                  ) -> AttnStats | None:
     """The common case, every visible score finite: entropy as ``log Z - E[s - m]``, one exponential pass.
 
-    Hidden keys take the lowest finite score rather than -inf: their ``exp(s - m)`` is still 0, and
-    ``0 * (s - m)`` stays 0 without a second masking pass. A visible NaN or +inf makes ``m`` or ``s - m``
-    NaN, and a visible -inf makes ``0 * -inf`` NaN, so any non-finite visible score shows in the result."""
-    # Two (L, B, H, T) buffers in all, ``d`` and ``e``, each written in place after it is made: a fresh
-    # buffer of that size costs as much as the arithmetic on it (page faults), so this halves the time.
-    if hidden is not None:
-        d = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        m = d.amax(dim=-1, keepdim=True)  # (L, B, H, 1)
-        d.sub_(m)
-    else:
-        m = scores.amax(dim=-1, keepdim=True)
-        d = scores - m
-    e = d.exp()  # hidden keys: exp(lowest - m) = 0
+    ``s - m`` is clamped at ``_EXP_FLOOR`` before the exponential: torch's CPU ``exp`` takes a slow path,
+    about 40x, for every input whose result underflows, and hidden keys (padding, keys behind a window)
+    would all take it; ``exp(-80)`` is 1.8e-35 of the largest term, below any statistic's precision. A
+    visible NaN or +inf makes ``m`` or ``s - m`` NaN, which shows in the result; a visible -inf, which the
+    clamp would hide, returns None: the caller then counts non-finite scores exactly.
+
+    Two (L, B, H, T) buffers in all, ``d`` and ``e``, each written in place after it is made: a fresh
+    buffer of that size costs as much as the arithmetic on it (page faults)."""
+    if bool(scores.amin() == float("-inf")):  # one reduction in the usual case; the exact test only when needed
+        neg_inf = torch.isneginf(scores)
+        if bool((neg_inf if hidden is None else neg_inf & ~hidden).any()):
+            return None
+    if hidden is None:
+        d = scores.clone()
+    else:  # an additive mask the size of ``hidden``: broadcast addition is several times faster than masked_fill
+        d = scores + torch.zeros(hidden.shape, dtype=scores.dtype, device=scores.device).masked_fill_(hidden, -math.inf)
+    m = d.amax(dim=-1, keepdim=True)  # (L, B, H, 1)
+    d.sub_(m).clamp_(min=_EXP_FLOOR)  # hidden keys: -inf - m, clamped like any other tiny term
+    e = d.exp()
     z = e.sum(dim=-1)  # (L, B, H)
     heads_entropy = z.log() - d.mul_(e).sum(dim=-1) / z
     sink = (e[..., :sink_tokens].sum(dim=-1) / z).mean(dim=-1)  # (L, B)
