@@ -244,6 +244,8 @@ class Runner:
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
         groups = self._groups(seqs, n, kv_lens)
         stats = self.stats_due()
+        # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
+        observe = self._observe and bool(stats or (self.stats_every and bus.step % self.stats_every == 0))
         if self._sparse is not None:
             self._sparse.begin_step(seqs)
 
@@ -266,7 +268,8 @@ class Runner:
             cache.store(li, slots, k, v)
             if self._sparse is not None:
                 self._sparse.after_store(li, seqs)
-            out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats else None, cache.score_hook(li))
+            out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
+                                      cache.score_hook(li))
             x = x + w.o(out)
             gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
@@ -276,7 +279,7 @@ class Runner:
             last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
             logits = self._lm_head(self._final_norm(x[last])).float()  # (B, V)
 
-        if stats and self._observe:  # before commit and importance eviction change the block tables
+        if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
                 if len(per_layer) == self.num_layers:
                     self._observe_attention([seqs[i] for i in g.rows], torch.stack(per_layer), g)
