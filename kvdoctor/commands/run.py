@@ -61,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
     p.add_argument("--topk", type=_non_negative, default=0, metavar="K",
                    help="block-sparse attention: read the K blocks whose keys can score highest, plus the first "
-                   "block and the newest (default 0: dense); use with --block-size 64 or 128")
+                   "block and the newest (default 0: dense); use with --block-size 64 or 128, or with "
+                   "--sparse-block-size")
+    p.add_argument("--sparse-block-size", type=_non_negative, default=0, metavar="N",
+                   help="with --topk: choose pages of N tokens (a multiple of --block-size, e.g. 64 over blocks of "
+                   "16) instead of single blocks (default 0: one block)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
             disk_blocks=args.disk_blocks, fault=args.fault, extra={"model": loaded.name},
             **engine_settings(args.codec, args.topk, loaded),
+            sparse_block_size=args.sparse_block_size,
         )
     except (ModelLoadError, UnsupportedModel, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -133,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_kv_bytes": stats["peak_kv_bytes"],  # the most resident at a step's end, each block in its codec's bytes
         "recodes": stats["recodes"],  # blocks mixed resolution demoted
         "topk": args.topk,
+        "sparse_block_size": runner.cache.config.sparse_block_size,
     }
     if args.json:
         print(json.dumps(result))

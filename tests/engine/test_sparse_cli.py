@@ -38,3 +38,20 @@ def test_int8_calibrates_once_and_runs(checkpoint, tmp_path, capsys, monkeypatch
     assert code == 0 and json.loads(out)["codec"] == "int8"
     stored = list((tmp_path / "cache" / "kvdoctor" / "calibration").iterdir())
     assert len(stored) == 1 and stored[0].suffix == ".safetensors"
+
+
+def test_topk_over_pages_of_several_blocks_reads_whole_pages(checkpoint, tmp_path, capsys):  # noqa: F811
+    # GIVEN top-1 over pages of 8 tokens, made of two 4-token cache blocks
+    trace = tmp_path / "t.kvtrace"
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt", PROMPT, "--greedy", "--max-new-tokens", "6",
+                        "--block-size", "4", "--topk", "1", "--sparse-block-size", "8", "--trace", str(trace), "--json")
+    assert code == 0 and json.loads(out)["sparse_block_size"] == 8
+    # THEN a decode step reads cache blocks page by page (both blocks of a full page), not all of them
+    last = [e for e in TraceReader(str(trace)) if isinstance(e, Read)][-1].blocks
+    assert 0 in last and 1 in last and len(last) < max(last) + 1
+
+
+def test_a_page_that_is_not_whole_blocks_is_a_usage_error(checkpoint, capsys):  # noqa: F811
+    code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt", "w3 w4", "--block-size", "4", "--topk", "1",
+                        "--sparse-block-size", "6")
+    assert code == 2 and "sparse_block_size" in err and "Traceback" not in err
