@@ -87,7 +87,7 @@ class EngineConfig:
     # (a tier left out takes the next faster tier's). None: ``dtype`` as it is. Precision only goes down as
     # blocks go down: a tier's codec may not be less lossy than a faster tier's.
     codec: Any = None
-    calibration: Any = None  # codecs.Calibration: the per-channel key scales int8 and nf4 need
+    calibration: Any = None  # codecs.Calibration: the per-channel key scales int8 needs
     topk: int = 0  # block-sparse attention reads this many blocks chosen by key summary (+ sinks, window); 0: dense
     sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
     local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
@@ -136,7 +136,7 @@ class EngineConfig:
             raise _bad("fault", self.fault, f"None or one of {', '.join(FAULTS)}")
 
     def _check_compression(self) -> None:
-        from .codecs import CODECS, NATIVE, PRECISION, codec_of_dtype
+        from .codecs import CODECS, NEEDS_CALIBRATION, PRECISION, codec_of_dtype
 
         raw = self.codec
         self.codec = self._codec_setting(raw)
@@ -182,13 +182,13 @@ class EngineConfig:
         self._layouts = {}
         if "nf4" in codecs and self.head_dim % 2:
             raise _bad("codec", raw, f"without nf4 for an odd head_dim ({self.head_dim}): nf4 packs two codes per byte")
-        quantized = sorted(c for c in codecs if c not in NATIVE)
-        if quantized:
+        calibrated = sorted(c for c in codecs if c in NEEDS_CALIBRATION)
+        if calibrated or self.calibration is not None:  # one given for no codec must still fit the model
             want = (self.num_layers, self.num_kv_heads, self.head_dim)
             got = tuple(getattr(getattr(self.calibration, "key_scale", None), "shape", ()))
             if got != want:
-                raise _bad("calibration", self.calibration,
-                           f"a codecs.Calibration with key scales of shape {want} for codec {'/'.join(quantized)!r}")
+                raise _bad("calibration", self.calibration, f"a codecs.Calibration with key scales of shape {want}"
+                           + (f" for codec {'/'.join(calibrated)!r}" if calibrated else ""))
         _int_in("topk", self.topk, 0, 1 << 20)
         _int_in("sink_blocks", self.sink_blocks, 0, 1 << 10)
         _int_in("local_blocks", self.local_blocks, 1, 1 << 10)

@@ -15,12 +15,12 @@ __all__ = ["CODEC_NAMES", "CODEC_METAVAR", "CODEC_HELP", "codec_setting", "engin
 
 CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
 _TIER_NAMES = ("device", "host", "disk")
-_QUANTIZED = ("int8", "nf4", "mixed")  # settings that need the calibration (mixed demotes to nf4)
+_CALIBRATED = ("int8",)  # codecs whose key scales come from a calibration (engine.codecs.NEEDS_CALIBRATION)
 CODEC_METAVAR = "{" + ",".join((*CODEC_NAMES, "mixed")) + "}|TIER=CODEC,..."
 CODEC_HELP = ("store KV blocks in this codec (default: the model's dtype), or one per tier "
               "(device=fp16,host=int8,disk=nf4: blocks are re-encoded as they go down), or 'mixed' "
-              "(blocks attention finds unimportant are demoted to nf4 on the device); int8, nf4 and mixed "
-              "calibrate key scales once on Python's own documentation and keep them in ~/.cache/kvdoctor")
+              "(blocks attention finds unimportant are demoted to nf4 on the device); int8 "
+              "calibrates key scales once on Python's own documentation and keeps them in ~/.cache/kvdoctor")
 
 
 def codec_setting(text: str) -> str:
@@ -47,7 +47,7 @@ def engine_settings(codec: str | None, topk: int, loaded: Any) -> dict[str, Any]
     if codec:
         out["codec"] = codec
         names = {part.partition("=")[2] or part for part in codec.split(",")}
-        if names & set(_QUANTIZED):
+        if names & set(_CALIBRATED):
             from .engine.codecs import default_calibration
             from .errors import UsageError
 
