@@ -140,6 +140,7 @@ class PagedKVCache:
             engine="kvdoctor.engine",
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             pid=os.getpid(),
+            calibration=f"{c.calibration.source} (digest {c.calibration.digest})" if c.calibration else None,
         )
 
     # ---- helpers the tier manager calls back ----

@@ -81,6 +81,7 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="h
     engine: str | None = None
     created: str | None = None
     pid: int | None = None
+    calibration: str | None = None  # the INT8 key-scale calibration the cache used: its text and digest
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):

@@ -42,6 +42,7 @@ def summarize(path: str) -> dict:
         "engine": h.engine,
         "created": h.created,
         "pid": h.pid,
+        "calibration": h.calibration,
         "block_size": h.block_size,
         "num_layers": h.num_layers,
         "tiers": {t.name: t.capacity_blocks for t in h.tiers},
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         "closed by the writer" if info["closed"] else "not closed (writer still running, or killed between steps)")
     print(f"trace      {info['path']}")
     print(f"format     {info['format']} {info['version']}")
-    for key in ("model", "engine", "created", "pid"):
+    for key in ("model", "engine", "created", "pid", "calibration"):
         if info[key] is not None:
             print(f"{key:<10} {info[key]}")
     print(f"cache      block size {info['block_size']}, {info['num_layers']} layers; {tiers}")

@@ -220,8 +220,20 @@ def test_header_names_each_tiers_codec(make_cache):
     try:
         assert [(t.name, t.codec) for t in mixed.header().tiers] == [
             ("device", "mixed"), ("host", "fp16"), ("disk", "fp16")]
+        assert mixed.header().calibration is None  # nothing calibrated
     finally:
         mixed.close()
+
+
+def test_header_names_the_calibration_an_int8_cache_used():
+    import torch
+
+    from engine_support import tiny_config
+    from kvdoctor.engine.codecs import Calibration
+
+    cal = Calibration(torch.ones(2, 2, 8), 4, 64, "four windows of test text")
+    with PagedKVCache(tiny_config(codec="int8", calibration=cal)) as cache:
+        assert cache.header().calibration == f"four windows of test text (digest {cal.digest})"
 
 
 def test_trace_env_records_a_readable_trace(tmp_path, monkeypatch):
