@@ -40,7 +40,7 @@ import torch
 from ..events import Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
 from .bus import Bus
 from .codecs import make_codec
-from .config import EngineConfig
+from .config import EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
@@ -82,7 +82,7 @@ class PagedKVCache:
         self.block_size = config.block_size
         self.codecs = {c: make_codec(c, config.block_size, config.head_dim, config.dtype, config.calibration)
                        for c in config.block_codecs}
-        self.codec = self.codecs[config.tier_codec("device")]  # the device's own: new blocks are stored in it
+        self.codec = self.codecs[config.tier_codec(Tier.DEVICE)]  # the device's own: new blocks are stored in it
         self._closed = True  # until every arena exists, close() has nothing to undo
         self.tier_arenas: dict[str, TierArenas] = {}
         try:
@@ -94,11 +94,11 @@ class PagedKVCache:
             raise
         self._closed = False
         self.arenas: dict[str, Arena] = {t: a.primary for t, a in self.tier_arenas.items()}  # each tier's own codec
-        self._devs = self.tier_arenas["device"]
-        self._dev: TensorArena = self.arenas["device"]  # type: ignore[assignment]
+        self._devs = self.tier_arenas[Tier.DEVICE]
+        self._dev: TensorArena = self.arenas[Tier.DEVICE]  # type: ignore[assignment]
         self.device = self._dev.device
         self.pool = BlockPool(config, self.bus, {t: self._grower(t) for t in config.tiers})
-        self._dev_slots = self.pool.tiers["device"]
+        self._dev_slots = self.pool.tiers[Tier.DEVICE]
         self.seqs: dict[Any, Sequence] = {}
         self._tick = 0
         self.peak_kv_bytes = 0  # the most KV bytes resident (every tier, each block in its codec) at a step's end
@@ -135,7 +135,7 @@ class PagedKVCache:
             block_size=c.block_size,
             num_layers=c.num_layers,
             tiers=[TierSpec(name=t, capacity_blocks=c.capacity(t),
-                            codec="mixed" if c.mixed and t == "device" else c.tier_codec(t)) for t in c.tiers],
+                            codec="mixed" if c.mixed and t == Tier.DEVICE else c.tier_codec(t)) for t in c.tiers],
             model=c.extra.get("model"),
             engine="kvdoctor.engine",
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -150,7 +150,7 @@ class PagedKVCache:
         def grow(index: int) -> range:
             self.tiers.drain()  # a reallocating arena must not have copies landing in the old tensor
             new = arenas.get(index).grow()
-            if tier == "device" and index == 0:
+            if tier == Tier.DEVICE and index == 0:
                 self._kv = None
             return new
 
@@ -218,7 +218,7 @@ class PagedKVCache:
         if self.bus.enabled:
             self.bus.emit(SeqEnd, seq=seq, reason=reason)
         for b in reversed(s.blocks):
-            if self.faults.leak_swapped and b.tier != "device":
+            if self.faults.leak_swapped and b.tier != Tier.DEVICE:
                 continue  # the fault: a block away from the device is forgotten, owner and all
             self._free_or_keep(b, seq, emit_release=False)
 
@@ -271,17 +271,17 @@ class PagedKVCache:
         cow = tail is not None and len(tail.owners) > 1
         first_new = (last.index + 1) if last is not None else 0
         num_new = max((end - 1) // bs + 1 - first_new, 0)
-        need = num_new + int(cow) + int(tail is not None and tail.tier != "device")
+        need = num_new + int(cow) + int(tail is not None and tail.tier != Tier.DEVICE)
         keep = {b.id for b in s.blocks}
-        self.tiers.make_room("device", need, keep)
+        self.tiers.make_room(Tier.DEVICE, need, keep)
         if tail is not None:
-            if tail.tier != "device":
-                self.tiers.move([tail], "device", exclude=keep)
+            if tail.tier != Tier.DEVICE:
+                self.tiers.move([tail], Tier.DEVICE, exclude=keep)
             if cow:
                 tail = self._copy_on_write(s, tail, start)
             tail.checksum = None  # its bytes are about to change
         for i in range(first_new, first_new + num_new):
-            s.blocks.append(self.pool.alloc("device", seq, i))
+            s.blocks.append(self.pool.alloc(Tier.DEVICE, seq, i))
         s.index_cache = None
         writes: list[tuple[Block, int, int]] = []
         slots: list[int] = []
@@ -305,13 +305,13 @@ class PagedKVCache:
         if n != 1 or len(self._reserved) < 2 or self._reserved[1] != seq:
             return None
         first = self.seqs.get(self._reserved[0])
-        if first is None or not first.blocks or first.blocks[-1].tier != "device":
+        if first is None or not first.blocks or first.blocks[-1].tier != Tier.DEVICE:
             return None
         return first.blocks[-1] if self.faults.misalign_now(self.bus.step) else None
 
     def _copy_on_write(self, s: Sequence, shared: Block, start: int) -> Block:
         """Give ``s`` a private copy of the shared block it is about to append to."""
-        own = self.pool.alloc("device", s.id, shared.index, shared.codec)
+        own = self.pool.alloc(Tier.DEVICE, s.id, shared.index, shared.codec)
         dst, d = self._devs.at(own.slot)
         src, s_ = self._devs.at(shared.slot)
         dst.view(d, 1).copy_(src.view(s_, 1))
@@ -381,7 +381,7 @@ class PagedKVCache:
         keep = max(c.mixed_high_blocks, int(c.mixed_high_fraction * len(s.blocks)))
         if len(cands) <= keep:
             return
-        cands = [b for b in cands if b.tier == "device" and b.inflight is None and not self._in_a_window(b)]
+        cands = [b for b in cands if b.tier == Tier.DEVICE and b.inflight is None and not self._in_a_window(b)]
         cands.sort(key=lambda b: b.importance, reverse=True)  # stable: among equals, the older blocks stay high
         if len(cands) > keep:
             self.recode([b.id for b in cands[keep:]], c.mixed_low)
@@ -400,20 +400,20 @@ class PagedKVCache:
             raise ValueError(f"recode to {codec!r}: the device holds {', '.join(self._devs.codecs)}")
         todo: dict[str, list[Block]] = {}
         for b in self._blocks(blocks):
-            if b.tier != "device" or b.inflight is not None:
+            if b.tier != Tier.DEVICE or b.inflight is not None:
                 raise ValueError(f"recode of block {b.id}: it is not settled on the device (tier {b.tier})")
             if PRECISION[codec] > PRECISION[b.codec]:
                 todo.setdefault(b.codec, []).append(b)
         index = self._devs.index(codec)
         for src, group in todo.items():
-            slots = self.tiers._take("device", [index] * len(group))
-            sums = self.tiers.recode("device", [b.slot for b in group], src, "device", slots, codec)
+            slots = self.tiers._take(Tier.DEVICE, [index] * len(group))
+            sums = self.tiers.recode(Tier.DEVICE, [b.slot for b in group], src, Tier.DEVICE, slots, codec)
             for b, slot, c in zip(group, slots, sums):
                 b.codec, b.checksum = codec, c
-                self.pool.move(b, "device", slot)  # the high slot goes back to its arena's free list
+                self.pool.move(b, Tier.DEVICE, slot)  # the high slot goes back to its arena's free list
                 self.num_recodes += 1
                 if self.bus.enabled:
-                    self.bus.emit(Recode, block=b.id, tier="device", src_codec=src, dst_codec=codec, version=b.version)
+                    self.bus.emit(Recode, block=b.id, tier=Tier.DEVICE, src_codec=src, dst_codec=codec, version=b.version)
 
     def _drop_tail(self, s: Sequence, *, emit_release: bool) -> None:
         """Let go of blocks wholly past the sequence's length (after a short commit or a rollback)."""
@@ -453,9 +453,9 @@ class PagedKVCache:
             s.last_access = self._tick
             for b in s.blocks:
                 blocks[b.id] = b
-        cap = self.pool.tiers["device"].capacity
+        cap = self.pool.tiers[Tier.DEVICE].capacity
         if len(blocks) > cap:
-            raise OutOfBlocks("device", len(blocks), cap)
+            raise OutOfBlocks(Tier.DEVICE, len(blocks), cap)
         missing = []
         for b in blocks.values():
             b.last_access = self._tick
@@ -463,14 +463,14 @@ class PagedKVCache:
                 self.tiers.prefetch_hits += 1
                 self.tiers.settle(b)
                 b.prefetched = False
-            elif b.tier != "device":
+            elif b.tier != Tier.DEVICE:
                 missing.append(b)
             elif b.prefetched:
                 self.tiers.prefetch_hits += 1
                 b.prefetched = False
         if missing:
             self.tiers.prefetch_misses += len(missing)
-            self.tiers.move(missing, "device", exclude=set(blocks))
+            self.tiers.move(missing, Tier.DEVICE, exclude=set(blocks))
             for s in ss:
                 s.index_cache = None
 
@@ -482,7 +482,7 @@ class PagedKVCache:
         cached = s.index_cache
         if cached is not None and cached[0] == self.pool.epoch:
             return cached[1]
-        if any(b.tier != "device" or b.inflight is not None for b in s.blocks):
+        if any(b.tier != Tier.DEVICE or b.inflight is not None for b in s.blocks):
             self.ensure_resident([seq])
         t = torch.tensor([b.slot for b in s.blocks], dtype=torch.long, device=self.device)
         s.index_cache = (self.pool.epoch, t)
@@ -614,9 +614,9 @@ class PagedKVCache:
         except KeyError as exc:
             raise ValueError(f"block {exc.args[0]} is not allocated") from None
 
-    def swap_out(self, blocks: Iterable[int], dst: str = "host") -> None:
-        if dst not in self.pool.tiers or dst == "device":
-            raise ValueError(f"swap_out to {dst!r}: must be one of {', '.join(self.config.tiers[1:])}")
+    def swap_out(self, blocks: Iterable[int], dst: str = Tier.HOST) -> None:
+        if dst not in self.pool.tiers or dst == Tier.DEVICE:
+            raise ValueError(f"swap_out to {str(dst)!r}: must be one of {', '.join(self.config.tiers[1:])}")
         self.tiers.move(self._blocks(blocks), dst)
 
     def evict(self, blocks: Iterable[int], reason: str = "importance") -> None:
@@ -632,7 +632,7 @@ class PagedKVCache:
             self._evict([b], b.tier, reason)
 
     def swap_in(self, blocks: Iterable[int]) -> None:
-        self.tiers.move(self._blocks(blocks), "device")
+        self.tiers.move(self._blocks(blocks), Tier.DEVICE)
 
     def prefetch(self, seq: Any, max_blocks: int | None = None) -> int:
         """Start bringing up to ``prefetch_depth`` (and ``max_blocks``) of ``seq``'s blocks back to the
@@ -641,8 +641,8 @@ class PagedKVCache:
         if depth <= 0:
             return 0
         s = self._seq(seq)
-        away = [b for b in s.blocks if b.tier != "device" and b.inflight is None][:depth]
-        return self.tiers.prefetch(away, "device", exclude={b.id for b in s.blocks})
+        away = [b for b in s.blocks if b.tier != Tier.DEVICE and b.inflight is None][:depth]
+        return self.tiers.prefetch(away, Tier.DEVICE, exclude={b.id for b in s.blocks})
 
     # ---- steps and stats ----
     def end_step(self, num_tokens: int = 0) -> None:

@@ -11,13 +11,24 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from .faults import FAULTS
 
-__all__ = ["EngineConfig", "Layout", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED"]
+__all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED"]
 
-TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest to slowest
+
+class Tier(StrEnum):
+    """The three tiers, fastest first. A ``str`` too, so a plain ``"host"`` from a caller is the same tier
+    and events carry the plain string on the wire."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+TIER_NAMES: tuple[str, ...] = tuple(Tier)  # fastest to slowest
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 ROW_ALIGN_BYTES = 128  # one (layer, head) K+V row of a block starts on a 128-byte boundary
 POLICIES = ("lru", "hybrid")
@@ -143,12 +154,12 @@ class EngineConfig:
         if isinstance(self.codec, dict):
             per_tier: dict[str, str | None] = dict(self.codec)
         else:  # "mixed" is the device's; the slower tiers hold its high codec
-            per_tier = {t: self.codec if self.codec != MIXED or t == "device" else None for t in TIER_NAMES}
+            per_tier = {t: self.codec if self.codec != MIXED or t == Tier.DEVICE else None for t in TIER_NAMES}
         if MIXED in [per_tier[t] for t in TIER_NAMES[1:]]:
             raise _bad("codec", raw, f"{MIXED!r} for the device tier only (slower tiers hold one codec each)")
         native = codec_of_dtype(self.dtype)
         high = native if native != "fp32" else "fp16"  # fp32 KV is no one's high precision: fp16 is
-        self.mixed = per_tier["device"] == MIXED
+        self.mixed = per_tier[Tier.DEVICE] == MIXED
         tier_codecs = {}
         for t in TIER_NAMES:
             c = per_tier[t] if per_tier[t] not in (MIXED, None) else high
@@ -176,7 +187,7 @@ class EngineConfig:
             faster = t
         self._tier_codecs = tier_codecs
         if isinstance(self.codec, dict):  # every tier named, as it resolved
-            self.codec = {t: MIXED if t == "device" and self.mixed else tier_codecs[t] for t in TIER_NAMES}
+            self.codec = {t: MIXED if t == Tier.DEVICE and self.mixed else tier_codecs[t] for t in TIER_NAMES}
         # every codec a block can hold; a tier keeps an arena for each one at least as lossy as its own
         self._block_codecs = tuple(sorted(codecs, key=PRECISION.__getitem__))
         self._layouts = {}
@@ -221,8 +232,8 @@ class EngineConfig:
         prev: Any = codec_of_dtype(self.dtype)
         for t in TIER_NAMES:  # a tier left out takes the next faster tier's codec (a mixed device's: its high one)
             prev = full[t] = value.get(t, None if prev == MIXED else prev)
-        if full["device"] != MIXED and len(set(full.values())) == 1:
-            return full["device"]
+        if full[Tier.DEVICE] != MIXED and len(set(full.values())) == 1:
+            return full[Tier.DEVICE]
         return full
 
     @staticmethod
@@ -274,7 +285,7 @@ class EngineConfig:
 
     def layout(self, codec: str | None = None) -> Layout:
         """Sizes of a block under ``codec`` (default: the device tier's)."""
-        codec = codec or self._tier_codecs["device"]
+        codec = codec or self._tier_codecs[Tier.DEVICE]
         got = self._layouts.get(codec)
         if got is None:
             import torch

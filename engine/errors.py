@@ -19,6 +19,7 @@ class OutOfBlocks(EngineError):
     """No room for ``requested`` blocks in ``tier`` even after demoting what the policy allows."""
 
     def __init__(self, tier: str, requested: int, free: int) -> None:
+        tier = str(tier)  # a Tier prints as its name, like the plain string
         super().__init__(f"out of KV blocks in tier {tier!r}: requested {requested}, free {free}")
         self.tier, self.requested, self.free = tier, requested, free
 
@@ -31,6 +32,7 @@ class ChecksumMismatch(EngineError):
     """
 
     def __init__(self, block: int, tier: str, expected: int, actual: int) -> None:
+        tier = str(tier)
         super().__init__(
             f"checksum mismatch on block {block} read from {tier!r}: "
             f"expected {expected:#018x}, got {actual:#018x}"

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..events import SeqId
+from .config import Tier
 from .errors import ChecksumMismatch
 from .runner import Generation, Runner, SamplingParams, sample
 
@@ -100,7 +101,7 @@ class Scheduler:
         self._order = itertools.count()
         self._ids = itertools.count()
         self._eos = frozenset(runner.eos_token_ids)
-        self.capacity = self.cache.config.capacity("device")
+        self.capacity = self.cache.config.capacity(Tier.DEVICE)
 
     # ---- requests in and out ----
     def submit(self, request: Request) -> SeqId:
@@ -229,7 +230,7 @@ class Scheduler:
         if nxt.state != "swapped":
             return
         growth = sum(max(self._blocks_after_step(lv) - self._device_blocks(lv.seq), 0) for lv in running)
-        room = self.cache.pool.tiers["device"].num_free - growth
+        room = self.cache.pool.tiers[Tier.DEVICE].num_free - growth
         if room > 0:
             self.cache.prefetch(nxt.seq, max_blocks=room)
 
@@ -242,7 +243,7 @@ class Scheduler:
         s = self.cache.seqs.get(seq)
         if s is None:
             return 0
-        return sum(1 for b in s.blocks if b.tier == "device" or (b.inflight is not None and b.inflight.dst == "device"))
+        return sum(1 for b in s.blocks if b.tier == Tier.DEVICE or (b.inflight is not None and b.inflight.dst == Tier.DEVICE))
 
     def _reclaimable(self, chosen: list[_Live]) -> int:
         """Device blocks that prefetches brought up for requests not running this step: their copies
@@ -259,16 +260,16 @@ class Scheduler:
                         self.cache.tiers.settle(b)
                     except ChecksumMismatch:
                         continue  # the bad copy was discarded; the block stays away, its slot is free again
-                n += b.tier == "device"
+                n += b.tier == Tier.DEVICE
         return n
 
     def _make_room(self, chosen: list[_Live], left: list[_Live]) -> list[SeqId]:
         """Preempt the lowest-ranked resident requests left out until the chosen ones fit."""
         tiers = self.cache.stats()["tiers"]
-        free = tiers["device"]["free_blocks"]
+        free = tiers[Tier.DEVICE]["free_blocks"]
         need = sum(self._blocks_after_step(lv) - self._device_blocks(lv.seq) for lv in chosen)
         if need > free:
-            free = self._reclaimable(chosen) + self.cache.pool.tiers["device"].num_free
+            free = self._reclaimable(chosen) + self.cache.pool.tiers[Tier.DEVICE].num_free
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
             if need <= free:
@@ -280,8 +281,8 @@ class Scheduler:
     def _preempt(self, live: _Live, tiers: dict[str, Any]) -> int:
         """Move ``live``'s blocks off the device: swap to host, else disk, else drop for recompute."""
         s = self.cache.seqs[live.seq]
-        on_device = [b.id for b in s.blocks if b.tier == "device"]
-        for dst in ("host", "disk"):
+        on_device = [b.id for b in s.blocks if b.tier == Tier.DEVICE]
+        for dst in (Tier.HOST, Tier.DISK):
             t = tiers.get(dst)
             if t is not None and t["free_blocks"] >= len(on_device):
                 self.cache.swap_out(on_device, dst=dst)

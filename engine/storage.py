@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, Tier
 from .errors import StorageError
 
 __all__ = ["Arena", "TensorArena", "DiskArena", "TierArenas", "make_arena", "runs"]
@@ -106,7 +106,7 @@ class TensorArena(Arena):
     def __init__(self, tier: str, config: EngineConfig, device: str, codec: str | None = None) -> None:
         super().__init__(tier, config, codec)
         self.device = torch.device(device)
-        self.pin = tier == "host" and torch.cuda.is_available()
+        self.pin = tier == Tier.HOST and torch.cuda.is_available()
         self.chunk = max(self.capacity, 1)  # one contiguous piece: runs never break on chunks
         self.data = self._empty(0)
 
@@ -210,9 +210,9 @@ class DiskArena(Arena):
 
 
 def make_arena(tier: str, config: EngineConfig, codec: str | None = None) -> Arena:
-    if tier == "device":
+    if tier == Tier.DEVICE:
         return TensorArena(tier, config, config.device, codec)
-    if tier == "host":
+    if tier == Tier.HOST:
         return TensorArena(tier, config, "cpu", codec)
     return DiskArena(tier, config, codec)
 

@@ -34,7 +34,7 @@ import torch
 from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
 from .bus import Bus
 from .codecs import Codec, lossier
-from .config import TIER_NAMES, EngineConfig
+from .config import TIER_NAMES, EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks
 from .faults import Faults
 from .policy import EvictionPolicy
@@ -375,7 +375,7 @@ class TierManager:
             return ChecksumMismatch(b.id, src, b.checksum, got)
         if got is not None:
             b.checksum = got
-        if self.faults.stale_version and src != "device" and b.retained is None:
+        if self.faults.stale_version and src != Tier.DEVICE and b.retained is None:
             b.retained = (src, b.slot, b.version, b.checksum)  # keep the slower copy "in case" (the fault)
             b.tier, b.slot = dst, slot
             self.pool.epoch += 1
@@ -386,7 +386,7 @@ class TierManager:
         return None
 
     # ---- asynchronous prefetch ----
-    def prefetch(self, blocks: Iterable[Block], dst: str = "device", exclude: set[int] | None = None) -> int:
+    def prefetch(self, blocks: Iterable[Block], dst: str = Tier.DEVICE, exclude: set[int] | None = None) -> int:
         """Start bringing ``blocks`` up to ``dst`` in the background; returns how many started.
 
         Uses free room in ``dst`` and demotes what the policy allows; when there is not
