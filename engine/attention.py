@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttnLayout", "AttnStats", "attend", "attention_stats", "STAT_FIELDS"]
+__all__ = ["AttnLayout", "AttnStats", "attend", "attention_stats", "hidden_keys", "STAT_FIELDS"]
 
 STAT_FIELDS = ("max_logit", "entropy", "sink", "nonfinite")
 _EXP_FLOOR = -80.0  # exp() of anything lower is treated as exp(-80): see _finite_stats
@@ -192,8 +192,7 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     the other statistics are taken over the finite scores, so they stay numbers a trace can hold.
     """
     L, B, H, T = scores.shape
-    # (1 or L, B, 1, T): padding past a row's keys, and keys behind a sliding window
-    hidden = None if keep is None else ~(keep if keep.dim() == 3 else keep[None])[:, :, None, :]
+    hidden = hidden_keys(keep)
     # The common case first: a visible score that is not finite turns its head's statistics into NaN
     # or inf there (see _finite_stats), so one check of the small result replaces a pass over the scores.
     stats = _finite_stats(scores, hidden, sink_tokens, per_head)
@@ -214,6 +213,14 @@ def attention_stats(scores: torch.Tensor, keep: torch.Tensor | None, *, sink_tok
     heads_max = torch.where(torch.isfinite(heads_max), heads_max, torch.zeros_like(heads_max))
     summary = torch.stack([heads_max.amax(dim=-1), heads_entropy.mean(dim=-1), sink, nonfinite.float()], dim=-1)
     return AttnStats(summary, heads_entropy, heads_max) if per_head else AttnStats(summary)
+
+
+def hidden_keys(keep: torch.Tensor | None) -> torch.Tensor | None:
+    """The keys a newest query does not see, (1 or L, B, 1, T) for scores (L, B, H, T): padding past a
+    row's keys, and keys behind a sliding window, from ``keep`` (B, T) or per layer (L, B, T)."""
+    if keep is None:
+        return None
+    return ~(keep if keep.dim() == 3 else keep[None])[:, :, None, :]
 
 
 def _finite_stats(scores: torch.Tensor, hidden: torch.Tensor | None, sink_tokens: int, per_head: bool

@@ -39,7 +39,7 @@ import torch
 
 from ..events import Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
 from .bus import Bus
-from .codecs import make_codec
+from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
@@ -394,8 +394,6 @@ class PagedKVCache:
     def recode(self, blocks: Iterable[int], codec: str) -> None:
         """Re-encode device blocks in place to the lossier ``codec`` (a ``recode`` event each; the version
         stays). A block already at least as lossy is left as it is: precision never goes back up."""
-        from .codecs import PRECISION
-
         if codec not in self._devs.codecs:
             raise ValueError(f"recode to {codec!r}: the device holds {', '.join(self._devs.codecs)}")
         todo: dict[str, list[Block]] = {}

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..events import Attn, Batch, SeqId
-from .attention import AttnLayout, attend, attention_stats
+from .attention import AttnLayout, attend, attention_stats, hidden_keys
 from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
@@ -157,8 +157,7 @@ class Runner:
         self._window = SlidingWindow.of_model(cfg)
         if self._window is not None and self._sparse is not None:
             raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
-        # The hybrid eviction policy ranks blocks by the attention they get: fed from statistics steps.
-        # the hybrid policy and mixed resolution both rank blocks by the attention mass they got
+        # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
         self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
 
     @classmethod
@@ -210,7 +209,11 @@ class Runner:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def stats_due(self) -> bool:
-        return bool(self.bus.enabled and self.stats_every and self.bus.step % self.stats_every == 0)
+        return bool(self.bus.enabled) and self._stats_step()
+
+    def _stats_step(self) -> bool:
+        """Whether this step is one of every ``stats_every``, listener or not."""
+        return bool(self.stats_every and self.bus.step % self.stats_every == 0)
 
     # ---- one step ----
     @torch.inference_mode()
@@ -245,7 +248,7 @@ class Runner:
         groups = self._groups(seqs, n, kv_lens)
         stats = self.stats_due()
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
-        observe = self._observe and bool(stats or (self.stats_every and bus.step % self.stats_every == 0))
+        observe = self._observe and self._stats_step()
         if self._sparse is not None:
             self._sparse.begin_step(seqs)
 
@@ -438,14 +441,14 @@ class Runner:
             ])
 
     def _observe_attention(self, rows: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
-        """Feed the hybrid eviction policy each row's attention mass per block: the newest query's
-        probabilities summed over heads and over the block's positions, averaged over layers.
+        """Feed the hybrid eviction policy and mixed resolution each row's attention mass per block: the
+        newest query's probabilities summed over heads and over the block's positions, averaged over layers.
 
-        One vectorized pass and one transfer per group, on statistics steps only."""
+        One vectorized pass and one transfer per group, every ``stats_every`` steps."""
         L, B, H, T = scores.shape
-        keep = self._keep(g)
-        if keep is not None:
-            scores = scores.masked_fill(~(keep if keep.dim() == 3 else keep[None])[:, :, None, :], float("-inf"))
+        hidden = hidden_keys(self._keep(g))
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
         # nan_to_num: a head broken by non-finite scores (the attention-nan fault) contributes nothing
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(0.0)
         per_token = probs.sum(dim=2).mean(dim=0)  # (B, T)

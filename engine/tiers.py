@@ -78,7 +78,7 @@ def copy_slots(
                 out = dst_np[off : off + m]
                 np.copyto(out, src_np[off : off + m])
                 if checksum:
-                    block_sums = np.add.reduce(out.view(np.int64), axis=1).tolist()
+                    block_sums = _sum64_rows(out)
             else:
                 out = dst.view(d0 + off, m)
                 out.copy_(src.view(s0 + off, m), non_blocking=non_blocking)
@@ -86,7 +86,7 @@ def copy_slots(
                     block_sums = _sum64(out)
             if checksum:
                 for i, v in enumerate(block_sums):
-                    sums[d0 + off + i] = v & _MASK64
+                    sums[d0 + off + i] = v
     return [sums.get(x) for x in dst_slots]
 
 
@@ -101,7 +101,12 @@ def _sum64(blocks: torch.Tensor) -> list[int]:
     words = blocks.view(torch.int64).reshape(blocks.shape[0], -1)
     if words.is_cuda:
         return [v & _MASK64 for v in words.sum(dim=1).tolist()]
-    return [v & _MASK64 for v in np.add.reduce(words.numpy(), axis=1).tolist()]
+    return _sum64_rows(words.numpy())
+
+
+def _sum64_rows(rows: np.ndarray) -> list[int]:
+    """``_sum64`` of each row of a 2-D numpy array of whole blocks (any dtype, 8-byte multiple rows)."""
+    return [v & _MASK64 for v in np.add.reduce(rows.view(np.int64), axis=1).tolist()]
 
 
 def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
