@@ -63,10 +63,10 @@ class TierSlots:
     hands out the plain slot numbers a single-codec tier always had.
     """
 
-    def __init__(self, name: str, capacity: int, grow: Callable[[int], range], num_arenas: int = 1,
-                 shift: int = 0) -> None:
+    def __init__(self, name: str, capacity: int, grow: Callable[[int], range], num_arenas: int = 1) -> None:
         self.name, self.capacity, self._grow = name, capacity, grow
-        self.shift = shift or max(capacity, 1).bit_length()
+        self.shift = max(capacity, 1).bit_length()  # as storage.TierArenas numbers its slots
+        self.mask = (1 << self.shift) - 1
         self.free: list[list[int]] = [[] for _ in range(num_arenas)]  # per arena: free local slots (a heap)
         self.grown_by = [0] * num_arenas  # per arena: slots grown so far
         self.used_by = [0] * num_arenas  # per arena: slots holding a block (or a stale-version fault's copy)
@@ -109,7 +109,7 @@ class TierSlots:
         arena = slot >> self.shift
         self.used -= 1
         self.used_by[arena] -= 1
-        heapq.heappush(self.free[arena], slot & ((1 << self.shift) - 1))
+        heapq.heappush(self.free[arena], slot & self.mask)
 
 
 class BlockPool:
@@ -192,7 +192,7 @@ class BlockPool:
                     assert codecs[ts.arena_of(b.slot)] == b.codec, (
                         f"block {b.id} ({b.codec}) sits in the {codecs[ts.arena_of(b.slot)]} arena of {name}")
             for i, free in enumerate(ts.free):
-                mine = {s & ((1 << ts.shift) - 1) for s in held if ts.arena_of(s) == i}
+                mine = {s & ts.mask for s in held if ts.arena_of(s) == i}
                 assert ts.used_by[i] == len(mine), f"tier {name} arena {i}: used={ts.used_by[i]}, {len(mine)} held"
                 assert not mine & set(free), f"tier {name} arena {i}: a held slot is also free"
                 assert ts.used_by[i] + len(free) == ts.grown_by[i] <= ts.capacity, (
