@@ -24,16 +24,17 @@ from .batch import BatchCheck
 from .codec import CodecCheck
 from .leak import LeakCheck, LeakSettings
 from .ledger import Ledger
+from .prefix import PrefixCheck
 from .stale import StaleCheck
 
 __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
-    "AccountingCheck", "CodecCheck",
+    "AccountingCheck", "CodecCheck", "PrefixCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
-    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck,
+    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, PrefixCheck,
 )
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
@@ -51,6 +52,7 @@ def make_suite(
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger),
+        PrefixCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

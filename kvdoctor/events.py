@@ -113,6 +113,7 @@ class Alloc(Event, tag="alloc"):
 class Share(Event, tag="share"):
     block: int
     seq: SeqId
+    hash: str | None = None  # prefix-cache key of the block's content: registered by its first holder, checked at hits
 
 
 class Release(Event, tag="release"):

@@ -46,8 +46,8 @@ class TraceBuilder:
         self.block_tier[block] = tier
         return self._emit(Alloc, block=block, tier=tier, seq=seq, codec=codec)
 
-    def share(self, block, seq):
-        return self._emit(Share, block=block, seq=seq)
+    def share(self, block, seq, hash=None):
+        return self._emit(Share, block=block, seq=seq, hash=hash)
 
     def release(self, block, seq):
         return self._emit(Release, block=block, seq=seq)

@@ -19,6 +19,8 @@ FOLDERS = {"kvdoctor": "kvdoctor", "engine": "kvdoctor.engine", "checks": "kvdoc
 ALLOWED = {
     "kvdoctor.engine": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.engine"),
     "kvdoctor.checks": ("kvdoctor.events", "kvdoctor.findings", "kvdoctor.checks"),
+    # Producers for other engines: another engine's trace must not depend on ours.
+    "kvdoctor.integrations": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.integrations"),
 }
 FORBIDDEN_THIRD_PARTY = {"kvdoctor.checks": ("torch", "transformers", "numpy", "textual")}
 
