@@ -94,11 +94,6 @@ def register() -> None:
     Scheduler._kvdoctor_patched = True
 
 
-def _wrap(obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Shadow ``obj.name`` with ``make(original)`` on this instance only (vLLM calls it through ``self``)."""
-    setattr(obj, name, make(getattr(obj, name)))
-
-
 class VllmTracer:
     """Writes one scheduler's KV-cache story; every method runs on vLLM's scheduler thread."""
 
@@ -126,10 +121,24 @@ class VllmTracer:
         self._versions: dict[Any, int] = {}  # request -> cache version (tokens written so far, all lives)
         self._block_version: dict[int, int] = {}  # block -> version of the last write into it
         self._keys: dict[Any, list[str]] = {}  # request -> content keys of its full blocks, in order
+        self._wrapped: list[tuple[Any, str]] = []
         self._wrap_pool(pool)
         self._wrap_manager(manager)
         self._wrap_scheduler(scheduler)
         atexit.register(self.close)
+
+    def _wrap(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        """Shadow ``obj.name`` with ``make(original)`` on this instance only (vLLM calls it through ``self``)."""
+        setattr(obj, name, make(getattr(obj, name)))
+        self._wrapped.append((obj, name))
+
+    def detach(self) -> None:
+        """Stop tracing: vLLM's own methods back in place, the trace closed (vLLM keeps running)."""
+        for obj, name in reversed(self._wrapped):
+            delattr(obj, name)
+        self._wrapped = []
+        atexit.unregister(self.close)
+        self.close()
 
     # ---- output ---------------------------------------------------------------------
 
@@ -250,7 +259,7 @@ class VllmTracer:
         for name, make in (("get_new_blocks", get_new_blocks), ("touch", touch), ("free_blocks", free_blocks),
                            ("cache_full_blocks", cache_full_blocks), ("_remove_cached_block_hashes", remove_hashes),
                            ("move_block_hashes", move_block_hashes), ("reset_prefix_cache", reset_prefix_cache)):
-            _wrap(pool, name, make)
+            self._wrap(pool, name, make)
 
     # ---- the request context --------------------------------------------------------
 
@@ -267,8 +276,8 @@ class VllmTracer:
     def _wrap_manager(self, manager: Any) -> None:
         requests = self.scheduler.requests
         for name in ("allocate_slots", "free"):
-            _wrap(manager, name, lambda original: self._in_request(original, lambda args: args[0]))
-        _wrap(manager, "remove_skipped_blocks",
+            self._wrap(manager, name, lambda original: self._in_request(original, lambda args: args[0]))
+        self._wrap(manager, "remove_skipped_blocks",
               lambda original: self._in_request(original, lambda args: requests.get(args[0])))
 
     # ---- the scheduler --------------------------------------------------------------
@@ -309,12 +318,12 @@ class VllmTracer:
                 return result
             return call
 
-        _wrap(scheduler, "add_request", add_request)
-        _wrap(scheduler, "_free_request", free_request)
-        _wrap(scheduler, "_preempt_request",
+        self._wrap(scheduler, "add_request", add_request)
+        self._wrap(scheduler, "_free_request", free_request)
+        self._wrap(scheduler, "_preempt_request",
               lambda original: self._in_request(original, lambda args: args[0]))
-        _wrap(scheduler, "schedule", schedule)
-        _wrap(scheduler, "update_from_output", update_from_output)
+        self._wrap(scheduler, "schedule", schedule)
+        self._wrap(scheduler, "update_from_output", update_from_output)
 
     def _record_batch(self, output: Any) -> None:
         """The step's rows as the worker will compute them, and what each row writes and reads."""
