@@ -22,6 +22,7 @@ from .attention import AttentionCheck, AttentionSettings
 from .base import CheckBase, CheckSuite, Rule
 from .batch import BatchCheck
 from .codec import CodecCheck
+from .integrity import IntegrityCheck
 from .leak import LeakCheck, LeakSettings
 from .ledger import Ledger
 from .stale import StaleCheck
@@ -29,11 +30,11 @@ from .stale import StaleCheck
 __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
-    "AccountingCheck", "CodecCheck",
+    "AccountingCheck", "CodecCheck", "IntegrityCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
-    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck,
+    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck,
 )
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
@@ -50,7 +51,7 @@ def make_suite(
     ledger = Ledger(history=history)
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
-        AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger),
+        AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger), IntegrityCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,
