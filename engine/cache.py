@@ -389,11 +389,13 @@ class PagedKVCache:
             s.version += m  # every write advances the version, so a stale copy shows up as an older one
             b.version = s.version
             b.checksum = None
-            if self.bus.enabled:
-                digest = self.digests.record_write(b, pos, m) if self.digests.recording else None
-                self.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version, digest=digest)
+            digest = None
+            if self.bus.enabled and self.digests.recording:
+                digest = self.digests.record_write(b, pos, m)
             else:
-                b.digest = None  # its bytes changed unseen: no record to verify them against
+                b.digest = None  # its bytes changed unrecorded: nothing to verify them against from now on
+            if self.bus.enabled:
+                self.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version, digest=digest)
         if self.faults.content is not None:
             self._corrupt_after_write(s)
         s.length += n
