@@ -51,6 +51,7 @@ _MASK64 = (1 << 64) - 1
 _SEED = 0x6B76646F63746F72  # "kvdoctor": the weights are fixed, so every run and producer agrees
 _STAGE_PARTS_MAX = 64  # tokens per store kept as tensors until commit; larger stores are summed at once
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_NP_INT = {2: np.int16, 4: np.int32}
 
 
 def resolve_verify(mode: str | None) -> str:
@@ -91,60 +92,58 @@ def _regions(codec: Any) -> list[_Region]:
             _Region("vs", regs["vs"][0], bs, regs["vs"][1] // bs // 2, 2, False)]
 
 
-def _odd_weights(shape: tuple[int, ...], salt: int) -> torch.Tensor:
+def _odd_weights(shape: tuple[int, ...], salt: int) -> np.ndarray:
     """Fixed odd int64 weights: an odd multiplier maps every nonzero change to a nonzero change mod 2^64."""
     g = torch.Generator().manual_seed((_SEED + salt) & 0x7FFFFFFFFFFFFFFF)
     w = torch.randint(-(1 << 62), 1 << 62, shape, generator=g, dtype=torch.int64)
-    return w * 2 + 1
+    return (w * 2 + 1).numpy()
 
 
-def _ints(x: torch.Tensor) -> torch.Tensor:
-    """The stored elements as int64 (a float's bit pattern, not its value)."""
+def _as_ints(x: torch.Tensor) -> np.ndarray:
+    """The stored elements as a numpy integer array on the host (a float's bit pattern, not its value)."""
     if x.dtype.is_floating_point:
         x = x.view(_INT_VIEW[x.element_size()])
-    return x.long()
+    return x.cpu().numpy()
 
 
 class _Layout:
-    """One codec's units and weights, and the unit sums of stored rows or of values about to be stored."""
+    """One codec's units and weights, and the unit sums of stored rows or of values about to be stored.
+
+    Sums are numpy ``einsum`` over integer views (no copy of the bytes, no int64 temporary): about
+    0.2 ms for a block of SmolLM2 (30 layers, 3 heads, 16 tokens, fp32), several times torch's.
+    Products and sums wrap modulo 2^64 alike on both sides, so the write side's sums equal the read side's.
+    """
 
     def __init__(self, codec: Any, num_layers: int, num_heads: int) -> None:
         self.codec = codec
+        self.num_layers = num_layers
         self.regions = _regions(codec)
         self.num_pos = codec.block_size
         self.num_groups = next((r.count for r in self.regions if r.group), 0)
         self.tokens_per_group = codec.block_size // self.num_groups if self.num_groups else 0
         self._w = {r.name: _odd_weights((num_heads, r.width), i) for i, r in enumerate(self.regions)}
-        self._w_dev: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    def weights(self, device: torch.device) -> dict[str, torch.Tensor]:
-        w = self._w_dev.get(device)
-        if w is None:
-            w = self._w_dev[device] = {k: v.to(device) for k, v in self._w.items()}
-        return w
+    def stored_units(self, rows: Sequence[torch.Tensor]) -> np.ndarray:
+        """``(n, L, U)`` unit sums of stored blocks, each ``(L, H, R)`` in the arena dtype (views of the
+        arena: one block at a time, read in place)."""
+        out = np.zeros((len(rows), self.num_layers, self.num_pos + self.num_groups), dtype=np.int64)
+        for i, row in enumerate(rows):
+            raw = _as_ints(row.view(torch.uint8))  # (L, H, R bytes)
+            L, H = raw.shape[:2]
+            for r in self.regions:
+                part = raw[..., r.offset: r.offset + r.count * r.width * r.itemsize]
+                if r.itemsize > 1:
+                    part = part.view(_NP_INT[r.itemsize])
+                sums = np.einsum("lhcw,hw->lc", part.reshape(L, H, r.count, r.width), self._w[r.name])
+                if r.group:
+                    out[i, :, self.num_pos:] += sums
+                else:
+                    out[i, :, : self.num_pos] += sums
+        return out
 
-    def stored_units(self, rows: torch.Tensor) -> np.ndarray:
-        """``(n, L, U)`` unit sums of stored blocks ``rows`` ``(n, L, H, R)`` in the arena dtype."""
-        raw = rows.view(torch.uint8)  # (n, L, H, R bytes)
-        n, L = raw.shape[:2]
-        w = self.weights(raw.device)
-        out = torch.zeros((n, L, self.num_pos + self.num_groups), dtype=torch.int64, device=raw.device)
-        for r in self.regions:
-            part = raw[..., r.offset: r.offset + r.count * r.width * r.itemsize].contiguous()
-            if r.itemsize > 1:
-                part = part.view(_INT_VIEW[r.itemsize])
-            x = part.unflatten(-1, (r.count, r.width)).long()  # (n, L, H, count, width)
-            sums = (x * w[r.name][:, None, :]).sum(dim=(2, 4))  # (n, L, count)
-            if r.group:
-                out[..., self.num_pos:] += sums
-            else:
-                out[..., : self.num_pos] += sums
-        return out.cpu().numpy()
-
-    def part_units(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def part_units(self, parts: dict[str, torch.Tensor]) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Unit sums of values about to be stored: ``parts[name]`` is ``(..., N, H, width)`` per token, or
         ``(..., G, H, width)`` per key group; returns ``(..., N)`` token sums and ``(..., G)`` group sums."""
-        w = self.weights(next(iter(parts.values())).device)
         pos = grp = None
         for r in self.regions:
             x = parts.get(r.name)
@@ -152,7 +151,7 @@ class _Layout:
                 continue
             if self.codec.native:
                 x = x.to(self.codec.arena_dtype)  # what the arena holds: K/V rounded to its dtype
-            sums = (_ints(x) * w[r.name]).sum(dim=(-1, -2))
+            sums = np.einsum("...hw,hw->...", _as_ints(x), self._w[r.name])
             if r.group:
                 grp = sums if grp is None else grp + sums
             else:
@@ -233,15 +232,15 @@ class DigestBook:
                 continue  # not every layer was stored: these tokens get no record
             first = st.layers[0]
             if isinstance(first, tuple):
-                pos = torch.stack([st.layers[i][0] for i in range(L)]) if first[0] is not None else None
-                grp = torch.stack([st.layers[i][1] for i in range(L)]) if first[1] is not None else None
+                pos = np.stack([st.layers[i][0] for i in range(L)]) if first[0] is not None else None
+                grp = np.stack([st.layers[i][1] for i in range(L)]) if first[1] is not None else None
             else:
                 stacked = {name: torch.stack([st.layers[i][name] for i in range(L)]) for name in first}
                 pos, grp = self.layouts[st.codec].part_units(stacked)  # (L, N), (L, G)
             for sums, ids, table in ((pos, st.slots, self._pos), (grp, st.groups, self._grp)):
                 if sums is None or ids is None:
                     continue
-                arr = sums.cpu().numpy()
+                arr = np.ascontiguousarray(sums)
                 for col, flat in enumerate(ids.tolist()):
                     table[flat] = (arr, col)  # a later store to the same slot wins, as in the arena
 
@@ -282,7 +281,7 @@ class DigestBook:
     def _digest(self, units: np.ndarray, filled: int, layout: _Layout) -> int:
         mix = self._mix.get(units.shape[1])
         if mix is None:
-            mix = self._mix[units.shape[1]] = _odd_weights(units.shape, 1 << 20).numpy()
+            mix = self._mix[units.shape[1]] = _odd_weights(units.shape, 1 << 20)
         total = int((units[:, :filled] * mix[:, :filled]).sum())  # numpy wraps the products and the sum
         if layout.num_groups:
             g = layout.num_pos + (filled - 1) // layout.tokens_per_group + 1
@@ -321,7 +320,7 @@ class DigestBook:
                 todo.setdefault(b.codec, []).append(i)
         for codec, idx in todo.items():
             layout = self.layouts[codec]
-            units = layout.stored_units(torch.stack([rows[i] for i in idx]))  # (n, L, U)
+            units = layout.stored_units([rows[i] for i in idx])  # (n, L, U)
             for i, u in zip(idx, units):
                 rec = blocks[i].digest
                 digests[i] = self._digest(u, rec.filled, layout)
@@ -342,7 +341,7 @@ class DigestBook:
             by_codec.setdefault(blocks[i].codec, []).append(i)
         for codec, group in by_codec.items():
             layout = self.layouts[codec]
-            units = layout.stored_units(torch.stack([rows[i] for i in group]))
+            units = layout.stored_units([rows[i] for i in group])
             for i, u in zip(group, units):
                 b = blocks[i]
                 b.digest = BlockRecord(u.copy(), b.digest.filled, codec)

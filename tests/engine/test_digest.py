@@ -11,6 +11,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_support import Recorder, tiny_config
 from kvdoctor.checks import make_suite
@@ -85,6 +87,31 @@ def test_a_read_digest_is_the_write_digest_of_the_same_bytes(make_cache):
         rec2.cache.store(layer, slots, k.flip(0), v.flip(0))
     rec2.cache.commit("a")
     assert rec2.kinds("write")[0].digest != w.digest
+
+
+@settings(max_examples=40, deadline=None)
+@given(codec=st.sampled_from([None, "fp16", "bf16", "int8", "nf4"]), layer=st.integers(0, 1), head=st.integers(0, 1),
+       pos=st.integers(0, 2), element=st.integers(0, 3), bit=st.integers(0, 7))
+def test_any_flipped_bit_of_a_written_value_is_found_at_its_layer(tmp_path_factory, codec, layer, head, pos, element, bit):
+    # GIVEN a block holding three written tokens under any codec
+    rec = Recorder(PagedKVCache(tiny_config(codec=codec, calibration=CAL, verify="full",
+                                            disk_dir=str(tmp_path_factory.mktemp("d")))))
+    rec.add("a", 3)
+    cache = rec.cache
+    blk = cache.seqs["a"].blocks[0]
+    # WHEN one bit of one byte of token ``pos``'s V flips where it is stored
+    c = cache.codecs[blk.codec]
+    if c.native:
+        start = (c.block_size + pos) * c.head_dim * c.arena_dtype.itemsize  # V follows the block's K
+    else:
+        width = c._regions["v"][1] // c.block_size
+        start = c._regions["v"][0] + pos * width
+    cache._raw(blk)[layer, head].view(torch.uint8)[start + element] ^= 1 << bit
+    cache.emit_read("a")
+    # THEN the read's digest differs from the write's, and the first differing layer is the one hit
+    (w,), (r,) = rec.kinds("write"), rec.kinds("read")
+    assert r.digests[0] != w.digest and r.digest_layers == [layer]
+    cache.close()
 
 
 def test_sampled_reads_verify_one_block_of_every_nth_read_in_turn(make_cache):
