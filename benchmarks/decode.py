@@ -8,7 +8,11 @@ run decodes the same number of tokens:
 - batch 8: eight prompts of different lengths, continuously batched by the runner and
   left-padded into one batch for transformers;
 - events: the runner with events off (nobody listening: no statistics, no trace) against
-  every event, attention statistics included, written to a trace file.
+  every event, attention statistics included, written to a trace file;
+- digests: with every event on, whole runs with content digests off against the sampled
+  default and against full verification (every read), paired ABBA like the speed comparison.
+  Alternating events off/on step by step cannot measure digests: a step with nobody listening
+  leaves the blocks it writes without a record, so the next listened step has little to verify.
 
 Decode tokens/s counts the tokens generated after the first one, over the time after
 the first token (prefill excluded), by the wall clock and by this process's CPU time
@@ -20,7 +24,7 @@ batch (off, on, on, off, …) and reports the median extra time of a listened st
 neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
-        [--event-runs 2] [--event-tokens 64] [--mixed-outputs] [--no-pack] [--json]
+        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--json]
 """
 
 from __future__ import annotations
@@ -138,6 +142,31 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
     return {k: v[:n] for k, v in times.items()}
 
 
+def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
+                   mode: str, pairs: int) -> dict[str, Any]:
+    """Whole decode runs with every event on, content digests off (a) against ``mode`` (b), ABBA."""
+
+    def with_mode(m: str) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            runner.cache.digests.mode = m
+            runner.bus.subscribe(sink)
+            try:
+                return runner_decode(runner, prompts, [new_tokens] * len(prompts))
+            finally:
+                runner.bus.unsubscribe(sink)
+        return run
+
+    before = runner.cache.digests.mode
+    try:
+        out = paired(with_mode("off"), with_mode(mode), pairs)
+    finally:
+        runner.cache.digests.mode = before
+    # tokens/s ratio b/a -> extra time per token of b
+    return {clock: {"off_tok_s": v["a"], f"{mode}_tok_s": v["b"], "overhead": round(1 / v["ratio"] - 1, 4),
+                    "overhead_q1": round(1 / v["ratio_q3"] - 1, 4), "overhead_q3": round(1 / v["ratio_q1"] - 1, 4)}
+            for clock, v in out.items()}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -175,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="transformers/runner pairs per case")
     ap.add_argument("--event-runs", type=int, default=2, help="batch-8 runs alternating events off/on step by step")
     ap.add_argument("--event-tokens", type=int, default=64, help="tokens per request in each events run")
+    ap.add_argument("--digest-pairs", type=int, default=3,
+                    help="ABBA pairs of whole runs per digest comparison (off vs sample, off vs full; 0 skips)")
+    ap.add_argument("--only-events", action="store_true", help="skip the transformers speed comparison")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batch-lengths", default="24,40,56,72,88,104,120,136",
                     help="prompt lengths of the batch-8 run (comma separated)")
@@ -214,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"model": lm.name, "new_tokens": N, "threads": torch.get_num_threads(),
                                "repeats": args.repeats, "batch8_prompt_lengths": lengths,
                                "packed_weights": not args.no_pack, "load_before": os.getloadavg()[0]}
-    for name, prompts, budgets in scenarios:
+    for name, prompts, budgets in scenarios if not args.only_events else ():
         r = paired(lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
         results[name] = {clock: {"transformers": v["a"], "runner": v["b"], "speedup": v["ratio"],
@@ -234,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             results[name][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(on), 2),
                                     "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
                                     "overhead_q3": round(hi, 4)}
+    for name, prompts in (("digests_batch1", batch1), ("digests_batch8", batch8)) if args.digest_pairs else ():
+        for mode in ("sample", "full"):
+            results[f"{name}_{mode}"] = digests_paired(runner, writer.write_many, prompts, E, mode, args.digest_pairs)
     writer.close()
     results["event_tokens"] = E
     results["trace_bytes"] = os.path.getsize(trace_path)
@@ -243,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
-    for name, _, _ in scenarios:
+    for name, _, _ in scenarios if not args.only_events else ():
         for clock in ("cpu", "wall"):
             r = results[name][clock]
             print(f"{name} ({clock} clock): transformers {r['transformers']:.2f} tok/s, runner {r['runner']:.2f} tok/s, "
@@ -255,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} on vs off ({clock} clock): step {r['off_ms']:.1f} ms off, {r['on_ms']:.1f} ms on, "
                   f"overhead {100 * r['overhead']:+.1f}% (median of {results[name]['pairs']} neighbouring step "
                   f"pairs; quartiles {100 * r['overhead_q1']:+.1f}% to {100 * r['overhead_q3']:+.1f}%)")
+    for name in ("digests_batch1", "digests_batch8") if args.digest_pairs else ():
+        for mode in ("sample", "full"):
+            for clock in ("cpu", "wall"):
+                r = results[f"{name}_{mode}"][clock]
+                print(f"{name} {mode} vs off, every event on ({clock} clock): {r['off_tok_s']:.2f} -> "
+                      f"{r[mode + '_tok_s']:.2f} tok/s, overhead {100 * r['overhead']:+.1f}% (median of "
+                      f"{args.digest_pairs} whole-run pairs; quartiles {100 * r['overhead_q1']:+.1f}% to "
+                      f"{100 * r['overhead_q3']:+.1f}%)")
     print(f"peak RSS {results['peak_rss_mb']} MB, threads {results['threads']}, new tokens {N}, "
           f"trace {results['trace_bytes']} bytes, load average {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0
