@@ -9,8 +9,11 @@ run decodes the same number of tokens:
   left-padded into one batch for transformers;
 - events: the runner with events off (nobody listening: no statistics, no trace) against
   every event, attention statistics included, written to a trace file;
-- digests: with every event on, whole runs with content digests off against the sampled
-  default and against full verification (every read), paired ABBA like the speed comparison.
+- digests: with every event on, the CPU time spent inside the content-digest code (staging at
+  ``store``, folding and booking at ``commit``, verifying reads and swaps), timed around its
+  entry points with the timers' own cost subtracted, as a share of the decode steps' CPU time,
+  for the sampled default and for full verification (every read); and, as a cross-check, whole
+  runs with digests off against each mode, paired ABBA like the speed comparison (noisier).
   Alternating events off/on step by step cannot measure digests: a step with nobody listening
   leaves the blocks it writes without a record, so the next listened step has little to verify.
 
@@ -142,6 +145,58 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
     return {k: v[:n] for k, v in times.items()}
 
 
+def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
+                 mode: str) -> dict[str, Any]:
+    """CPU time inside the digest code per decode step, and its share of the step, with every event on."""
+    from kvdoctor.engine.scheduler import Request, Scheduler
+
+    book, tiers = runner.cache.digests, runner.cache.tiers
+    spent = [0.0, 0]  # CPU seconds inside, calls
+    clock = time.process_time
+
+    def timed(f: Callable[..., Any]) -> Callable[..., Any]:
+        def g(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[0] += clock() - t0
+                spent[1] += 1
+        return g
+
+    # what the timer itself adds to each timed interval, to subtract: the same wrapper around a no-op
+    noop = timed(lambda: None)
+    for _ in range(20000):
+        noop()
+    per_call = spent[0] / spent[1]
+    wrapped = {(book, "stage"), (book, "record_write"), (tiers, "verify"), (tiers, "retake")}
+    originals = {(o, n): getattr(o, n) for o, n in wrapped}
+    before = book.mode
+    book.mode = mode
+    runner.bus.subscribe(sink)
+    try:
+        for o, n in wrapped:
+            setattr(o, n, timed(originals[(o, n)]))
+        sched = Scheduler(runner, max_batch=len(prompts))
+        for p in prompts:
+            sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
+        sched.step()  # prefill
+        spent[0] = spent[1] = 0
+        steps, t0 = 0, clock()
+        while sched.live:
+            sched.step()
+            steps += 1
+        total = clock() - t0
+    finally:
+        runner.bus.unsubscribe(sink)
+        for o, n in wrapped:
+            delattr(o, n)  # the instance attribute goes; the class's method shows again
+        book.mode = before
+    inside = max(spent[0] - spent[1] * per_call, 0.0)
+    return {"steps": steps, "step_ms": round(1e3 * total / steps, 2), "digest_ms": round(1e3 * inside / steps, 3),
+            "share": round(inside / total, 4), "calls_per_step": round(spent[1] / steps, 1)}
+
+
 def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
                    mode: str, pairs: int) -> dict[str, Any]:
     """Whole decode runs with every event on, content digests off (a) against ``mode`` (b), ABBA."""
@@ -268,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "overhead_q3": round(hi, 4)}
     for name, prompts in (("digests_batch1", batch1), ("digests_batch8", batch8)) if args.digest_pairs else ():
         for mode in ("sample", "full"):
+            results[f"{name}_{mode}_share"] = digest_share(runner, writer.write_many, prompts, E, mode)
             results[f"{name}_{mode}"] = digests_paired(runner, writer.write_many, prompts, E, mode, args.digest_pairs)
     writer.close()
     results["event_tokens"] = E
@@ -292,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"pairs; quartiles {100 * r['overhead_q1']:+.1f}% to {100 * r['overhead_q3']:+.1f}%)")
     for name in ("digests_batch1", "digests_batch8") if args.digest_pairs else ():
         for mode in ("sample", "full"):
+            r = results[f"{name}_{mode}_share"]
+            print(f"{name} {mode}: {r['digest_ms']:.3f} ms of CPU per step inside the digest code, "
+                  f"{100 * r['share']:.2f}% of a {r['step_ms']:.1f} ms step ({r['steps']} steps, "
+                  f"{r['calls_per_step']} timed calls a step)")
             for clock in ("cpu", "wall"):
                 r = results[f"{name}_{mode}"][clock]
                 print(f"{name} {mode} vs off, every event on ({clock} clock): {r['off_tok_s']:.2f} -> "

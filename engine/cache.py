@@ -351,7 +351,7 @@ class PagedKVCache:
         kv[blk, :, 0, off] = k.to(dtype)
         kv[blk, :, 1, off] = v.to(dtype)
         if digest:
-            self.digests.stage(id(meant), layer, self.codec.name, meant, {"k": k, "v": v})
+            self.digests.stage(id(meant), layer, self.codec.name, meant, (k, v))
 
     def _stage(self, key: Any, layer: int, codec: str, meant: torch.Tensor, parts: dict[str, torch.Tensor],
                base: int) -> None:
@@ -422,8 +422,7 @@ class PagedKVCache:
     def _row_off_by_one(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """row-off-by-one: the step's first token that is not its block's last row lands one row further."""
         bs = self.block_size
-        hit = self.faults.hit
-        if hit is None and self.faults.content_due(self.bus.step) and layer == 0:
+        if layer == 0 and self.faults.content_due(self.bus.step):
             inner = ((slots % bs) < bs - 1).nonzero()
             if inner.numel():
                 i = int(inner[0, 0])

@@ -98,7 +98,7 @@ class EngineConfig:
     # Content digests (engine.digest): verify "full" (every read), "sample" (one block of every
     # ``verify_every``-th read) or "off"; None: $KVDOCTOR_VERIFY, else "sample". Swaps are always verified.
     verify: str | None = None
-    verify_every: int = 8
+    verify_every: int = 16
     # How blocks are stored: one of codecs.CODECS (every tier), "mixed" (device; slower tiers at its high codec),
     # or per tier: {"device": "fp16", "host": "int8", "disk": "nf4"} or "device=fp16,host=int8,disk=nf4"
     # (a tier left out takes the next faster tier's). None: ``dtype`` as it is. Precision only goes down as

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -122,6 +122,7 @@ class _Layout:
         self.num_groups = next((r.count for r in self.regions if r.group), 0)
         self.tokens_per_group = codec.block_size // self.num_groups if self.num_groups else 0
         self._w = {r.name: _odd_weights((num_heads, r.width), i) for i, r in enumerate(self.regions)}
+        self._w_kv = np.stack([self._w["k"], self._w["v"]]) if codec.native else None  # (2, H, D)
 
     def stored_units(self, rows: Sequence[torch.Tensor]) -> np.ndarray:
         """``(n, L, U)`` unit sums of stored blocks, each ``(L, H, R)`` in the arena dtype (views of the
@@ -140,6 +141,12 @@ class _Layout:
                 else:
                     out[i, :, : self.num_pos] += sums
         return out
+
+    def kv_units(self, kv: torch.Tensor) -> np.ndarray:
+        """``(L, N)`` token sums of a native codec's K and V, given as ``(2L, N, H, D)`` (K, V of layer 0, …)."""
+        x = _as_ints(kv.to(self.codec.arena_dtype))  # what the arena holds: K/V rounded to its dtype
+        x = x.reshape(-1, 2, *x.shape[1:])  # (L, 2, N, H, D)
+        return np.einsum("lknhd,khd->ln", x, self._w_kv)
 
     def part_units(self, parts: dict[str, torch.Tensor]) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Unit sums of values about to be stored: ``parts[name]`` is ``(..., N, H, width)`` per token, or
@@ -172,9 +179,17 @@ class BlockRecord:
         return BlockRecord(self.units.copy(), self.filled, self.codec)
 
 
+class _Sums(NamedTuple):
+    """A store's unit sums, taken at once (a prefill: holding every layer's K/V until commit costs memory)."""
+
+    pos: np.ndarray | None
+    grp: np.ndarray | None
+
+
 @dataclass
 class _Staged:
-    """One store call's tokens (the same slots in every layer): per layer, parts or their unit sums."""
+    """One store call's tokens (the same slots in every layer): per layer, its K and V as a tuple (native
+    codecs, the hot path), the parts ``codec.write`` stored (a dict), or their unit sums (``_Sums``)."""
 
     codec: str
     slots: torch.Tensor  # (N,) flat tier slots ``slot * block_size + offset`` the tokens were meant for
@@ -185,8 +200,8 @@ class _Staged:
 class DigestBook:
     """Records of blocks (kept on ``Block.digest``), staged writes, and the read sampler."""
 
-    def __init__(self, config: Any, codecs: dict[str, Any], mode: str | None = None) -> None:
-        self.mode = resolve_verify(mode if mode is not None else config.verify)
+    def __init__(self, config: Any, codecs: dict[str, Any]) -> None:
+        self.mode = resolve_verify(config.verify)  # may be changed later (benchmarks switch it between runs)
         self.every = config.verify_every
         self.num_layers = config.num_layers
         self.block_size = config.block_size
@@ -204,23 +219,31 @@ class DigestBook:
 
     def end_step(self) -> None:
         """Forget the step's staged writes: a slot's units must never outlive the step that stored them."""
+        if not (self._staged or self._folded):
+            return
         self._staged.clear()
         self._pos.clear()
         self._grp.clear()
         self._folded = False
 
     # ---- writes ----
-    def stage(self, key: Any, layer: int, codec: str, slots: torch.Tensor, parts: dict[str, torch.Tensor],
+    def stage(self, key: Any, layer: int, codec: str, slots: torch.Tensor,
+              parts: dict[str, torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
               groups: torch.Tensor | None = None) -> None:
-        """Values ``store`` is about to write at layer ``layer``: ``parts`` as ``_Layout.part_units`` takes
-        them, meant for flat tier ``slots`` (and key ``groups``). ``key`` names the store call across layers."""
+        """Values ``store`` is about to write at layer ``layer``, meant for flat tier ``slots`` (and key
+        ``groups``): ``(k, v)`` of a native codec, or the parts ``codec.write`` returned. ``key`` names
+        the store call across layers."""
         if self._folded:  # a new round of stores after the last commit
             self.end_step()
         st = self._staged.get(key)
         if st is None:
             st = self._staged[key] = _Staged(codec, slots, groups, {})
         if slots.numel() > _STAGE_PARTS_MAX:  # a prefill: sum now rather than hold every layer's K/V
-            parts = self.layouts[codec].part_units(parts)
+            layout = self.layouts[codec]
+            if isinstance(parts, tuple):
+                parts = _Sums(layout.kv_units(torch.stack(parts)), None)
+            else:
+                parts = _Sums(*layout.part_units(parts))
         st.layers[layer] = parts
 
     def _fold(self) -> None:
@@ -231,9 +254,12 @@ class DigestBook:
             if sorted(st.layers) != list(range(L)):
                 continue  # not every layer was stored: these tokens get no record
             first = st.layers[0]
-            if isinstance(first, tuple):
-                pos = np.stack([st.layers[i][0] for i in range(L)]) if first[0] is not None else None
-                grp = np.stack([st.layers[i][1] for i in range(L)]) if first[1] is not None else None
+            if isinstance(first, _Sums):
+                pos = np.concatenate([st.layers[i].pos for i in range(L)]) if first.pos is not None else None
+                grp = np.stack([st.layers[i].grp for i in range(L)]) if first.grp is not None else None
+            elif isinstance(first, tuple):  # native K, V: one stack and one sum for every layer
+                pos = self.layouts[st.codec].kv_units(torch.stack([t for i in range(L) for t in st.layers[i]]))
+                grp = None
             else:
                 stacked = {name: torch.stack([st.layers[i][name] for i in range(L)]) for name in first}
                 pos, grp = self.layouts[st.codec].part_units(stacked)  # (L, N), (L, G)
