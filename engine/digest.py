@@ -44,10 +44,10 @@ import torch
 
 from .config import VERIFY_MODES
 
-__all__ = ["VERIFY_MODES", "VERIFY_ENV", "resolve_verify", "BlockRecord", "DigestBook"]
+__all__ = ["VERIFY_MODES", "VERIFY_ENV", "MASK64", "resolve_verify", "BlockRecord", "DigestBook"]
 
 VERIFY_ENV = "KVDOCTOR_VERIFY"
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1  # digests and the swap checksums (tiers) are 64-bit wrapping sums
 _SEED = 0x6B76646F63746F72  # "kvdoctor": the weights are fixed, so every run and producer agrees
 _STAGE_PARTS_MAX = 64  # tokens per store kept as tensors until commit; larger stores are summed at once
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -241,7 +241,7 @@ class DigestBook:
         if slots.numel() > _STAGE_PARTS_MAX:  # a prefill: sum now rather than hold every layer's K/V
             layout = self.layouts[codec]
             if isinstance(parts, tuple):
-                parts = _Sums(layout.kv_units(torch.stack(parts)), None)
+                parts = _Sums(layout.kv_units(torch.stack(parts))[0], None)  # (N,)
             else:
                 parts = _Sums(*layout.part_units(parts))
         st.layers[layer] = parts
@@ -255,7 +255,7 @@ class DigestBook:
                 continue  # not every layer was stored: these tokens get no record
             first = st.layers[0]
             if isinstance(first, _Sums):
-                pos = np.concatenate([st.layers[i].pos for i in range(L)]) if first.pos is not None else None
+                pos = np.stack([st.layers[i].pos for i in range(L)]) if first.pos is not None else None
                 grp = np.stack([st.layers[i].grp for i in range(L)]) if first.grp is not None else None
             elif isinstance(first, tuple):  # native K, V: one stack and one sum for every layer
                 pos = self.layouts[st.codec].kv_units(torch.stack([t for i in range(L) for t in st.layers[i]]))
@@ -312,7 +312,7 @@ class DigestBook:
         if layout.num_groups:
             g = layout.num_pos + (filled - 1) // layout.tokens_per_group + 1
             total += int((units[:, layout.num_pos: g] * mix[:, layout.num_pos: g]).sum())
-        return total & _MASK64
+        return total & MASK64
 
     def _valid(self, rec: BlockRecord, layout: _Layout) -> np.ndarray:
         """Columns of the record that hold written units."""

@@ -34,7 +34,7 @@ import torch
 from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
 from .bus import Bus
 from .codecs import Codec, lossier
-from .digest import DigestBook
+from .digest import MASK64, DigestBook
 from .config import TIER_NAMES, EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks
 from .faults import Faults
@@ -45,7 +45,6 @@ from .storage import Arena, TierArenas, runs
 __all__ = ["TierManager", "copy_slots"]
 
 _RANK = {t: i for i, t in enumerate(TIER_NAMES)}
-_MASK64 = (1 << 64) - 1
 
 
 _PIECE_BYTES = 1 << 20  # copy and checksum in pieces this size, so the checksum reads from cache
@@ -101,13 +100,13 @@ def _sum64(blocks: torch.Tensor) -> list[int]:
     """
     words = blocks.view(torch.int64).reshape(blocks.shape[0], -1)
     if words.is_cuda:
-        return [v & _MASK64 for v in words.sum(dim=1).tolist()]
+        return [v & MASK64 for v in words.sum(dim=1).tolist()]
     return _sum64_rows(words.numpy())
 
 
 def _sum64_rows(rows: np.ndarray) -> list[int]:
     """``_sum64`` of each row of a 2-D numpy array of whole blocks (any dtype, 8-byte multiple rows)."""
-    return [v & _MASK64 for v in np.add.reduce(rows.view(np.int64), axis=1).tolist()]
+    return [v & MASK64 for v in np.add.reduce(rows.view(np.int64), axis=1).tolist()]
 
 
 def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
