@@ -102,14 +102,15 @@ class IntegrityCheck(CheckBase):
             return NO_FINDINGS
         self._corrupt.add(block)
         if type(source) is Write:
-            made = (f"the last write into it (sequence {source.seq!r}, positions {source.pos}-"
-                    f"{source.pos + source.n - 1}, version {source.version}, step {source.step})")
+            where = (f"position {source.pos}" if source.n == 1
+                     else f"positions {source.pos}-{source.pos + source.n - 1}")
+            made = f"the last write into it (sequence {source.seq!r}, {where}, version {source.version}, step {source.step})"
         else:
             made = f"its re-encode at step {source.step}"
-        where = f" (first differing layer {layer})" if layer is not None else ""
+        first = f" (first differing layer {layer})" if layer is not None else ""
         return [self.finding(
             rule,
-            f"{what} block {block} with content digest {seen:#018x}, but {made} left {digest:#018x}{where}: "
+            f"{what} block {block} with content digest {seen:#018x}, but {made} left {digest:#018x}{first}: "
             f"its bytes changed without a write",
             seq=seq, block=block, layer=layer, step=ev.step, seen_digest=seen, expected_digest=digest,
             last_write=self.event_dict(source), tier=self.ledger.tier.get(block),

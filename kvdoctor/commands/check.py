@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "kvdoctor.demo", "--steps", str(args.steps)]
         if args.model:
             argv += ["--model", args.model]
+        if args.fault == "wrong-scale":
+            argv += ["--codec", "nf4"]  # the fault corrupts a dequantisation scale: the demo must store codes
         source = CommandSource(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
     else:
