@@ -8,7 +8,14 @@ run decodes the same number of tokens:
 - batch 8: eight prompts of different lengths, continuously batched by the runner and
   left-padded into one batch for transformers;
 - events: the runner with events off (nobody listening: no statistics, no trace) against
-  every event, attention statistics included, written to a trace file.
+  every event, attention statistics included, written to a trace file;
+- digests: with every event on, the time spent inside the content-digest code (staging at
+  ``store``, folding and booking at ``commit``, verifying reads and swaps), timed around its
+  entry points with the timers' own cost subtracted, as a share of the decode steps' time,
+  for the sampled default and for full verification (every read); and, as a cross-check, whole
+  runs with digests off against each mode, paired ABBA like the speed comparison (noisier).
+  Alternating events off/on step by step cannot measure digests: a step with nobody listening
+  leaves the blocks it writes without a record, so the next listened step has little to verify.
 
 Decode tokens/s counts the tokens generated after the first one, over the time after
 the first token (prefill excluded), by the wall clock and by this process's CPU time
@@ -20,7 +27,7 @@ batch (off, on, on, off, …) and reports the median extra time of a listened st
 neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
-        [--event-runs 2] [--event-tokens 64] [--mixed-outputs] [--no-pack] [--json]
+        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--json]
 """
 
 from __future__ import annotations
@@ -138,6 +145,85 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
     return {k: v[:n] for k, v in times.items()}
 
 
+def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
+                 mode: str) -> dict[str, Any]:
+    """Time inside the digest code per decode step, and its share of the step, with every event on."""
+    from kvdoctor.engine.scheduler import Request, Scheduler
+
+    book, tiers = runner.cache.digests, runner.cache.tiers
+    spent = [0.0, 0]  # seconds inside, calls
+    # the wall clock (a vDSO read, ~50 ns): the process CPU clock is a system call whose own cost, several
+    # times a timed call's, would swamp it; a section preempted by another process only inflates the figure
+    clock = time.perf_counter
+
+    def timed(f: Callable[..., Any]) -> Callable[..., Any]:
+        def g(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[0] += clock() - t0
+                spent[1] += 1
+        return g
+
+    # what the timer itself adds to each timed interval, to subtract: the same wrapper around a no-op
+    noop = timed(lambda: None)
+    for _ in range(20000):
+        noop()
+    per_call = spent[0] / spent[1]
+    wrapped = {(book, "stage"), (book, "record_write"), (tiers, "verify"), (tiers, "retake")}
+    originals = {(o, n): getattr(o, n) for o, n in wrapped}
+    before = book.mode
+    book.mode = mode
+    runner.bus.subscribe(sink)
+    try:
+        for o, n in wrapped:
+            setattr(o, n, timed(originals[(o, n)]))
+        sched = Scheduler(runner, max_batch=len(prompts))
+        for p in prompts:
+            sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
+        sched.step()  # prefill
+        spent[0] = spent[1] = 0
+        steps, t0 = 0, clock()
+        while sched.live:
+            sched.step()
+            steps += 1
+        total = clock() - t0
+    finally:
+        runner.bus.unsubscribe(sink)
+        for o, n in wrapped:
+            delattr(o, n)  # the instance attribute goes; the class's method shows again
+        book.mode = before
+    inside = max(spent[0] - spent[1] * per_call, 0.0)
+    return {"steps": steps, "step_ms": round(1e3 * total / steps, 2), "digest_ms": round(1e3 * inside / steps, 3),
+            "share": round(inside / total, 4), "calls_per_step": round(spent[1] / steps, 1)}
+
+
+def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
+                   mode: str, pairs: int) -> dict[str, Any]:
+    """Whole decode runs with every event on, content digests off (a) against ``mode`` (b), ABBA."""
+
+    def with_mode(m: str) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            runner.cache.digests.mode = m
+            runner.bus.subscribe(sink)
+            try:
+                return runner_decode(runner, prompts, [new_tokens] * len(prompts))
+            finally:
+                runner.bus.unsubscribe(sink)
+        return run
+
+    before = runner.cache.digests.mode
+    try:
+        out = paired(with_mode("off"), with_mode(mode), pairs)
+    finally:
+        runner.cache.digests.mode = before
+    # tokens/s ratio b/a -> extra time per token of b
+    return {clock: {"off_tok_s": v["a"], f"{mode}_tok_s": v["b"], "overhead": round(1 / v["ratio"] - 1, 4),
+                    "overhead_q1": round(1 / v["ratio_q3"] - 1, 4), "overhead_q3": round(1 / v["ratio_q1"] - 1, 4)}
+            for clock, v in out.items()}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -173,8 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a local checkpoint directory (default: the embedded SmolLM2)")
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens per request in the speed comparison")
     ap.add_argument("--repeats", type=int, default=5, help="transformers/runner pairs per case")
-    ap.add_argument("--event-runs", type=int, default=2, help="batch-8 runs alternating events off/on step by step")
+    ap.add_argument("--event-runs", type=int, default=2,
+                    help="batch-8 runs alternating events off/on step by step (0 skips the comparison)")
     ap.add_argument("--event-tokens", type=int, default=64, help="tokens per request in each events run")
+    ap.add_argument("--digest-pairs", type=int, default=0,
+                    help="also ABBA pairs of whole runs per digest comparison (off vs sample, off vs full): a "
+                    "cross-check, too noisy on a shared machine to resolve 1%% (default 0: skipped)")
+    ap.add_argument("--only-events", action="store_true", help="skip the transformers speed comparison")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batch-lengths", default="24,40,56,72,88,104,120,136",
                     help="prompt lengths of the batch-8 run (comma separated)")
@@ -214,14 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"model": lm.name, "new_tokens": N, "threads": torch.get_num_threads(),
                                "repeats": args.repeats, "batch8_prompt_lengths": lengths,
                                "packed_weights": not args.no_pack, "load_before": os.getloadavg()[0]}
-    for name, prompts, budgets in scenarios:
+    for name, prompts, budgets in scenarios if not args.only_events else ():
         r = paired(lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
         results[name] = {clock: {"transformers": v["a"], "runner": v["b"], "speedup": v["ratio"],
                                  "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]} for clock, v in r.items()}
     E = args.event_tokens
     writer = TraceWriter(trace_path, runner.cache.header())
-    for name, prompts in (("events_batch1", batch1), ("events_batch8", batch8)):
+    for name, prompts in (("events_batch1", batch1), ("events_batch8", batch8)) if args.event_runs else ():
         steps: dict[str, list[float]] = {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []}
         for _ in range(args.event_runs):
             for k, v in events_by_step(runner, writer.write_many, prompts, E).items():
@@ -234,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(on), 2),
                                     "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
                                     "overhead_q3": round(hi, 4)}
+    for name, prompts in (("digests_batch1", batch1), ("digests_batch8", batch8)):
+        for mode in ("sample", "full"):
+            results[f"{name}_{mode}_share"] = digest_share(runner, writer.write_many, prompts, E, mode)
+            if args.digest_pairs:
+                results[f"{name}_{mode}"] = digests_paired(runner, writer.write_many, prompts, E, mode,
+                                                           args.digest_pairs)
     writer.close()
     results["event_tokens"] = E
     results["trace_bytes"] = os.path.getsize(trace_path)
@@ -243,18 +340,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
-    for name, _, _ in scenarios:
+    for name, _, _ in scenarios if not args.only_events else ():
         for clock in ("cpu", "wall"):
             r = results[name][clock]
             print(f"{name} ({clock} clock): transformers {r['transformers']:.2f} tok/s, runner {r['runner']:.2f} tok/s, "
                   f"speedup {r['speedup']:.2f}x (median of {args.repeats} pairs; quartiles "
                   f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
-    for name in ("events_batch1", "events_batch8"):
+    for name in ("events_batch1", "events_batch8") if args.event_runs else ():
         for clock in ("cpu", "wall"):
             r = results[name][clock]
             print(f"{name} on vs off ({clock} clock): step {r['off_ms']:.1f} ms off, {r['on_ms']:.1f} ms on, "
                   f"overhead {100 * r['overhead']:+.1f}% (median of {results[name]['pairs']} neighbouring step "
                   f"pairs; quartiles {100 * r['overhead_q1']:+.1f}% to {100 * r['overhead_q3']:+.1f}%)")
+    for name in ("digests_batch1", "digests_batch8"):
+        for mode in ("sample", "full"):
+            r = results[f"{name}_{mode}_share"]
+            print(f"{name} {mode}: {r['digest_ms']:.3f} ms per step inside the digest code, "
+                  f"{100 * r['share']:.2f}% of a {r['step_ms']:.1f} ms step ({r['steps']} steps, "
+                  f"{r['calls_per_step']} timed calls a step)")
+            for clock in ("cpu", "wall") if args.digest_pairs else ():
+                r = results[f"{name}_{mode}"][clock]
+                print(f"{name} {mode} vs off, every event on ({clock} clock): {r['off_tok_s']:.2f} -> "
+                      f"{r[mode + '_tok_s']:.2f} tok/s, overhead {100 * r['overhead']:+.1f}% (median of "
+                      f"{args.digest_pairs} whole-run pairs; quartiles {100 * r['overhead_q1']:+.1f}% to "
+                      f"{100 * r['overhead_q3']:+.1f}%)")
     print(f"peak RSS {results['peak_rss_mb']} MB, threads {results['threads']}, new tokens {N}, "
           f"trace {results['trace_bytes']} bytes, load average {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0

@@ -22,6 +22,7 @@ from .attention import AttentionCheck, AttentionSettings
 from .base import CheckBase, CheckSuite, Rule
 from .batch import BatchCheck
 from .codec import CodecCheck
+from .integrity import IntegrityCheck
 from .leak import LeakCheck, LeakSettings
 from .ledger import Ledger
 from .prefix import PrefixCheck
@@ -30,11 +31,11 @@ from .stale import StaleCheck
 __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
-    "AccountingCheck", "CodecCheck", "PrefixCheck",
+    "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
-    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, PrefixCheck,
+    LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck, PrefixCheck,
 )
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
@@ -51,7 +52,7 @@ def make_suite(
     ledger = Ledger(history=history)
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
-        AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger),
+        AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger), IntegrityCheck(ledger),
         PrefixCheck(ledger),
     ]
     disabled = set(disabled)

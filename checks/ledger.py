@@ -69,6 +69,13 @@ class Ledger:
 
     # ---- reading --------------------------------------------------------------------
 
+    def owner(self, block: int) -> Any:
+        """One owner of ``block`` to name in a finding (the first by name when it is shared), or None."""
+        owners = self.owners.get(block)
+        if not owners:
+            return None
+        return next(iter(owners)) if len(owners) == 1 else sorted(owners, key=str)[0]
+
     def block_history(self, block: int) -> list[dict]:
         """The block's story as event dicts: its ``alloc`` first, then its latest events
         (for a freed id, the story of its last life, ending with the ``free``/``evict``)."""

@@ -60,7 +60,7 @@ class StaleCheck(CheckBase):
         if last is None or ev.version >= last:
             return NO_FINDINGS
         rule = "stale-swap-in" if type(ev) is SwapIn else "stale-swap-out"
-        return self._stale(rule, ev, ev.block, ev.version, last, seq=self._owner(ev.block))
+        return self._stale(rule, ev, ev.block, ev.version, last, seq=self.ledger.owner(ev.block))
 
     def _stale(self, rule: str, ev, block: int, seen: int, last: int, *, seq) -> Sequence[Finding]:
         if not self.once(rule, block, last):
@@ -118,9 +118,3 @@ class StaleCheck(CheckBase):
             f"it must exceed {state.version} so that copies from before the rollback look stale",
             seq=ev.seq, step=ev.step, previous_version=state.version, events=[self.event_dict(ev)],
         )]
-
-    def _owner(self, block: int):
-        owners = self.ledger.owners.get(block)
-        if not owners:
-            return None
-        return next(iter(owners)) if len(owners) == 1 else sorted(owners, key=str)[0]

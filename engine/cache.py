@@ -41,6 +41,7 @@ from ..events import Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, Ti
 from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
+from .digest import DigestBook
 from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
@@ -83,6 +84,10 @@ class PagedKVCache:
         self.codecs = {c: make_codec(c, config.block_size, config.head_dim, config.dtype, config.calibration)
                        for c in config.block_codecs}
         self.codec = self.codecs[config.tier_codec(Tier.DEVICE)]  # the device's own: new blocks are stored in it
+        if self.faults.content == "wrong-scale" and self.codec.native:
+            raise ValueError(f"the wrong-scale fault needs a quantized device codec (int8 or nf4), not {self.codec.name}")
+        self.digests = DigestBook(config, self.codecs)
+        self._stale_bytes: tuple[Block, torch.Tensor] | None = None  # stale-slot fault: the bytes a write must not replace
         self._closed = True  # until every arena exists, close() has nothing to undo
         self.tier_arenas: dict[str, TierArenas] = {}
         try:
@@ -109,7 +114,7 @@ class PagedKVCache:
         self.tiers = TierManager(
             config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
             protected=self._is_protected, evictable=self._is_evictable, evict=self._evict,
-            distance=self._distance, clock=lambda: self._tick,
+            distance=self._distance, clock=lambda: self._tick, digests=self.digests,
         )
         self._writer: Any = None
         self._attached: list[Any] = []  # what the hooks attached; each has detach()
@@ -282,6 +287,8 @@ class PagedKVCache:
             tail.checksum = None  # its bytes are about to change
         for i in range(first_new, first_new + num_new):
             s.blocks.append(self.pool.alloc(Tier.DEVICE, seq, i))
+            if self.faults.content == "stale-slot":
+                self._stale_slot(s.blocks[-1], seq)
         s.index_cache = None
         writes: list[tuple[Block, int, int]] = []
         slots: list[int] = []
@@ -316,6 +323,7 @@ class PagedKVCache:
         src, s_ = self._devs.at(shared.slot)
         dst.view(d, 1).copy_(src.view(s_, 1))
         own.version = shared.version
+        own.digest = shared.digest.copy() if shared.digest is not None else None
         own.last_access = self._tick
         s.blocks[-1] = own
         self._free_or_keep(shared, s.id, emit_release=True)
@@ -323,27 +331,47 @@ class PagedKVCache:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``, ``v`` (each ``(N, H_kv, D)``) for one layer at ``slots`` from ``reserve``
-        (encoded by the codec when it quantizes)."""
+        (encoded by the codec when it quantizes). While someone listens, what was meant for each slot is
+        staged for the blocks' digests (``commit`` books it)."""
+        meant = slots
+        if self.faults.row_off_by_one:
+            slots = self._row_off_by_one(layer, slots)
         blk, off = slots // self.block_size, slots % self.block_size
+        digest = self.bus.enabled and self.digests.recording
         if self._dev_slots.used_by[0] != self._dev_slots.used:  # some device blocks are in other codecs' arenas
-            self._store_mixed(layer, blk, off, k, v)
+            self._store_mixed(layer, blk, off, k, v, meant if digest else None)
             return
         if not self.codec.native:
-            self.codec.write(self._dev.data[:, layer], layer, blk, off, k, v)
+            parts = self.codec.write(self._dev.data[:, layer], layer, blk, off, k, v)
+            if digest:
+                self._stage(id(meant), layer, self.codec.name, meant, parts, 0)
             return
         kv = self._layer_kv(layer)  # (P, H, 2, bs, D)
         dtype = kv.dtype
         kv[blk, :, 0, off] = k.to(dtype)
         kv[blk, :, 1, off] = v.to(dtype)
+        if digest:
+            self.digests.stage(id(meant), layer, self.codec.name, meant, (k, v))
 
-    def _store_mixed(self, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _stage(self, key: Any, layer: int, codec: str, meant: torch.Tensor, parts: dict[str, torch.Tensor],
+               base: int) -> None:
+        """Stage what ``codec.write`` stored; its key groups are numbered in the arena, ``base`` its first slot."""
+        groups = parts.pop("groups", None)
+        if groups is not None:
+            groups = groups + base * self.codecs[codec].key_groups
+        self.digests.stage(key, layer, codec, meant, parts, groups)
+
+    def _store_mixed(self, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meant: torch.Tensor | None) -> None:
         """``store`` when the device holds blocks in several codecs: each token encoded by its block's."""
         where = blk >> self._devs.shift
         for i in where.unique().tolist():
             sel = (where == i).nonzero().squeeze(1)
             arena = self._devs.get(i)
             local = blk[sel] & self._devs.mask
-            self.codecs[arena.codec].write(arena.data[:, layer], layer, local, off[sel], k[sel], v[sel])
+            parts = self.codecs[arena.codec].write(arena.data[:, layer], layer, local, off[sel], k[sel], v[sel])
+            if meant is not None:
+                self._stage((id(meant), i), layer, arena.codec, meant[sel], parts, self._devs.slot(i, 0))
 
     def commit(self, seq: Any, n: int | None = None) -> None:
         """The first ``n`` reserved tokens (default: all) are stored in every layer: advance the
@@ -361,14 +389,86 @@ class PagedKVCache:
             s.version += m  # every write advances the version, so a stale copy shows up as an older one
             b.version = s.version
             b.checksum = None
+            digest = None
+            if self.bus.enabled and self.digests.recording:
+                digest = self.digests.record_write(b, pos, m)
+            else:
+                b.digest = None  # its bytes changed unrecorded: nothing to verify them against from now on
             if self.bus.enabled:
-                self.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version)
+                self.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version, digest=digest)
+        if self.faults.content is not None:
+            self._corrupt_after_write(s)
         s.length += n
         s.pending = 0
         s.writes = []
         self._drop_tail(s, emit_release=True)
         if self.config.mixed:
             self._demote_unimportant(s)
+
+    # ---- content faults (engine.faults): the bytes go wrong, the events stay right ----
+    def _raw(self, b: Block) -> torch.Tensor:
+        """``(L, H, R)`` view of a device block's stored row, in its arena's dtype."""
+        arena, local = self._devs.at(b.slot)
+        return arena.view(local, 1)[0]
+
+    def _stale_slot(self, b: Block, seq: Any) -> None:
+        """stale-slot: a block given a slot some earlier block used keeps that block's bytes (restored at commit)."""
+        used = self.faults.used_slots
+        if b.slot in used and self.faults.content_due(self.bus.step):
+            self.faults.fired(b.id, seq, None, self.bus.step)
+            self._stale_bytes = (b, self._raw(b).clone())
+        used.add(b.slot)
+
+    def _row_off_by_one(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """row-off-by-one: the step's first token that is not its block's last row lands one row further."""
+        bs = self.block_size
+        if layer == 0 and self.faults.content_due(self.bus.step):
+            inner = ((slots % bs) < bs - 1).nonzero()
+            if inner.numel():
+                i = int(inner[0, 0])
+                b, seq = next(((b, q) for q in self._reserved for b, _, _ in self.seqs[q].writes
+                               if b.slot == int(slots[i]) // bs), (None, None))
+                if b is not None:
+                    self.faults.fired(b.id, seq, None, self.bus.step)
+                    self.faults.shift = (int(slots[i]), self.bus.step)
+        shift = self.faults.shift
+        if shift is None or shift[1] != self.bus.step:
+            return slots
+        moved = slots.clone()
+        moved[slots == shift[0]] += 1
+        return moved
+
+    def _corrupt_after_write(self, s: Sequence) -> None:
+        """The content faults that strike right after ``s``'s write (see ``engine.faults``)."""
+        f, step = self.faults, self.bus.step
+        stale = self._stale_bytes
+        if stale is not None and any(b is stale[0] for b, _, _ in s.writes):
+            self._raw(stale[0]).copy_(stale[1])  # the write never landed: the previous block's bytes stay
+            self._stale_bytes = None
+        if not f.content_due(step) or not s.writes:
+            return
+        first, layer = s.blocks[0], f.corrupt_layer
+        if f.content == "overwrite-foreign":
+            other = next((q.blocks[-1] for q in self.seqs.values() if q is not s and q.blocks
+                          and q.blocks[-1].tier == Tier.DEVICE and q.blocks[-1].codec == first.codec
+                          and q.blocks[-1] not in s.blocks), None)
+            if other is None or first.tier != Tier.DEVICE:
+                return
+            self._raw(first).copy_(self._raw(other))
+            f.fired(first.id, s.id, None, step)
+        elif f.content == "wrong-scale":
+            b, pos, _ = s.writes[-1]
+            codec = self.codecs[b.codec]
+            if codec.native:
+                return
+            codec.scales(self._raw(b)[layer])[:, pos % self.block_size] *= 2  # (H, width) of the token
+            f.fired(b.id, s.id, layer, step)
+        elif f.content == "bit-flip":
+            if first.tier != Tier.DEVICE:
+                return
+            row = self._raw(first)[layer, 0].view(torch.uint8)  # (R bytes) of head 0
+            row[self._raw(first).element_size() - 1] ^= 0x40  # a high bit of element 0: exponent, or a code bit
+            f.fired(first.id, s.id, layer, step)
 
     # ---- mixed resolution ----
     def _demote_unimportant(self, s: Sequence) -> None:
@@ -405,13 +505,17 @@ class PagedKVCache:
         index = self._devs.index(codec)
         for src, group in todo.items():
             slots = self.tiers._take(Tier.DEVICE, [index] * len(group))
+            before, bad = self.tiers.verify(group)  # the bytes about to be re-encoded, against their record
             sums = self.tiers.recode(Tier.DEVICE, [b.slot for b in group], src, Tier.DEVICE, slots, codec)
             for b, slot, c in zip(group, slots, sums):
                 b.codec, b.checksum = codec, c
                 self.pool.move(b, Tier.DEVICE, slot)  # the high slot goes back to its arena's free list
                 self.num_recodes += 1
-                if self.bus.enabled:
-                    self.bus.emit(Recode, block=b.id, tier=Tier.DEVICE, src_codec=src, dst_codec=codec, version=b.version)
+            after = self.tiers.retake(group)
+            if self.bus.enabled:
+                for b, d, layer, new in zip(group, before, bad, after):
+                    self.bus.emit(Recode, block=b.id, tier=Tier.DEVICE, src_codec=src, dst_codec=codec,
+                                  version=b.version, digest=d, digest_layer=layer, new_digest=new)
 
     def _drop_tail(self, s: Sequence, *, emit_release: bool) -> None:
         """Let go of blocks wholly past the sequence's length (after a short commit or a rollback)."""
@@ -580,12 +684,23 @@ class PagedKVCache:
             return
         s = self._seq(seq)
         if blocks is None:
-            ids = [b.id for b in s.blocks]
-            versions = [b.version for b in s.blocks]
+            read = s.blocks
+            ids = [b.id for b in read]
+            versions = [b.version for b in read]
         else:
             ids = list(blocks)
-            versions = [self.pool.blocks[i].version if i in self.pool.blocks else -1 for i in ids]
-        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer)
+            read = [self.pool.blocks.get(i) for i in ids]
+            versions = [b.version if b is not None else -1 for b in read]
+        digests = layers = None
+        chosen = [i for i in self.digests.sample(read) if read[i] is not None]
+        if chosen:
+            got, bad = self.tiers.verify([read[i] for i in chosen])
+            digests, layers = [None] * len(ids), [None] * len(ids)
+            for i, d, lay in zip(chosen, got, bad):
+                digests[i], layers[i] = d, lay
+            if not any(lay is not None for lay in layers):
+                layers = None
+        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers)
 
     def observe_attention(self, seq: Any, layer: int | None, block_scores: Seq[float] | torch.Tensor) -> None:
         """Feed the hybrid policy: attention mass of ``seq``'s newest query on each of its blocks
@@ -659,6 +774,7 @@ class PagedKVCache:
                 self.bus.emit(Usage, tier=t, used_blocks=used, capacity_blocks=ts.capacity,
                               bytes=self._used_bytes(t) - landing_bytes[t])
         self.bus.end_step(num_tokens)
+        self.digests.end_step()
         self._pinned.clear()
         self._reserved.clear()
 

@@ -269,29 +269,46 @@ class Codec:
         return part.unflatten(-1, shape)
 
     # ---- tokens in, rows out ----
+    @property
+    def key_groups(self) -> int:
+        """Key groups per block (nf4 encodes keys per group of tokens); 0 for the other codecs."""
+        return self.block_size // _key_tokens(self.block_size) if self.name == "nf4" else 0
+
+    def scales(self, rows: torch.Tensor) -> torch.Tensor:
+        """The per-token dequantisation scales of byte rows ``(..., R)``: ``(..., block_size, width)`` FP16."""
+        off, n = self._regions["vs"]
+        return self._region(rows, "vs", torch.float16, self.block_size, n // self.block_size // 2)
+
     def write(self, rows: torch.Tensor, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Encode tokens ``k``, ``v`` (N, H, D) into rows ``(P, H, R)`` of one layer at block ``blk``, offset ``off``."""
+              v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Encode tokens ``k``, ``v`` (N, H, D) into rows ``(P, H, R)`` of one layer at block ``blk``, offset ``off``.
+
+        Returns what was stored, as ``digest`` counts it: per token ``(N, H, width)`` by region name, and for
+        nf4 the re-encoded key groups ``"k"``/``"kr"`` ``(G, H, width)`` with their ``"groups"`` ``(G,)``
+        (``blk * key_groups + group``)."""
         bs, D = self.block_size, self.head_dim
         if self.native:
             kv = rows[..., : 2 * bs * D].unflatten(-1, (2, bs, D))  # (P, H, 2, bs, D)
             kv[blk, :, 0, off] = k.to(rows.dtype)
             kv[blk, :, 1, off] = v.to(rows.dtype)
-            return
+            return {"k": k, "v": v}
         if self.name == "nf4":
-            self._write_nf4_keys(rows, blk, off, k)
+            stored = self._write_nf4_keys(rows, blk, off, k)
             vc, vs = _nf4_encode(_rotate(v.float()), _nf4_group(D))  # (N, H, D/2), (N, H, G)
             self._region(rows, "v", torch.uint8, bs, D // 2)[blk, :, off] = vc
             self._region(rows, "vs", torch.float16, bs, vs.shape[-1])[blk, :, off] = vs
-            return
+            return {**stored, "v": vc, "vs": vs}
         parts = self.encode(k[:, :, None], v[:, :, None], torch.full_like(blk, layer))  # each (N, H, 1, ...)
         for name, val in parts.items():
             dst = self._region(rows, name, val.dtype, bs, val.shape[-1])  # (P, H, bs, width)
             dst[blk, :, off] = val[:, :, 0]
+        return {name: val[:, :, 0] for name, val in parts.items()}
 
-    def _write_nf4_keys(self, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor) -> None:
+    def _write_nf4_keys(self, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor
+                        ) -> dict[str, torch.Tensor]:
         """Keys ``k`` (N, H, D) into their key groups: each group a token lands in is decoded, gets the new
-        keys, and is encoded again over the tokens it holds (up to the newest one written)."""
+        keys, and is encoded again over the tokens it holds (up to the newest one written). Returns the
+        groups as stored (see ``write``)."""
         bs, D = self.block_size, self.head_dim
         tg = _key_tokens(bs)
         P, H = rows.shape[:2]
@@ -307,6 +324,7 @@ class Codec:
         c, r = _key_encode(x, valid[:, None, :, None])
         codes[gb, :, gi] = c
         ranges[gb, :, gi] = r
+        return {"k": c.flatten(-2), "kr": r.flatten(-2), "groups": uniq}  # (G, H, tg*D/2), (G, H, 2D), (G,)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, layers: torch.Tensor) -> dict[str, torch.Tensor]:
         """Quantize ``k``, ``v`` (n, H, T, D) of the given layers (n,) into the regions' contents, each (n, H, T, width)."""

@@ -16,7 +16,9 @@ from typing import Any
 
 from .faults import FAULTS
 
-__all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED"]
+VERIFY_MODES = ("off", "sample", "full")  # content digests: see engine.digest
+
+__all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED", "VERIFY_MODES"]
 
 
 class Tier(StrEnum):
@@ -93,6 +95,10 @@ class EngineConfig:
     disk_dir: str | None = None  # parent of the private spill directory; None -> the system temp dir
     checksums: bool = True
     fault: str | None = None
+    # Content digests (engine.digest): verify "full" (every read), "sample" (one block of every
+    # ``verify_every``-th read) or "off"; None: $KVDOCTOR_VERIFY, else "sample". Swaps are always verified.
+    verify: str | None = None
+    verify_every: int = 16
     # How blocks are stored: one of codecs.CODECS (every tier), "mixed" (device; slower tiers at its high codec),
     # or per tier: {"device": "fp16", "host": "int8", "disk": "nf4"} or "device=fp16,host=int8,disk=nf4"
     # (a tier left out takes the next faster tier's). None: ``dtype`` as it is. Precision only goes down as
@@ -145,6 +151,9 @@ class EngineConfig:
             raise _bad("disk_dir", self.disk_dir, "a directory path or None")
         if self.fault is not None and self.fault not in FAULTS:
             raise _bad("fault", self.fault, f"None or one of {', '.join(FAULTS)}")
+        if self.verify is not None and self.verify not in VERIFY_MODES:
+            raise _bad("verify", self.verify, f"None or one of {', '.join(VERIFY_MODES)}")
+        _int_in("verify_every", self.verify_every, 1, 1 << 20)
 
     def _check_compression(self) -> None:
         from .codecs import CODECS, NEEDS_CALIBRATION, PRECISION, codec_of_dtype

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-__all__ = ["FAULTS", "ENV_VAR", "resolve_fault", "Faults"]
+__all__ = ["FAULTS", "CONTENT_FAULTS", "ENV_VAR", "resolve_fault", "Faults"]
 
 ENV_VAR = "KVDOCTOR_FAULT"
 
@@ -25,8 +25,23 @@ FAULTS: dict[str, str] = {
     "first row's sequence's tail block instead of its own",
     "attention-nan": "from step 2 on, one head's newest score at the middle layer becomes NaN "
     "(the runner applies it through Faults.corrupt_scores)",
+    # Content faults: the bytes go wrong while every event stays right; only digests (integrity) see them.
+    "overwrite-foreign": "once, from step 2 on: right after a sequence's write, another live sequence's newest "
+    "block is copied over the first block of the sequence written",
+    "stale-slot": "once, from step 2 on: a block handed a reused device slot never gets its first write; the "
+    "slot keeps the bytes its previous block left there",
+    "wrong-scale": "once, from step 2 on: the dequantisation scale stored with a just-written token (int8/nf4 "
+    "device codec) is doubled at the middle layer",
+    "bit-flip": "once, from step 2 on: one bit of a high byte of a sequence's first block flips at the middle "
+    "layer (an exponent bit for fp16/bf16/fp32, a code bit for int8/nf4)",
+    "row-off-by-one": "once, from step 2 on: a step's first token is written one row further into its block "
+    "(every layer), leaving its own row as it was",
 }
 
+# Faults that corrupt stored K/V while the events stay right.
+CONTENT_FAULTS = ("overwrite-foreign", "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one")
+
+_CONTENT_FROM_STEP = 2  # the content faults fire once, at the first chance from this step on
 _MISALIGN_EVERY = 8  # batch-misalign fires on the 1st, 9th, 17th ... step that has two or more rows
 _NAN_FROM_STEP = 2
 
@@ -55,6 +70,20 @@ class Faults:
         self.nan_layer = num_layers // 2
         self._batched_steps = 0
         self._misalign_step = -1
+        self.content = name if name in CONTENT_FAULTS else None
+        self.row_off_by_one = name == "row-off-by-one"
+        self.corrupt_layer = num_layers // 2  # the layer bit-flip and wrong-scale hit
+        self.shift: tuple[int, int] | None = None  # row-off-by-one: (meant flat slot, step) written one row on
+        self.used_slots: set[int] = set()  # stale-slot: device slots handed out so far (a reuse holds old bytes)
+        # What a content fault corrupted once it fired: {"block", "seq", "layer", "step"} (tests, docs, demos)
+        self.hit: dict[str, Any] | None = None
+
+    def content_due(self, step: int) -> bool:
+        """True while a content fault is on and has not fired yet, from its first step on."""
+        return self.content is not None and self.hit is None and step >= _CONTENT_FROM_STEP
+
+    def fired(self, block: int, seq: Any, layer: int | None, step: int) -> None:
+        self.hit = {"block": block, "seq": seq, "layer": layer, "step": step}
 
     def misalign_now(self, step: int) -> bool:
         """True on the batched steps where the second row's writes go astray (counted once per step)."""

@@ -38,6 +38,7 @@ class Block:
     inflight: Any = None  # the pending asynchronous swap-in (tiers._Inflight) not yet settled
     prefetched: bool = False  # brought up by prefetch and not yet counted as a hit
     retained: tuple[str, int, int, int | None] | None = None  # (tier, slot, version, checksum): stale-version fault only
+    digest: Any = None  # digest.BlockRecord: what its bytes should be; None while unknown (nobody listened)
 
 
 @dataclass(eq=False, slots=True)

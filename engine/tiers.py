@@ -34,6 +34,7 @@ import torch
 from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
 from .bus import Bus
 from .codecs import Codec, lossier
+from .digest import MASK64, DigestBook
 from .config import TIER_NAMES, EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks
 from .faults import Faults
@@ -44,7 +45,6 @@ from .storage import Arena, TierArenas, runs
 __all__ = ["TierManager", "copy_slots"]
 
 _RANK = {t: i for i, t in enumerate(TIER_NAMES)}
-_MASK64 = (1 << 64) - 1
 
 
 _PIECE_BYTES = 1 << 20  # copy and checksum in pieces this size, so the checksum reads from cache
@@ -100,13 +100,13 @@ def _sum64(blocks: torch.Tensor) -> list[int]:
     """
     words = blocks.view(torch.int64).reshape(blocks.shape[0], -1)
     if words.is_cuda:
-        return [v & _MASK64 for v in words.sum(dim=1).tolist()]
+        return [v & MASK64 for v in words.sum(dim=1).tolist()]
     return _sum64_rows(words.numpy())
 
 
 def _sum64_rows(rows: np.ndarray) -> list[int]:
     """``_sum64`` of each row of a 2-D numpy array of whole blocks (any dtype, 8-byte multiple rows)."""
-    return [v & _MASK64 for v in np.add.reduce(rows.view(np.int64), axis=1).tolist()]
+    return [v & MASK64 for v in np.add.reduce(rows.view(np.int64), axis=1).tolist()]
 
 
 def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
@@ -158,12 +158,14 @@ class TierManager:
         evict: Callable[[list[Block], str], None],
         distance: Callable[[Block], float],
         clock: Callable[[], int],
+        digests: DigestBook,
     ) -> None:
         self.config, self.pool, self.arenas, self.bus = config, pool, arenas, bus
         self.codecs = codecs  # codec name -> Codec, for re-encoding on the way down
         self.policy, self.faults = policy, faults
         self._protected, self._evictable, self._evict = protected, evictable, evict
         self._distance, self._clock = distance, clock
+        self.digests = digests
         self._worker: ThreadPoolExecutor | None = None
         self._stream = torch.cuda.Stream(device=config.device) if config.is_cuda else None
         self.inflight: dict[int, Block] = {}
@@ -281,9 +283,28 @@ class TierManager:
             b.tier, b.slot = dst, slot
             self.pool.epoch += 1
             if self.bus.enabled:
-                self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec)
+                (d,), (layer,) = self.verify([b])
+                self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec, digest=d,
+                              digest_layer=layer)
         if bad is not None:
             raise bad
+
+    # ---- content digests (engine.digest) ----
+    def verify(self, blocks: list[Block]) -> tuple[list[int | None], list[int | None]]:
+        """Digests recomputed over the blocks' bytes where they sit, and the first layer differing from each
+        block's record (all None unless someone listens)."""
+        if not (self.bus.enabled and self.digests.recording):
+            return [None] * len(blocks), [None] * len(blocks)
+        rows = [self._at(b.tier, b.slot)[0] if b.inflight is None else None for b in blocks]
+        return self.digests.verify(blocks, rows)
+
+    def retake(self, blocks: list[Block]) -> list[int | None]:
+        """After a re-encode: the blocks' records become their new bytes' (forgotten unless someone listens)."""
+        if not (self.bus.enabled and self.digests.recording):
+            for b in blocks:
+                b.digest = None
+            return [None] * len(blocks)
+        return self.digests.retake(blocks, [self._at(b.tier, b.slot)[0] for b in blocks])
 
     def _at(self, tier: str, slot: int) -> torch.Tensor:
         """``(1, L, H, R)`` view of the block at tier slot ``slot``."""
@@ -342,6 +363,7 @@ class TierManager:
         # the checksum of the bytes that left, taken as they land, is what the swap-in will expect;
         # a block not written since its last checksum keeps it; a re-encoded one gets that of its new bytes
         codecs = [self.dst_codec(b, dst) for b in copied]
+        left, bad = self.verify(copied)  # the bytes leaving, against what was written into them
         same = [i for i, b in enumerate(copied) if codecs[i] == b.codec]
         need = self.config.checksums and any(copied[i].checksum is None for i in same)
         sums: list[int | None] = [None] * len(copied)
@@ -356,13 +378,19 @@ class TierManager:
             got = self.recode(src, [copy_from[i] for i in idx], c_src, dst, [copy_to[i] for i in idx], c_dst)
             for i, c in zip(idx, got):
                 sums[i] = c
+        recoded = [i for i, b in enumerate(copied) if codecs[i] != b.codec]
         for b, slot, c, codec in zip(copied, copy_to, sums, codecs):
             if c is not None or codec != b.codec:
                 b.checksum = c
             b.codec = codec
             self.pool.move(b, dst, slot)
-            if self.bus.enabled:
-                self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version, codec=codec)
+        new: list[int | None] = [None] * len(copied)
+        for i, d in zip(recoded, self.retake([copied[i] for i in recoded])):
+            new[i] = d
+        if self.bus.enabled:
+            for b, d, layer, nd in zip(copied, left, bad, new):
+                self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec, digest=d,
+                              digest_layer=layer, new_digest=nd)
 
     def recode(self, src: str, src_slots: list[int], src_codec: str, dst: str, dst_slots: list[int],
                dst_codec: str) -> list[int | None]:
@@ -397,7 +425,9 @@ class TierManager:
         else:
             self.pool.move(b, dst, slot)
         if self.bus.enabled:
-            self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec)
+            (d,), (layer,) = self.verify([b])  # the copy that arrived, against what was written into the block
+            self.bus.emit(SwapIn, block=b.id, src=src, dst=dst, version=b.version, codec=b.codec, digest=d,
+                          digest_layer=layer)
         return None
 
     # ---- asynchronous prefetch ----

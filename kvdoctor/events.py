@@ -137,6 +137,7 @@ class Write(Event, tag="write"):
     pos: int
     n: int
     version: int
+    digest: int | None = None  # of the block's content after this write (integrity; docs/trace-format.md)
 
 
 class Read(Event, tag="read"):
@@ -144,6 +145,10 @@ class Read(Event, tag="read"):
     blocks: list[int]
     versions: list[int]
     layer: int | None = None
+    # integrity: per block, the digest recomputed over the bytes that were read (null: not verified this time),
+    # and, where it differs from the producer's record, the first layer whose bytes differ
+    digests: list[int | None] | None = None
+    digest_layers: list[int | None] | None = None
 
 
 class SwapOut(Event, tag="swap_out"):
@@ -152,6 +157,9 @@ class SwapOut(Event, tag="swap_out"):
     dst: Tier
     version: int
     codec: str | None = None  # the codec of the copy that landed: a lossier one than before means re-encoded
+    digest: int | None = None  # recomputed over the bytes that left, before the copy (integrity)
+    digest_layer: int | None = None  # where ``digest`` differs from the producer's record: the first layer that does
+    new_digest: int | None = None  # of the re-encoded copy that landed, when the codec changed
 
 
 class SwapIn(Event, tag="swap_in"):
@@ -160,6 +168,8 @@ class SwapIn(Event, tag="swap_in"):
     dst: Tier
     version: int
     codec: str | None = None  # the codec of the copy that landed (moving up never re-encodes)
+    digest: int | None = None  # recomputed over the copy that arrived (integrity)
+    digest_layer: int | None = None  # where ``digest`` differs from the producer's record: the first layer that does
 
 
 class Recode(Event, tag="recode"):
@@ -171,6 +181,9 @@ class Recode(Event, tag="recode"):
     src_codec: str
     dst_codec: str
     version: int
+    digest: int | None = None  # recomputed over the bytes before the re-encode (integrity)
+    digest_layer: int | None = None  # where ``digest`` differs from the producer's record: the first layer that does
+    new_digest: int | None = None  # of the re-encoded bytes (what later reads must match)
 
 
 class Rollback(Event, tag="rollback"):

@@ -99,6 +99,7 @@ def test_unreadable_traces_exit_3(capsys, tmp_path):
     ["--trace", "x.kvtrace", "--demo"],  # two sources
     ["--demo", "--fault", "no-such-fault"],
     ["--trace", "x.kvtrace", "--fault", "leak-swapped"],
+    ["--trace", "x.kvtrace", "--verify", "full"],
     ["--trace", "x.kvtrace", "--baseline", "missing-baseline.json"],
     ["--trace", "x.kvtrace", "--config", "missing.toml"],
 ])

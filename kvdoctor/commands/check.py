@@ -12,6 +12,7 @@ error; 3 an unreadable or incompatible trace.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 NAME = "check"
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
                    help="with --trace --follow: seconds to wait for the file to appear (default 10)")
     p.add_argument("--fault", metavar="NAME", help="with --demo or a command: switch on an engine fault (KVDOCTOR_FAULT)")
+    p.add_argument("--verify", choices=("off", "sample", "full"),
+                   help="with --demo or a command: check the engine's K/V content digests on every read (full: CI), "
+                   "a sample of reads (sample: the default; full with a content fault) or none (off) (KVDOCTOR_VERIFY)")
     p.add_argument("--model", metavar="tiny|PATH", help="with --demo: 'tiny' random model or a local checkpoint")
     p.add_argument("--steps", type=int, default=_DEMO_STEPS, help=f"with --demo: engine steps to run (default {_DEMO_STEPS})")
     p.add_argument("--fail-on", choices=("error", "warning", "info"),
@@ -68,11 +72,15 @@ def run(args: argparse.Namespace) -> int:
                          + (f" (got {' and '.join(chosen)})" if chosen else ""))
     if args.fault and args.trace:
         raise UsageError("--fault applies to --demo or a command; a trace was recorded with whatever faults it had")
+    if args.verify and args.trace:
+        raise UsageError("--verify applies to --demo or a command; a trace holds the digests its engine emitted")
+    content_fault = False
     if args.fault:
-        from ..engine.faults import FAULTS  # light: no torch
+        from ..engine.faults import CONTENT_FAULTS, FAULTS  # light: no torch
 
         if args.fault not in FAULTS:
             raise UsageError(f"unknown fault {args.fault!r}: use one of {', '.join(FAULTS)}")
+        content_fault = args.fault in CONTENT_FAULTS
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
 
@@ -80,16 +88,22 @@ def run(args: argparse.Namespace) -> int:
     baseline_path = args.baseline or (config.baseline if not args.write_baseline else None)
     baseline = load_baseline(baseline_path) if baseline_path else None
 
+    verify = args.verify
+    if verify is None and content_fault:
+        verify = "full"  # a fault shown on purpose should be caught at its first read, not at a sampled one
+    env = dict(os.environ, KVDOCTOR_VERIFY=verify) if verify else None
     if args.trace:
         source = open_source(args.trace, follow=True if args.follow else None, wait_s=args.wait)
     elif args.demo:
         argv = [sys.executable, "-m", "kvdoctor.demo", "--steps", str(args.steps)]
         if args.model:
             argv += ["--model", args.model]
-        source = CommandSource(argv, fault=args.fault)
+        if args.fault == "wrong-scale":
+            argv += ["--codec", "nf4"]  # the fault corrupts a dequantisation scale: the demo must store codes
+        source = CommandSource(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
     else:
-        source = CommandSource(command, fault=args.fault)
+        source = CommandSource(command, fault=args.fault, env=env)
 
     session = Session(source, config)
     try:

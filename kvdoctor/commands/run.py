@@ -19,7 +19,10 @@ NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
-FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan")
+FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan", "overwrite-foreign", "stale-slot",
+               "wrong-scale", "bit-flip", "row-off-by-one")
+# Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
+VERIFY_MODES = ("off", "sample", "full")
 
 
 def _int_at_least(lo: int):
@@ -58,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention statistics every N steps (default 1; 0 never)")
     p.add_argument("--trace", metavar="FILE", help="write the engine's events to FILE (.kvtrace or .kvtrace.gz)")
     p.add_argument("--fault", choices=FAULT_NAMES, help="switch on one of the engine's deliberate faults")
+    p.add_argument("--verify", choices=VERIFY_MODES, help="content digests of K/V blocks checked on every read (full), "
+                   "a sample of reads (sample) or none (off); default $KVDOCTOR_VERIFY, else sample")
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
     p.add_argument("--topk", type=_non_negative, default=0, metavar="K",
                    help="block-sparse attention: read the K blocks whose keys can score highest, plus the first "
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner.create(
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-            disk_blocks=args.disk_blocks, fault=args.fault, extra={"model": loaded.name},
+            disk_blocks=args.disk_blocks, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
             **engine_settings(args.codec, args.topk, loaded),
             sparse_block_size=args.sparse_block_size,
         )

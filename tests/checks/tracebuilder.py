@@ -60,35 +60,36 @@ class TraceBuilder:
         tier = tier or self.block_tier.pop(block)
         return self._emit(Evict, block=block, tier=tier, reason=reason)
 
-    def write(self, block, seq, n=1, *, pos=None, version=None):
+    def write(self, block, seq, n=1, *, pos=None, version=None, **extra):
         pos = self.seq_len.get(seq, 0) if pos is None else pos
         if version is None:
             version = self.seq_version.get(seq, 0) + n
         self.seq_version[seq] = version
         self.seq_len[seq] = pos + n
         self.block_version[block] = version
-        return self._emit(Write, block=block, seq=seq, pos=pos, n=n, version=version)
+        return self._emit(Write, block=block, seq=seq, pos=pos, n=n, version=version, **extra)
 
-    def read(self, seq, blocks, versions=None, layer=None):
+    def read(self, seq, blocks, versions=None, layer=None, **extra):
         versions = [self.block_version[b] for b in blocks] if versions is None else versions
-        return self._emit(Read, seq=seq, blocks=list(blocks), versions=list(versions), layer=layer)
+        return self._emit(Read, seq=seq, blocks=list(blocks), versions=list(versions), layer=layer, **extra)
 
-    def swap_out(self, block, dst="host", *, src=None, version=None, codec=None):
-        return self._move(SwapOut, block, dst, src, version, codec)
+    def swap_out(self, block, dst="host", *, src=None, version=None, codec=None, **extra):
+        return self._move(SwapOut, block, dst, src, version, codec, **extra)
 
-    def swap_in(self, block, dst="device", *, src=None, version=None, codec=None):
-        return self._move(SwapIn, block, dst, src, version, codec)
+    def swap_in(self, block, dst="device", *, src=None, version=None, codec=None, **extra):
+        return self._move(SwapIn, block, dst, src, version, codec, **extra)
 
-    def _move(self, cls, block, dst, src, version, codec):
+    def _move(self, cls, block, dst, src, version, codec, **extra):
         src = src or self.block_tier[block]
         self.block_tier[block] = dst
         version = self.block_version.get(block, 0) if version is None else version
-        return self._emit(cls, block=block, src=src, dst=dst, version=version, codec=codec)
+        return self._emit(cls, block=block, src=src, dst=dst, version=version, codec=codec, **extra)
 
-    def recode(self, block, src_codec, dst_codec, *, tier=None, version=None):
+    def recode(self, block, src_codec, dst_codec, *, tier=None, version=None, **extra):
         tier = tier or self.block_tier.get(block, "device")
         version = self.block_version.get(block, 0) if version is None else version
-        return self._emit(Recode, block=block, tier=tier, src_codec=src_codec, dst_codec=dst_codec, version=version)
+        return self._emit(Recode, block=block, tier=tier, src_codec=src_codec, dst_codec=dst_codec, version=version,
+                          **extra)
 
     def rollback(self, seq, n, *, version=None):
         version = self.seq_version[seq] + 1 if version is None else version

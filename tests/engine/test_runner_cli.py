@@ -74,3 +74,9 @@ def test_a_missing_model_is_a_usage_error(tmp_path, capsys):
 
 def test_fault_choices_are_the_engines_faults():
     assert set(run_cmd.FAULT_NAMES) == set(FAULTS)
+
+
+def test_verify_choices_are_the_engines_modes():
+    from kvdoctor.engine.config import VERIFY_MODES
+
+    assert run_cmd.VERIFY_MODES == VERIFY_MODES

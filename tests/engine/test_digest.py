@@ -1,0 +1,245 @@
+"""Content digests: the engine's record of what it meant to write, checked against the bytes it holds.
+
+Cache-level tests drive the tiny cache of ``engine_support`` by hand (forks, rollbacks, swaps
+through host and disk, re-encodes); model-level tests run a tiny random Llama through the
+runner and scheduler, clean with every codec and with each content fault switched on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_support import Recorder, tiny_config
+from kvdoctor.checks import make_suite
+from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.codecs import Calibration, calibrate, calibration_windows
+from kvdoctor.engine.faults import CONTENT_FAULTS
+from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.runner import Runner, SamplingParams
+from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.events import Read, Write
+
+CAL = Calibration(torch.full((2, 2, 8), 5.0), 1, 1, "constant 5")
+
+
+def checked(**kw) -> tuple[Recorder, object]:
+    kw.setdefault("calibration", CAL)
+    rec = Recorder(PagedKVCache(tiny_config(**kw)))
+    suite = make_suite()
+    rec.cache.bus.subscribe(suite.observe_many)
+    return rec, suite
+
+
+def findings(rec: Recorder, suite) -> list[str]:
+    rec.cache.close()
+    suite.finish()
+    return [f"{f.check}/{f.rule}: {f.message}" for f in suite.findings]
+
+
+@pytest.mark.parametrize("codec", [None, "fp16", "nf4", "int8", "device=fp32,host=int8,disk=nf4", "mixed"])
+def test_digests_follow_the_bytes_through_forks_rollbacks_swaps_and_re_encodes(codec, tmp_path):
+    # GIVEN every read verified, and a cache where blocks fork, roll back, and go down to disk and back
+    rec, suite = checked(codec=codec, verify="full", device_blocks=6, host_blocks=3, disk_blocks=8,
+                         disk_dir=str(tmp_path), mixed_window=1, mixed_high_fraction=0.0)
+    cache = rec.cache
+    rec.add("a", 6)
+    rec.fork("a", "b")
+    rec.write("b", 3)  # copy-on-write of the shared tail
+    rec.rollback("a", 1)
+    rec.write("a", 3)  # rewrites a rolled-back row
+    cache.emit_read("a")
+    cache.emit_read("b")
+    cache.end_step()
+    cache.swap_out(cache.block_table("a"), dst="host")
+    cache.swap_out(cache.block_table("a")[:1], dst="disk")
+    rec.add("c", 9)  # pushes blocks of b down
+    cache.ensure_resident(["a"])
+    cache.emit_read("a")
+    rec.write("a", 1)
+    cache.emit_read("a")
+    cache.end_step()
+    if codec is None:
+        rec.assert_intact("a")  # lossless: the very bytes written
+    # THEN every write carried a digest, every read verified every block, and the digests agree
+    reads = rec.kinds("read")
+    assert all(w.digest is not None for w in rec.kinds("write"))
+    assert reads and all(d is not None for r in reads for d in r.digests)
+    assert findings(rec, suite) == []
+
+
+@pytest.mark.parametrize("codec", [None, "int8", "nf4", "mixed"])
+def test_a_long_prefill_summed_at_once_gives_the_digests_a_decode_would(codec, tmp_path):
+    # GIVEN a prompt longer than what is held until commit (its sums are taken layer by layer at store)
+    rec, suite = checked(codec=codec, verify="full", device_blocks=40, disk_dir=str(tmp_path))
+    rec.add("a", 70)
+    rec.write("a", 1)
+    rec.cache.emit_read("a")
+    # THEN every block has a digest, and the read finds the bytes the writes recorded
+    assert all(w.digest is not None for w in rec.kinds("write"))
+    assert findings(rec, suite) == []
+
+
+def test_a_read_digest_is_the_write_digest_of_the_same_bytes(make_cache):
+    rec = make_cache(verify="full")
+    rec.add("a", 3)
+    rec.cache.emit_read("a")
+    (w,), (r,) = rec.kinds("write"), rec.kinds("read")
+    assert r.digests == [w.digest] and r.digest_layers is None
+    # a different row order of the same tokens is a different digest
+    rec2 = make_cache(verify="full")
+    rec2.cache.add_sequence("a", prompt_len=3)
+    slots = rec2.cache.reserve("a", 3)
+    for layer in range(2):
+        k, v = rec.kv["a"][layer]
+        rec2.cache.store(layer, slots, k.flip(0), v.flip(0))
+    rec2.cache.commit("a")
+    assert rec2.kinds("write")[0].digest != w.digest
+
+
+@settings(max_examples=40, deadline=None)
+@given(codec=st.sampled_from([None, "fp16", "bf16", "int8", "nf4"]), layer=st.integers(0, 1), head=st.integers(0, 1),
+       pos=st.integers(0, 2), element=st.integers(0, 3), bit=st.integers(0, 7))
+def test_any_flipped_bit_of_a_written_value_is_found_at_its_layer(tmp_path_factory, codec, layer, head, pos, element, bit):
+    # GIVEN a block holding three written tokens under any codec
+    rec = Recorder(PagedKVCache(tiny_config(codec=codec, calibration=CAL, verify="full",
+                                            disk_dir=str(tmp_path_factory.mktemp("d")))))
+    rec.add("a", 3)
+    cache = rec.cache
+    blk = cache.seqs["a"].blocks[0]
+    # WHEN one bit of one byte of token ``pos``'s V flips where it is stored
+    c = cache.codecs[blk.codec]
+    if c.native:
+        start = (c.block_size + pos) * c.head_dim * c.arena_dtype.itemsize  # V follows the block's K
+    else:
+        width = c._regions["v"][1] // c.block_size
+        start = c._regions["v"][0] + pos * width
+    cache._raw(blk)[layer, head].view(torch.uint8)[start + element] ^= 1 << bit
+    cache.emit_read("a")
+    # THEN the read's digest differs from the write's, and the first differing layer is the one hit
+    (w,), (r,) = rec.kinds("write"), rec.kinds("read")
+    assert r.digests[0] != w.digest and r.digest_layers == [layer]
+    cache.close()
+
+
+def test_sampled_reads_verify_one_block_of_every_nth_read_in_turn(make_cache):
+    # GIVEN the sampled mode, every second read, and a sequence of three blocks
+    rec = make_cache(verify="sample", verify_every=2, device_blocks=8)
+    rec.add("a", 12)
+    for _ in range(6):
+        rec.cache.emit_read("a")
+    reads = rec.kinds("read")
+    # THEN reads 2, 4, 6 verify one block each, turning through the blocks; the others none
+    assert [r.digests for r in reads[0::2]] == [None] * 3
+    verified = [[i for i, d in enumerate(r.digests) if d is not None] for r in reads[1::2]]
+    assert verified == [[1], [2], [0]]
+
+
+def test_the_sampled_mode_finds_a_corrupt_block_within_a_turn_of_its_sequence(make_cache):
+    rec = make_cache(verify="sample", verify_every=2, device_blocks=8)
+    suite = make_suite()
+    rec.cache.bus.subscribe(suite.observe_many)
+    rec.add("a", 12)
+    blk = rec.cache.seqs["a"].blocks[2]
+    rec.cache._raw(blk)[1, 0, 5] += 1.0  # one element of layer 1 changes under the cache
+    for _ in range(2 * 3):
+        rec.cache.emit_read("a")
+    rec.cache.bus.flush()
+    [f] = suite.findings
+    assert (f.rule, f.block, f.seq, f.layer) == ("read-mismatch", blk.id, "a", 1)
+
+
+def test_nothing_is_recorded_or_verified_while_nobody_listens(tmp_path):
+    # GIVEN a cache without a listener, then one subscribing mid-sequence
+    cache = PagedKVCache(tiny_config(verify="full", disk_dir=str(tmp_path)))
+    rec_later: list = []
+    cache.add_sequence("a", prompt_len=2)
+    slots = cache.reserve("a", 2)
+    for layer in range(2):
+        kv = torch.randn(2, 2, 8)
+        cache.store(layer, slots, kv, kv)
+    cache.commit("a")
+    assert cache.seqs["a"].blocks[0].digest is None
+    cache.bus.subscribe(rec_later.extend)
+    cache.emit_read("a")
+    cache.bus.flush()
+    # THEN the block written unseen has no digest to verify: the read says nothing of it
+    [r] = [e for e in rec_later if type(e) is Read]
+    assert r.digests == [None]
+    cache.close()
+
+
+def test_verify_mode_comes_from_the_config_or_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVDOCTOR_VERIFY", "full")
+    with PagedKVCache(tiny_config(disk_dir=str(tmp_path))) as cache:
+        assert cache.digests.mode == "full"
+    with PagedKVCache(tiny_config(disk_dir=str(tmp_path), verify="off")) as cache:
+        assert cache.digests.mode == "off"
+    monkeypatch.setenv("KVDOCTOR_VERIFY", "always")
+    with pytest.raises(ValueError, match="KVDOCTOR_VERIFY='always'"):
+        PagedKVCache(tiny_config(disk_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="EngineConfig.verify"):
+        tiny_config(verify="always")
+
+
+def test_wrong_scale_needs_a_quantized_device_codec(tmp_path):
+    with pytest.raises(ValueError, match="wrong-scale fault needs a quantized device codec"):
+        PagedKVCache(tiny_config(fault="wrong-scale", disk_dir=str(tmp_path)))
+
+
+# ---- the model path: a tiny Llama through runner and scheduler ----
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(num_layers=2, max_position_embeddings=512)
+
+
+def serve(lm, *, steps: int = 24, seed: int = 0, **config) -> tuple[list, Runner]:
+    """Six requests at a time through a device tier small enough to swap to host and disk; the
+    findings of the whole check suite and the (closed) runner."""
+    runner = Runner.create(lm.model, block_size=4, device_blocks=12, host_blocks=4, disk_blocks=32, **config)
+    suite = make_suite()
+    runner.bus.subscribe(suite.observe_many)
+    sched = Scheduler(runner, max_batch=6)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        while len(sched.live) < 6:
+            ids = [rng.randrange(3, 128) for _ in range(rng.randint(2, 14))]
+            sched.submit(Request(ids, max_new_tokens=rng.randint(3, 12), ignore_eos=True,
+                                 sampling=SamplingParams(greedy=False, temperature=0.8, seed=rng.randrange(1000))))
+        sched.step()
+    runner.close()
+    suite.finish()
+    return suite.findings, runner
+
+
+@pytest.mark.parametrize("codec", [None, "bf16", "int8", "nf4", "mixed", "device=fp16,host=int8,disk=nf4"])
+def test_clean_model_runs_give_no_finding_with_every_codec_and_swaps(tiny, codec):
+    cal = None
+    if codec and "int8" in codec:
+        cal = calibrate(tiny.model, calibration_windows(list(range(3, 128)) * 4, num_samples=8, length=16), source="t")
+    found, runner = serve(tiny, codec=codec, calibration=cal, verify="full")
+    assert [f"{f.check}/{f.rule}: {f.message}" for f in found] == []
+    stats = runner.cache.stats()
+    moves = {k for k, n in stats["swaps"].items() if n}
+    assert {"device->host", "host->device", "disk->device"} <= moves and moves & {"device->disk", "host->disk"}
+
+
+@pytest.mark.parametrize("fault", CONTENT_FAULTS)
+def test_each_content_fault_is_caught_naming_its_block_and_sequence(tiny, fault):
+    # GIVEN the fault on, every read verified (CI's mode)
+    found, runner = serve(tiny, fault=fault, codec="nf4" if fault == "wrong-scale" else None, verify="full")
+    hit = runner.cache.faults.hit
+    assert hit is not None, "the fault never fired"
+    # THEN the only findings are integrity errors, and the first names the corrupted block, its sequence,
+    # the step it happened in, and the layer where the fault chose one
+    assert {f"{f.check}/{f.severity}" for f in found} == {"integrity/error"}
+    first = found[0]
+    assert (first.block, first.seq, first.step) == (hit["block"], hit["seq"], hit["step"])
+    if hit["layer"] is not None:
+        assert first.layer == hit["layer"]
+    assert first.evidence["last_write"]["kind"] == "write"
