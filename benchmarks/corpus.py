@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated scenario names (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the requests (prompts, lengths, sampling)")
     p.add_argument("--new-tokens", default="8,32", help="MIN,MAX new tokens per request (default 8,32)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine more threads spin and run slower)")
     p.add_argument("--skip-faults", action="store_true", help="only the clean corpus")
     p.add_argument("--skip-clean", action="store_true", help="only the faults")
     p.add_argument("--learn-profile", metavar="OUT", help="also learn an attention profile from the corpus into OUT")

@@ -60,9 +60,9 @@ class AttentionSettings:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if value < 0 or (value == 0 and f.name not in ("warmup", "margin", "self_margin")):
-                raise ValueError(f"attention.{f.name} must be {'>= 0' if f.name == 'warmup' else '> 0'}, got {value}")
+            value, zero_ok = getattr(self, f.name), f.name in ("warmup", "margin", "self_margin")
+            if value < 0 or (value == 0 and not zero_ok):
+                raise ValueError(f"attention.{f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
         for name in ("sink_drop", "sink_layers"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"attention.{name} must be in (0, 1], got {getattr(self, name)}")
