@@ -57,6 +57,8 @@ class Scenario:
     max_batch: int = 6
     max_step_tokens: int = 512  # long prompts are prefilled in chunks
     pressure: bool = False  # requests arrive over time with random priorities: newcomers preempt, swapped ones abort
+    abort_rate: float = 0.05  # under pressure: chance per step that a client abandons a swapped-out request
+    fault: str | None = None
     note: str = ""
 
 
@@ -91,6 +93,8 @@ class Tally:
     seconds: float = 0.0
     findings: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
+    found: list = field(default_factory=list, repr=False)  # the findings themselves
+    leaked: set = field(default_factory=set, repr=False)  # blocks the engine still held with no live owner at the end
 
     def add(self, other: "Tally") -> None:
         for name in ("requests", "seq_steps", "steps", "tokens", "events", "preempted", "seconds"):
@@ -163,13 +167,13 @@ def _chat(tokenizer: Any, content: str) -> list[int]:
 # ---- running ----------------------------------------------------------------------------------------
 
 
-def build_runner(lm: Any, scenario: Scenario, *, fault: str | None = None, **engine: Any):
+def build_runner(lm: Any, scenario: Scenario):
     from kvdoctor.compression import engine_settings
     from kvdoctor.engine.runner import Runner
 
-    settings = {"block_size": 16, "device_blocks": 512, "host_blocks": 512, **scenario.engine, **engine}
+    settings = {"block_size": 16, "device_blocks": 512, "host_blocks": 512, **scenario.engine}
     settings.update(engine_settings(scenario.codec, scenario.topk, lm))
-    return Runner.create(lm.model, tokenizer=lm.tokenizer, fault=fault, extra={"model": lm.name}, **settings)
+    return Runner.create(lm.model, tokenizer=lm.tokenizer, fault=scenario.fault, extra={"model": lm.name}, **settings)
 
 
 def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any = None,
@@ -197,10 +201,11 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
             sampling = SamplingParams(greedy=True) if spec.greedy else SamplingParams(
                 greedy=False, temperature=0.8, top_p=0.95, seed=spec.seed)
             sched.submit(Request(spec.ids, max_new_tokens=spec.max_new_tokens, sampling=sampling,
-                                 priority=rng.randrange(3) if scenario.pressure else 0))
+                                 priority=rng.randrange(3) if scenario.pressure else 0,
+                                 ignore_eos=scenario.fault is not None))
         if scenario.pressure:
             swapped = [seq for seq, live in sched.live.items() if live.state == "swapped"]
-            if swapped and rng.random() < 0.05:
+            if swapped and rng.random() < scenario.abort_rate:
                 sched.abort(rng.choice(swapped))
         result = sched.step()
         tally.steps += 1
@@ -208,9 +213,12 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
         tally.tokens += result.num_tokens
         tally.preempted += len(result.preempted)
     tally.seconds = time.perf_counter() - t0
+    cache = runner.cache
+    tally.leaked = {b.id for b in cache.pool.blocks.values() if not any(o in cache.seqs for o in b.owners)}
     runner.close()
     session.close()
     tally.events = session.num_events
+    tally.found = list(session.findings)
     for f in session.findings:
         key = f"{f.check}/{f.rule}"
         tally.findings[key] += 1
@@ -236,35 +244,19 @@ def _owned_by(finding: Any, seq: Any) -> bool:
     return any(e.get("seq") == seq and e.get("kind") in ("alloc", "share") for e in finding.evidence.get("history", ()))
 
 
-def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], *, config: Any = None) -> FaultResult:
-    """``fault`` on a small workload that exercises it (swaps, aborts, batches of several rows)."""
-    from kvdoctor.engine.runner import SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
-    from kvdoctor.events import SeqEnd, SwapIn, SwapOut, Write
-    from kvdoctor.session import Session
-
-    runner = build_runner(lm, Scenario(fault), fault=fault, device_blocks=24, host_blocks=96, disk_blocks=0)
-    session = Session.on_bus(runner.bus, config, header=runner.cache.header())
-    events: list = []
-    runner.bus.subscribe(lambda evs: events.extend(e for e in evs if isinstance(e, (SwapOut, SwapIn, SeqEnd, Write))))
-    sched = Scheduler(runner, max_batch=4)
-    rng = random.Random(0)
-    for spec in specs:
-        sched.submit(Request(spec.ids, max_new_tokens=spec.max_new_tokens, ignore_eos=True,
-                             sampling=SamplingParams(greedy=True)))
-    while sched.has_work():
-        sched.step()
-        swapped = [s for s, live in sched.live.items() if live.state == "swapped"]
-        if fault == "leak-swapped" and swapped and rng.random() < 0.3:
-            sched.abort(rng.choice(swapped))  # a client gives up on a request that sits swapped out
-    leaked = {b.id for b in runner.cache.pool.blocks.values() if not b.owners} if fault == "leak-swapped" else set()
-    runner.close()
-    session.close()
-    hits = [f for f in session.findings if f"{f.check}/{f.rule}" == rule]
-    others = Counter(f"{f.check}/{f.rule}" for f in session.findings if f"{f.check}/{f.rule}" != rule)
+def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec]) -> FaultResult:
+    """``fault`` on a small workload that exercises it: a 12-block device tier and random priorities
+    (preemption by swap, blocks that go down and come back up several times), clients abandoning
+    swapped-out requests, batches of several rows, greedy decoding to the full length."""
+    scenario = Scenario(fault, engine={"device_blocks": 12, "host_blocks": 96, "disk_blocks": 0}, max_batch=4,
+                        pressure=True, abort_rate=0.3 if fault == "leak-swapped" else 0.0, fault=fault)
+    greedy = [Spec(s.ids, s.chat, True, s.max_new_tokens, s.seed) for s in specs]
+    tally = run_scenario(lm, scenario, greedy)
+    hits = [f for f in tally.found if f"{f.check}/{f.rule}" == rule]
+    others = Counter(f"{f.check}/{f.rule}" for f in tally.found if f"{f.check}/{f.rule}" != rule)
     if fault == "leak-swapped":
         # the engine itself still holds the forgotten blocks: each must be named, by its last owner
-        right = bool(hits) and {f.block for f in hits} == leaked and all(_owned_by(f, f.seq) for f in hits)
+        right = bool(hits) and {f.block for f in hits} == tally.leaked and all(_owned_by(f, f.seq) for f in hits)
     elif fault == "attention-nan":
         right = bool(hits) and min(f.layer for f in hits) == lm.config.num_hidden_layers // 2 and all(
             f.seq is not None for f in hits)
@@ -273,7 +265,7 @@ def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], *, config: Any 
     else:  # stale-version: the block the finding names is the sequence's, and the copy really was older
         right = bool(hits) and all(_owned_by(f, f.seq) and f.evidence["seen_version"] < f.evidence["last_write_version"]
                                    for f in hits)
-    detail = f"{len(hits)} x {rule}" + (f"; also {dict(others)}" if others else "")
+    detail = (f"{len(hits)} x {rule} over {tally.preempted} preemptions" + (f"; also {dict(others)}" if others else ""))
     return FaultResult(fault, rule, bool(hits), right, len(hits), detail)
 
 
@@ -346,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         learner.profile().save(args.learn_profile)
         print(f"wrote attention profile {args.learn_profile} ({learner.num_events} attn events)", file=sys.stderr)
     if not args.skip_faults:
-        fault_specs = make_requests(lm.tokenizer, 10, args.seed + 1000, new_tokens=(12, 24))
-        fault_specs = [s for s in fault_specs if len(s.ids) <= 120][:8]
+        fault_specs = make_requests(lm.tokenizer, 40, args.seed + 1000, new_tokens=(12, 24))
+        fault_specs = [s for s in fault_specs if len(s.ids) <= 120][:12]
         results = []
         for fault, rule in FAULT_RULES.items():
             r = run_fault(lm, fault, rule, fault_specs)
