@@ -76,6 +76,7 @@ class _Bounds:
     logit_hi: float
     ent_hi: float
     ent_floor: float  # the lowest entropy the layer shows at this length in clean runs
+    can_collapse: bool  # that floor is above collapse_floor: a collapse here is no healthy behaviour
     logit: Span
     entropy: Span
 
@@ -148,11 +149,13 @@ class AttentionCheck(CheckBase):
         self.settings = settings or AttentionSettings()
         self.profile: AttentionProfile | None = None
         self._learned = _Learned()
-        self._bounds: dict[tuple[int, int | None], _Bounds] = {}  # cached; a learned range change drops its layer's
+        self._bounds: dict[int, dict[int, _Bounds]] = {}  # bucket -> layer -> bounds; a learned change drops the layer's
         self._lengths: dict[Any, int] = {}  # seq -> keys its newest query sees (from the step's batch)
         self._streaks: dict[tuple[Any, int], list[int]] = {}  # (seq, layer) -> [logit, entropy, collapse]
         self._sinks: dict[Any, _SeqSinks] = {}
         self._touched: set = set()  # sequences with sink values this step
+        self._min_keys = self.settings.min_keys  # read on every event
+        self._collapse_entropy = self.settings.collapse_entropy
         self.use_profile(profile)
 
     def use_profile(self, profile: AttentionProfile | None) -> None:
@@ -177,12 +180,8 @@ class AttentionCheck(CheckBase):
             del self._streaks[key]
         return NO_FINDINGS
 
-    def _bounds_for(self, layer: int, bucket: int | None) -> _Bounds | None:
-        """The allowed ranges at (layer, bucket), from the profile or what this trace taught so far."""
-        key = (layer, bucket)
-        b = self._bounds.get(key)
-        if b is not None:
-            return b
+    def _bounds_for(self, layer: int, bucket: int) -> _Bounds | None:
+        """The allowed ranges at (layer, bucket), from the profile or what this trace taught so far; cached."""
         s = self.settings
         if self.profile is not None:
             prof, margin = self.profile, s.margin
@@ -191,12 +190,16 @@ class AttentionCheck(CheckBase):
         lp = prof.layers.get(layer) if prof is not None else None
         if lp is None:
             return None
-        ent = lp.entropy_span(bucket)
+        ent = lp.entropy_span(None if bucket == _UNKNOWN else bucket)
         if self.profile is None and (lp.logit.n < s.warmup or ent.n < s.warmup):
             return None
         logit_lo, logit_hi = lp.logit.widened(margin, s.min_width_logit)
-        b = self._bounds[key] = _Bounds(logit_lo, logit_hi, ent.widened(margin, s.min_width_entropy)[1], ent.lo,
-                                        lp.logit, ent)
+        # Learned from the trace, a bucket may be judged on its shorter neighbour's values alone: allow the
+        # log 2 that a doubling of keys can add to entropy.
+        ent_hi = ent.widened(margin, s.min_width_entropy)[1] + (0.0 if self.profile is not None else math.log(2))
+        b = _Bounds(logit_lo, logit_hi, ent_hi, ent.lo,
+                    ent.lo > s.collapse_floor, lp.logit, ent)
+        self._bounds.setdefault(bucket, {})[layer] = b
         return b
 
     # ---- judging ------------------------------------------------------------------------------
@@ -206,65 +209,64 @@ class AttentionCheck(CheckBase):
         total = logit + ent + sink
         if ev.nonfinite or total - total:  # x - x is 0.0 for a finite x, NaN otherwise
             return self._nonfinite(ev)
-        keys = self._lengths.get(ev.seq)
-        bucket = bucket_of(keys) if keys is not None else None
-        layer = ev.layer
-        bounds = self._bounds_for(layer, bucket)
-        s = self.settings
-        judged_keys = keys is None or keys >= s.min_keys
-        if judged_keys:
-            self._note_sink(ev.seq, layer, sink, keys)
+        seq, layer = ev.seq, ev.layer
+        keys = self._lengths.get(seq)
+        judged_keys = keys is None or keys >= self._min_keys
+        if judged_keys:  # the step's sink mass of this layer, judged across layers at the step's end
+            st = self._sinks.get(seq)
+            if st is None:
+                st = self._sinks[seq] = _SeqSinks()
+            if keys is not None:
+                if keys < st.keys:  # rolled back or recomputed from the start: levels restart
+                    st.level.clear()
+                    st.streak = 0
+                st.keys = keys
+            st.now[layer] = sink
+            self._touched.add(seq)
+        bucket = _UNKNOWN if keys is None else bucket_of(keys)
+        by_layer = self._bounds.get(bucket)
+        bounds = by_layer.get(layer) if by_layer is not None else None
         if bounds is None:
-            if self.profile is None:
-                self._learn(layer, bucket, logit, ent)
+            bounds = self._bounds_for(layer, bucket)
+            if bounds is None:
+                if self.profile is None:
+                    self._learn(layer, bucket, logit, ent)
+                return NO_FINDINGS
+        high_logit = not bounds.logit_lo <= logit <= bounds.logit_hi
+        high_ent = ent > bounds.ent_hi
+        collapsed = ent < self._collapse_entropy and judged_keys and bounds.can_collapse
+        if not (high_logit or high_ent or collapsed):
+            if self._streaks:
+                self._streaks.pop((seq, layer), None)
+            if self.profile is None and not (bounds.logit.lo <= logit <= bounds.logit.hi
+                                             and bounds.entropy.lo <= ent <= bounds.entropy.hi):
+                self._learn(layer, bucket, logit, ent)  # a value that widens the range it was judged within
             return NO_FINDINGS
-        streak = self._streaks.get((ev.seq, layer))
-        if streak is None:
-            streak = self._streaks[(ev.seq, layer)] = [0, 0, 0]
+        return self._abnormal(ev, keys, bounds, high_logit, high_ent, collapsed)
+
+    def _abnormal(self, ev: Attn, keys: int | None, bounds: _Bounds, high_logit: bool, high_ent: bool,
+                  collapsed: bool) -> Sequence[Finding]:
+        """Count the streaks of what is out of range; report a rule when its streak reaches ``persist``."""
+        streak = self._streaks.setdefault((ev.seq, ev.layer), [0, 0, 0])
+        persist = self.settings.persist
         out: Sequence[Finding] = NO_FINDINGS
-        normal = True
-        if not bounds.logit_lo <= logit <= bounds.logit_hi:
-            normal = False
-            streak[0] += 1
-            if streak[0] == s.persist:
-                out = self._range(ev, "max-logit-outlier", "max logit", logit, bounds.logit, bounds.logit_lo,
-                                  bounds.logit_hi, out, keys=keys)
-        else:
-            streak[0] = 0
-        if ent > bounds.ent_hi:
-            normal = False
-            streak[1] += 1
-            if streak[1] == s.persist:
-                out = self._range(ev, "entropy-outlier", "entropy", ent, bounds.entropy, -_INF, bounds.ent_hi, out,
-                                  keys=keys)
-        else:
-            streak[1] = 0
-        if ent < s.collapse_entropy and judged_keys and bounds.ent_floor > s.collapse_floor:
-            normal = False
-            streak[2] += 1
-            if streak[2] == s.persist:
-                out = self._collapse(ev, bounds, keys, out)
-        else:
-            streak[2] = 0
-        if normal and self.profile is None:
-            self._learn(layer, bucket, logit, ent)
+        streak[0] = streak[0] + 1 if high_logit else 0
+        if streak[0] == persist:
+            out = self._range(ev, "max-logit-outlier", "max logit", ev.max_logit, bounds.logit, bounds.logit_lo,
+                              bounds.logit_hi, out, keys=keys)
+        streak[1] = streak[1] + 1 if high_ent else 0
+        if streak[1] == persist:
+            out = self._range(ev, "entropy-outlier", "entropy", ev.entropy, bounds.entropy, -_INF, bounds.ent_hi,
+                              out, keys=keys)
+        streak[2] = streak[2] + 1 if collapsed else 0
+        if streak[2] == persist:
+            out = self._collapse(ev, bounds, keys, out)
         return out
 
-    def _learn(self, layer: int, bucket: int | None, logit: float, ent: float) -> None:
-        if self._learned.learn(layer, _UNKNOWN if bucket is None else bucket, logit, ent):
-            for key in [k for k in self._bounds if k[0] == layer]:
-                del self._bounds[key]
-
-    def _note_sink(self, seq: Any, layer: int, sink: float, keys: int | None) -> None:
-        st = self._sinks.get(seq)
-        if st is None:
-            st = self._sinks[seq] = _SeqSinks()
-        if keys is not None and keys < st.keys:  # rolled back or recomputed from the start: levels restart
-            st.level.clear()
-            st.streak = 0
-        st.keys = keys or 0
-        st.now[layer] = sink
-        self._touched.add(seq)
+    def _learn(self, layer: int, bucket: int, logit: float, ent: float) -> None:
+        if self._learned.learn(layer, bucket, logit, ent):
+            for by_layer in self._bounds.values():
+                by_layer.pop(layer, None)
 
     def end_step(self, step: int) -> Sequence[Finding]:
         """Sink shifts are judged once a step's statistics of every layer are in."""
@@ -331,8 +333,8 @@ class AttentionCheck(CheckBase):
         allowed = f"<= {hi:.4g}" if lo == -_INF else f"{lo:.4g} .. {hi:.4g}"
         return self._once(
             ev, rule,
-            f"{what} {value:.4g}{at} is outside {allowed} ({self._against()}: {span.lo:.4g} .. {span.hi:.4g} "
-            f"over {span.n} values, widened), for {self.settings.persist} observations in a row",
+            f"{what} {value:.4g}{at} is outside {allowed} ({self._against()}: {span.lo:.4g} .. {span.hi:.4g}, "
+            f"widened), for {self.settings.persist} observations in a row",
             out, value=value, allowed=[lo, hi], normal=[span.lo, span.hi], keys=keys,
             profile=self.profile.model if self.profile else None,
         )
