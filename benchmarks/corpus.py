@@ -17,7 +17,9 @@ attention profile of the embedded model applies). False findings are counted per
 sequence-steps (a sequence computed in one engine step: one prefill chunk or one decode token).
 
 Recall runs each engine fault on a small workload of its own and counts it caught when its rule
-fires naming a sequence (and block) that the engine's own state confirms.
+fires naming a sequence (and block) that the engine's own state confirms; then three corruptions of
+one layer's attention scores that no engine fault makes yet (keys at 2x and 4x scale, keys read as
+zeros), which the attention check must name with the right layer.
 
 Usage::
 
@@ -177,13 +179,19 @@ def build_runner(lm: Any, scenario: Scenario):
 
 
 def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any = None,
-                 listeners: tuple = ()) -> Tally:
-    """Every request of ``specs`` through one engine built for ``scenario``, checked live."""
+                 listeners: tuple = (), corrupt: Any = None) -> Tally:
+    """Every request of ``specs`` through one engine built for ``scenario``, checked live. ``corrupt``
+    (a function of the scaled scores) is applied to the middle layer's attention from step 2 on."""
     from kvdoctor.engine.runner import SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
     from kvdoctor.session import Session
 
     runner = build_runner(lm, scenario)
+    if corrupt is not None:
+        # The hook the attention-nan fault uses, here with another corruption: what a mis-scaled or
+        # zeroed K does to one layer's scores. Set on this cache only; the engine is not changed.
+        middle = lm.config.num_hidden_layers // 2
+        runner.cache.score_hook = lambda layer: corrupt if layer == middle and runner.bus.step >= 2 else None
     session = Session.on_bus(runner.bus, config, header=runner.cache.header())
     for listen in listeners:
         runner.bus.subscribe(listen)
@@ -244,28 +252,35 @@ def _owned_by(finding: Any, seq: Any) -> bool:
     return any(e.get("seq") == seq and e.get("kind") in ("alloc", "share") for e in finding.evidence.get("history", ()))
 
 
-def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec]) -> FaultResult:
+def _target_layer(hits: list, lm: Any) -> bool:
+    """Every finding names a sequence, and the first layer reported is the corrupted middle one."""
+    return bool(hits) and min(f.layer for f in hits) == lm.config.num_hidden_layers // 2 and all(
+        f.seq is not None for f in hits)
+
+
+def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], corrupt: Any = None) -> FaultResult:
     """``fault`` on a small workload that exercises it: a 12-block device tier and random priorities
     (preemption by swap, blocks that go down and come back up several times), clients abandoning
     swapped-out requests, batches of several rows, greedy decoding to the full length."""
+    engine_fault = fault if corrupt is None else None
     scenario = Scenario(fault, engine={"device_blocks": 12, "host_blocks": 96, "disk_blocks": 0}, max_batch=4,
-                        pressure=True, abort_rate=0.3 if fault == "leak-swapped" else 0.0, fault=fault)
+                        pressure=True, abort_rate=0.3 if fault == "leak-swapped" else 0.0, fault=engine_fault)
     greedy = [Spec(s.ids, s.chat, True, s.max_new_tokens, s.seed) for s in specs]
-    tally = run_scenario(lm, scenario, greedy)
+    tally = run_scenario(lm, scenario, greedy, corrupt=corrupt)
     hits = [f for f in tally.found if f"{f.check}/{f.rule}" == rule]
     others = Counter(f"{f.check}/{f.rule}" for f in tally.found if f"{f.check}/{f.rule}" != rule)
     if fault == "leak-swapped":
         # the engine itself still holds the forgotten blocks: each must be named, by its last owner
         right = bool(hits) and {f.block for f in hits} == tally.leaked and all(_owned_by(f, f.seq) for f in hits)
-    elif fault == "attention-nan":
-        right = bool(hits) and min(f.layer for f in hits) == lm.config.num_hidden_layers // 2 and all(
-            f.seq is not None for f in hits)
+    elif fault == "attention-nan" or corrupt is not None:
+        right = _target_layer(hits, lm)
     elif fault == "batch-misalign":
         right = bool(hits) and all(not _owned_by(f, f.seq) and f.evidence.get("owners") for f in hits)
     else:  # stale-version: the block the finding names is the sequence's, and the copy really was older
         right = bool(hits) and all(_owned_by(f, f.seq) and f.evidence["seen_version"] < f.evidence["last_write_version"]
                                    for f in hits)
-    detail = (f"{len(hits)} x {rule} over {tally.preempted} preemptions" + (f"; also {dict(others)}" if others else ""))
+    detail = (f"{len(hits)} x {rule}, naming {len({f.seq for f in hits})} of {tally.requests} sequences, "
+              f"{tally.preempted} preemptions" + (f"; also {dict(others)}" if others else ""))
     return FaultResult(fault, rule, bool(hits), right, len(hits), detail)
 
 
@@ -274,6 +289,14 @@ FAULT_RULES = {
     "stale-version": "stale/stale-swap-in",
     "batch-misalign": "batch/write-not-owned",
     "attention-nan": "attention/nonfinite",
+}
+
+# Corruptions of the middle layer's scaled scores (through the hook attention-nan uses): keys at 2x or
+# 4x their scale (a wrong dequantisation scale), and keys read as zeros (a slot read before it was written).
+CORRUPTIONS = {
+    "scores-x2": (lambda scores: scores.mul_(2.0), "attention/max-logit-outlier"),
+    "scores-x4": (lambda scores: scores.mul_(4.0), "attention/max-logit-outlier"),
+    "scores-zero": (lambda scores: scores.zero_(), "attention/max-logit-outlier"),
 }
 
 
@@ -300,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine more threads spin and run slower)")
     p.add_argument("--skip-faults", action="store_true", help="only the clean corpus")
     p.add_argument("--skip-clean", action="store_true", help="only the faults")
+    p.add_argument("--faults", help="comma-separated faults and corruptions to run (default: all)")
     p.add_argument("--learn-profile", metavar="OUT", help="also learn an attention profile from the corpus into OUT")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
@@ -341,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         fault_specs = make_requests(lm.tokenizer, 40, args.seed + 1000, new_tokens=(12, 24))
         fault_specs = [s for s in fault_specs if len(s.ids) <= 120][:12]
         results = []
-        for fault, rule in FAULT_RULES.items():
-            r = run_fault(lm, fault, rule, fault_specs)
+        runs = [(fault, rule, None) for fault, rule in FAULT_RULES.items()]
+        runs += [(name, rule, fn) for name, (fn, rule) in CORRUPTIONS.items()]
+        runs = [r for r in runs if not args.faults or r[0] in args.faults.split(",")]
+        for fault, rule, corrupt in runs:
+            r = run_fault(lm, fault, rule, fault_specs, corrupt)
             results.append(r)
             print(f"fault {fault:15} caught={r.caught} right_target={r.right_target} {r.detail}",
                   file=sys.stderr, flush=True)
