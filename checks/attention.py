@@ -91,7 +91,7 @@ class _Learned:
 
     @staticmethod
     def _add(table: dict, key: int, x: float) -> bool:
-        """Learn ``x``; True when that changed the range (or a count still under warm-up)."""
+        """Learn ``x``; True when that changed the range (cached bounds of the layer are then stale)."""
         acc = table.get(key)
         if acc is None:
             table[key] = [1, x, x]
