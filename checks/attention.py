@@ -5,18 +5,22 @@ keys the query sees; a rule that flags the rare will flag healthy runs (the firs
 check did, on every demo). So each rule here targets what a bug does:
 
 - ``nonfinite``: NaN or infinity in a score or probability. Nothing legitimate produces one.
-- ``max-logit-outlier``: scores outside the range this layer ever produces. Garbage or mis-scaled
-  keys (a wrong dequantisation scale, uninitialised memory, a flipped exponent bit) move the
-  largest score far out of a range that healthy runs keep narrow; keys read as zeros pull it to 0.
-- ``entropy-outlier``: attention spread wider than this layer ever spreads at this many keys:
-  keys that all look alike (zeroed or constant rows) flatten the distribution.
+- ``max-logit-outlier``: scores above the range this layer ever produces. Garbage or mis-scaled
+  keys (a wrong dequantisation scale, uninitialised memory, a flipped exponent bit) push the
+  largest score far above a range that healthy runs keep narrow. (Keys read as zeros pull it
+  down, but so does a prompt of repeated ``<|endoftext|>``, whose keys are near zero: a low
+  score is no evidence, and the low side is not judged.)
+- ``entropy-outlier``: more entropy than the query's keys can hold (``log keys``): it attended to
+  keys its sequence does not have (a mask, length or block-table bug). Uniform attention over
+  the right keys is no evidence either: repeated tokens make it.
 - ``entropy-collapse``: every head on one key, in a layer that never does that at this length.
 - ``sink-shift``: the mass on the first block jumps in most layers at once and stays. A healthy
   sequence's sink mass drifts layer by layer as it grows; a first block swapped for another's,
   or keys at the wrong positions, move it in every layer at the same step.
 
-The normal ranges come from an ``AttentionProfile`` learned from clean runs of the model (one
-ships for the embedded SmolLM2; ``kvdoctor attention-profile`` builds one for another). Without
+The normal ranges (max_logit per layer; entropy per layer and key count, whose floor the collapse
+rule reads) come from an ``AttentionProfile`` learned from clean runs of the model (one ships for
+the embedded SmolLM2; ``kvdoctor attention-profile`` builds one for another). Without
 a profile the check learns the ranges from the trace itself, per layer and key-count bucket,
 and judges a bucket only after ``warmup`` observations, with a wider ``self_margin``. An anomaly
 must last ``persist`` consecutive observations of the same (sequence, layer) before it is reported.
@@ -39,6 +43,7 @@ __all__ = ["AttentionCheck", "AttentionSettings"]
 
 _INF = math.inf
 _UNKNOWN = -16  # the bucket a learned value of unknown length is kept in (never a neighbour of a real one)
+_ENTROPY_SLACK = 0.01  # nats above log(keys) that float32 rounding may add
 
 
 @dataclass(frozen=True)
@@ -46,11 +51,10 @@ class AttentionSettings:
     """Thresholds of the attention check (``[tool.kvdoctor.attention]``)."""
 
     persist: int = 2  # consecutive observations of one (sequence, layer) an anomaly must last
-    margin: float = 0.5  # a profile's range is widened by this times its width on each side
+    margin: float = 0.5  # a profile's max_logit range is widened by this times its width
     self_margin: float = 1.0  # ... and a range learned from the trace itself (no profile) by this
     warmup: int = 64  # without a profile: observations of a layer (and length bucket) before it is judged
     min_width_logit: float = 2.0  # the narrowest range of max_logit a margin is taken of
-    min_width_entropy: float = 0.5  # the narrowest range of entropy (nats) a margin is taken of
     collapse_entropy: float = 0.02  # mean entropy (nats) counted as every head on one key
     collapse_floor: float = 0.2  # ... only where the layer's normal minimum at that length is above this
     sink_drop: float = 0.25  # sink mass below this share of its running level (or above its inverse) ...
@@ -72,9 +76,7 @@ class AttentionSettings:
 class _Bounds:
     """What one (layer, key-count bucket) allows, and what the bounds came from."""
 
-    logit_lo: float
     logit_hi: float
-    ent_hi: float
     ent_floor: float  # the lowest entropy the layer shows at this length in clean runs
     can_collapse: bool  # that floor is above collapse_floor: a collapse here is no healthy behaviour
     logit: Span
@@ -137,8 +139,8 @@ class AttentionCheck(CheckBase):
     name = "attention"
     RULES = (
         Rule("nonfinite", "error", "non-finite attention scores or probabilities"),
-        Rule("max-logit-outlier", "warning", "max logit outside the range the layer shows in clean runs, persisting"),
-        Rule("entropy-outlier", "warning", "attention spread wider than the layer ever spreads at this length, persisting"),
+        Rule("max-logit-outlier", "warning", "max logit above the range the layer shows in clean runs, persisting"),
+        Rule("entropy-outlier", "warning", "more entropy than the query's keys can hold (attended to keys not its own), persisting"),
         Rule("entropy-collapse", "warning", "every head on one key where the layer never collapses at this length, persisting"),
         Rule("sink-shift", "warning", "mass on the first block jumped in most layers at once and stayed"),
     )
@@ -193,11 +195,7 @@ class AttentionCheck(CheckBase):
         ent = lp.entropy_span(None if bucket == _UNKNOWN else bucket)
         if self.profile is None and (lp.logit.n < s.warmup or ent.n < s.warmup):
             return None
-        logit_lo, logit_hi = lp.logit.widened(margin, s.min_width_logit)
-        # Learned from the trace, a bucket may be judged on its shorter neighbour's values alone: allow the
-        # log 2 that a doubling of keys can add to entropy.
-        ent_hi = ent.widened(margin, s.min_width_entropy)[1] + (0.0 if self.profile is not None else math.log(2))
-        b = _Bounds(logit_lo, logit_hi, ent_hi, ent.lo,
+        b = _Bounds(lp.logit.widened(margin, s.min_width_logit)[1], ent.lo,
                     ent.lo > s.collapse_floor, lp.logit, ent)
         self._bounds.setdefault(bucket, {})[layer] = b
         return b
@@ -223,43 +221,43 @@ class AttentionCheck(CheckBase):
                 st.keys = keys
             st.now[layer] = sink
             self._touched.add(seq)
+        # More entropy than the keys can hold: the query attended to keys its sequence does not have.
+        high_ent = keys is not None and ent > math.log(keys) + _ENTROPY_SLACK
         bucket = _UNKNOWN if keys is None else bucket_of(keys)
         by_layer = self._bounds.get(bucket)
         bounds = by_layer.get(layer) if by_layer is not None else None
         if bounds is None:
             bounds = self._bounds_for(layer, bucket)
-            if bounds is None:
-                if self.profile is None:
-                    self._learn(layer, bucket, logit, ent)
-                return NO_FINDINGS
-        high_logit = not bounds.logit_lo <= logit <= bounds.logit_hi
-        high_ent = ent > bounds.ent_hi
-        collapsed = ent < self._collapse_entropy and judged_keys and bounds.can_collapse
+        if bounds is None:
+            high_logit = collapsed = False
+            if self.profile is None and not high_ent:
+                self._learn(layer, bucket, logit, ent)
+        else:
+            high_logit = logit > bounds.logit_hi
+            collapsed = ent < self._collapse_entropy and judged_keys and bounds.can_collapse
         if not (high_logit or high_ent or collapsed):
             if self._streaks:
                 self._streaks.pop((seq, layer), None)
-            if self.profile is None and not (bounds.logit.lo <= logit <= bounds.logit.hi
-                                             and bounds.entropy.lo <= ent <= bounds.entropy.hi):
+            if self.profile is None and bounds is not None and not (
+                    bounds.logit.lo <= logit <= bounds.logit.hi and bounds.entropy.lo <= ent <= bounds.entropy.hi):
                 self._learn(layer, bucket, logit, ent)  # a value that widens the range it was judged within
             return NO_FINDINGS
         return self._abnormal(ev, keys, bounds, high_logit, high_ent, collapsed)
 
-    def _abnormal(self, ev: Attn, keys: int | None, bounds: _Bounds, high_logit: bool, high_ent: bool,
+    def _abnormal(self, ev: Attn, keys: int | None, bounds: _Bounds | None, high_logit: bool, high_ent: bool,
                   collapsed: bool) -> Sequence[Finding]:
         """Count the streaks of what is out of range; report a rule when its streak reaches ``persist``."""
         streak = self._streaks.setdefault((ev.seq, ev.layer), [0, 0, 0])
         persist = self.settings.persist
         out: Sequence[Finding] = NO_FINDINGS
         streak[0] = streak[0] + 1 if high_logit else 0
-        if streak[0] == persist:
-            out = self._range(ev, "max-logit-outlier", "max logit", ev.max_logit, bounds.logit, bounds.logit_lo,
-                              bounds.logit_hi, out, keys=keys)
+        if streak[0] == persist and bounds is not None:
+            out = self._logit(ev, bounds, keys, out)
         streak[1] = streak[1] + 1 if high_ent else 0
-        if streak[1] == persist:
-            out = self._range(ev, "entropy-outlier", "entropy", ev.entropy, bounds.entropy, -_INF, bounds.ent_hi,
-                              out, keys=keys)
+        if streak[1] == persist and keys is not None:
+            out = self._entropy(ev, keys, out)
         streak[2] = streak[2] + 1 if collapsed else 0
-        if streak[2] == persist:
+        if streak[2] == persist and bounds is not None:
             out = self._collapse(ev, bounds, keys, out)
         return out
 
@@ -327,16 +325,23 @@ class AttentionCheck(CheckBase):
             return "this trace's own range so far"
         return f"the attention profile{f' of {p.model}' if p.model else ''}"
 
-    def _range(self, ev: Attn, rule: str, what: str, value: float, span: Span, lo: float, hi: float, out,
-               keys: int | None = None):
-        at = f" at {keys} keys" if keys is not None else ""
-        allowed = f"<= {hi:.4g}" if lo == -_INF else f"{lo:.4g} .. {hi:.4g}"
+    def _logit(self, ev: Attn, bounds: _Bounds, keys: int | None, out):
+        span = bounds.logit
         return self._once(
-            ev, rule,
-            f"{what} {value:.4g}{at} is outside {allowed} ({self._against()}: {span.lo:.4g} .. {span.hi:.4g}, "
-            f"widened), for {self.settings.persist} observations in a row",
-            out, value=value, allowed=[lo, hi], normal=[span.lo, span.hi], keys=keys,
+            ev, "max-logit-outlier",
+            f"max logit {ev.max_logit:.4g} is above {bounds.logit_hi:.4g} ({self._against()}: {span.lo:.4g} .. "
+            f"{span.hi:.4g}, widened), for {self.settings.persist} observations in a row",
+            out, value=ev.max_logit, allowed_max=bounds.logit_hi, normal=[span.lo, span.hi], keys=keys,
             profile=self.profile.model if self.profile else None,
+        )
+
+    def _entropy(self, ev: Attn, keys: int, out):
+        most = math.log(keys)
+        return self._once(
+            ev, "entropy-outlier",
+            f"entropy {ev.entropy:.4g} nats is above log({keys}) = {most:.4g}, the most {keys} keys can give: "
+            f"the query attended to keys its sequence does not have, for {self.settings.persist} observations in a row",
+            out, value=ev.entropy, max_entropy=most, keys=keys,
         )
 
     def _collapse(self, ev: Attn, bounds: _Bounds, keys: int | None, out):
