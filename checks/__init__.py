@@ -19,6 +19,7 @@ from ..findings import Severity
 
 from .accounting import AccountingCheck
 from .attention import AttentionCheck, AttentionSettings
+from .attention_profile import AttentionProfile, ProfileBuilder, shipped_profile
 from .base import CheckBase, CheckSuite, Rule
 from .batch import BatchCheck
 from .codec import CodecCheck
@@ -31,6 +32,7 @@ from .stale import StaleCheck
 __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
+    "AttentionProfile", "ProfileBuilder", "shipped_profile",
     "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck",
 ]
 
@@ -45,15 +47,16 @@ RULES: dict[str, Rule] = {f"{c.name}/{r.id}": r for c in ALL_CHECKS for r in c.R
 def make_suite(
     *, leak: LeakSettings | None = None, attention: AttentionSettings | None = None,
     disabled: Iterable[str] = (), severity: dict[str, Severity] | None = None,
-    max_per_rule: int = 100, history: int = 12,
+    max_per_rule: int = 100, history: int = 12, attention_profile: AttentionProfile | None = None,
 ) -> CheckSuite:
     """Every built-in check over one shared ledger. ``disabled`` holds check names or
-    ``check/rule`` ids; ``severity`` overrides a rule's default severity by id."""
+    ``check/rule`` ids; ``severity`` overrides a rule's default severity by id;
+    ``attention_profile`` is the model's normal attention (None: learned from the trace)."""
     ledger = Ledger(history=history)
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
-        AttentionCheck(attention, ledger), AccountingCheck(ledger), CodecCheck(ledger), IntegrityCheck(ledger),
-        PrefixCheck(ledger),
+        AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),
+        IntegrityCheck(ledger), PrefixCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

@@ -1,186 +1,304 @@
-"""Attention anomalies: non-finite scores, and statistics far outside a layer's usual range.
+"""Attention anomalies: what a K/V bug does to attention, not whatever is merely rare.
 
-A corrupted or misplaced K/V block rarely crashes anything; it shows up as attention that
-behaves unlike itself — a max logit or entropy far from what that layer usually produces,
-entropy collapsing to one key, the mass on the first (sink) block jumping. Each layer
-keeps a robust running baseline (median and MAD over a window of recent values, refreshed
-every few observations, so an outlier cannot drag it) and judges nothing before a
-warm-up. A value must stay anomalous for ``persist`` consecutive steps of the same
-sequence before it is reported, so one odd token is not a finding. Non-finite values are
-always errors: nothing legitimate produces them.
+A healthy model's attention statistics depend on the layer, the prompt, the token and how many
+keys the query sees; a rule that flags the rare will flag healthy runs (the first version of this
+check did, on every demo). So each rule here targets what a bug does:
+
+- ``nonfinite``: NaN or infinity in a score or probability. Nothing legitimate produces one.
+- ``max-logit-outlier``: scores above the range this layer ever produces. Garbage or mis-scaled
+  keys (a wrong dequantisation scale, uninitialised memory, a flipped exponent bit) push the
+  largest score far above a range that healthy runs keep narrow. (Keys read as zeros pull it
+  down, but so does a prompt of repeated ``<|endoftext|>``, whose keys are near zero: a low
+  score is no evidence, and the low side is not judged.)
+- ``entropy-outlier``: more entropy than the query's keys can hold (``log keys``): it attended to
+  keys its sequence does not have (a mask, length or block-table bug). Uniform attention over
+  the right keys is no evidence either: repeated tokens make it.
+- ``entropy-collapse``: every head on one key, in a layer that never does that at this length.
+- ``sink-shift``: the mass on the first block jumps in most layers at once and stays. A healthy
+  sequence's sink mass drifts layer by layer as it grows; a first block swapped for another's,
+  or keys at the wrong positions, move it in every layer at the same step.
+
+The normal ranges (max_logit per layer; entropy per layer and key count, whose floor the collapse
+rule reads) come from an ``AttentionProfile`` learned from clean runs of the model (one ships for
+the embedded SmolLM2; ``kvdoctor attention-profile`` builds one for another). Without
+a profile the check learns the ranges from the trace itself, per layer and key-count bucket,
+and judges a bucket only after ``warmup`` observations, with a wider ``self_margin``. An anomaly
+must last ``persist`` consecutive observations of the same (sequence, layer) before it is reported.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
 
-from ..events import Attn, SeqEnd
+from ..events import Attn, Batch, SeqEnd
 from ..findings import Finding
 
+from .attention_profile import AttentionProfile, LayerProfile, Span, bucket_of
 from .base import NO_FINDINGS, CheckBase, Rule
 from .ledger import Ledger
 
 __all__ = ["AttentionCheck", "AttentionSettings"]
 
 _INF = math.inf
-_MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
-_FULL_SINK = 0.999  # while the first block holds every token, all mass is on it by definition
+_UNKNOWN = -16  # the bucket a learned value of unknown length is kept in (never a neighbour of a real one)
+_ENTROPY_SLACK = 0.01  # nats above log(keys) that float32 rounding may add
 
 
 @dataclass(frozen=True)
 class AttentionSettings:
     """Thresholds of the attention check (``[tool.kvdoctor.attention]``)."""
 
-    warmup: int = 64  # observations of a layer before its baseline judges anything
-    window: int = 256  # recent observations per layer that form the baseline
-    refresh: int = 128  # recompute median and MAD every this many observations
-    z_threshold: float = 10.0  # robust z-score beyond which max_logit or entropy is an outlier
-    persist: int = 3  # consecutive steps of one sequence that an anomaly must last
-    min_scale_logit: float = 0.5  # floor of the robust sigma of max_logit (a flat layer)
-    min_scale_entropy: float = 0.05  # floor of the robust sigma of entropy, nats
-    seq_warmup: int = 4  # observations of a (sequence, layer) before collapse and sink rules judge it
-    collapse_entropy: float = 0.02  # mean entropy (nats) counted as collapsed onto one key
-    collapse_baseline: float = 0.5  # ...only in a layer whose median entropy is above this
-    sink_shift: float = 0.5  # jump of sink mass from its running level counted as a shift
+    persist: int = 2  # consecutive observations of one (sequence, layer) an anomaly must last
+    margin: float = 0.5  # a profile's max_logit range is widened by this times its width
+    self_margin: float = 1.0  # ... and a range learned from the trace itself (no profile) by this
+    warmup: int = 64  # without a profile: observations of a layer (and length bucket) before it is judged
+    min_width_logit: float = 2.0  # the narrowest range of max_logit a margin is taken of
+    collapse_entropy: float = 0.02  # mean entropy (nats) counted as every head on one key
+    collapse_floor: float = 0.2  # ... only where the layer's normal minimum at that length is above this
+    sink_drop: float = 0.25  # sink mass below this share of its running level (or above its inverse) ...
+    sink_layers: float = 0.75  # ... in at least this share of the layers at one step is a shift
+    sink_min_delta: float = 0.05  # ... and a layer counts only when its mass moved by this much
+    min_keys: int = 64  # collapse and sink rules judge queries that see at least this many keys
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if value <= 0 and f.name not in ("warmup", "seq_warmup"):
-                raise ValueError(f"attention.{f.name} must be > 0, got {value}")
-            if value < 0:
-                raise ValueError(f"attention.{f.name} must be >= 0, got {value}")
-        if self.refresh > self.window:
-            raise ValueError(f"attention.refresh must be <= attention.window ({self.window}), got {self.refresh}")
-        if not 0 < self.sink_shift <= 1:
-            raise ValueError(f"attention.sink_shift must be in (0, 1], got {self.sink_shift}")
+            value, zero_ok = getattr(self, f.name), f.name in ("warmup", "margin", "self_margin")
+            if value < 0 or (value == 0 and not zero_ok):
+                raise ValueError(f"attention.{f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+        for name in ("sink_drop", "sink_layers"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"attention.{name} must be in (0, 1], got {getattr(self, name)}")
 
 
-class _Layer:
-    """One layer's baseline and the per-sequence streaks judged against it.
+@dataclass(frozen=True)
+class _Bounds:
+    """What one (layer, key-count bucket) allows, and what the bounds came from."""
 
-    The baseline is kept as bounds (median -/+ z * robust sigma) so that judging a value is
-    one chained comparison; they are recomputed every ``refresh`` observations.
-    """
+    logit_hi: float
+    ent_floor: float  # the lowest entropy the layer shows at this length in clean runs
+    can_collapse: bool  # that floor is above collapse_floor: a collapse here is no healthy behaviour
+    logit: Span
+    entropy: Span
 
-    __slots__ = ("count", "next_refresh", "logits", "entropies", "logit_med", "logit_scale", "ent_med",
-                 "ent_scale", "logit_lo", "logit_hi", "ent_lo", "ent_hi", "can_collapse", "seqs")
 
-    def __init__(self, s: AttentionSettings) -> None:
-        self.count = 0
-        self.next_refresh = min(s.refresh, s.warmup) or s.refresh
-        self.logits: deque[float] = deque(maxlen=s.window)
-        self.entropies: deque[float] = deque(maxlen=s.window)
-        self.logit_med = self.logit_scale = self.ent_med = self.ent_scale = 0.0
-        self.logit_lo = self.ent_lo = -_INF
-        self.logit_hi = self.ent_hi = _INF
-        self.can_collapse = False
-        # seq -> [observations, logit streak, entropy streak, collapse streak, sink level, sink streak]
-        self.seqs: dict = {}
+class _Learned:
+    """Without a profile: the trace's own ranges, per layer (max_logit) and per (layer, bucket) (entropy).
+    Only values judged normal are learned, so a persisting anomaly cannot widen the range it breaks."""
 
-    def refresh(self, s: AttentionSettings) -> None:
-        self.next_refresh = self.count + s.refresh
-        z = s.z_threshold
-        self.logit_med, mad = _median_mad(self.logits)
-        self.logit_scale = max(_MAD_TO_SIGMA * mad, s.min_scale_logit)
-        self.logit_lo, self.logit_hi = self.logit_med - z * self.logit_scale, self.logit_med + z * self.logit_scale
-        self.ent_med, mad = _median_mad(self.entropies)
-        self.ent_scale = max(_MAD_TO_SIGMA * mad, s.min_scale_entropy)
-        self.ent_lo, self.ent_hi = self.ent_med - z * self.ent_scale, self.ent_med + z * self.ent_scale
-        self.can_collapse = self.ent_med > s.collapse_baseline
+    def __init__(self) -> None:
+        self.logit: dict[int, list[float]] = {}  # layer -> [n, lo, hi]
+        self.entropy: dict[int, dict[int, list[float]]] = {}  # layer -> bucket -> [n, lo, hi]
+
+    @staticmethod
+    def _add(table: dict, key: int, x: float) -> bool:
+        """Learn ``x``; True when that changed the range (cached bounds of the layer are then stale)."""
+        acc = table.get(key)
+        if acc is None:
+            table[key] = [1, x, x]
+            return True
+        acc[0] += 1
+        if x < acc[1]:
+            acc[1] = x
+        elif x > acc[2]:
+            acc[2] = x
+        else:
+            return False
+        return True
+
+    def learn(self, layer: int, bucket: int, logit: float, entropy: float) -> bool:
+        changed = self._add(self.logit, layer, logit)
+        return self._add(self.entropy.setdefault(layer, {}), bucket, entropy) or changed
+
+    def profile(self, layer: int) -> AttentionProfile | None:
+        acc = self.logit.get(layer)
+        if acc is None:
+            return None
+        entropy = {b: _span(a) for b, a in self.entropy[layer].items()}
+        return AttentionProfile(None, {layer: LayerProfile(_span(acc), entropy)})
+
+
+def _span(acc: list[float]) -> Span:
+    return Span(int(acc[0]), acc[1], 0.5 * (acc[1] + acc[2]), acc[2])
+
+
+class _SeqSinks:
+    """One sequence's sink mass per layer: the running level, this step's values, the shift streak."""
+
+    __slots__ = ("level", "now", "keys", "streak")
+
+    def __init__(self) -> None:
+        self.level: dict[int, float] = {}
+        self.now: dict[int, float] = {}
+        self.keys = 0
+        self.streak = 0
 
 
 class AttentionCheck(CheckBase):
     name = "attention"
     RULES = (
         Rule("nonfinite", "error", "non-finite attention scores or probabilities"),
-        Rule("max-logit-outlier", "warning", "max logit far outside the layer's running distribution, persisting"),
-        Rule("entropy-outlier", "warning", "entropy far outside the layer's running distribution, persisting"),
-        Rule("entropy-collapse", "warning", "attention entropy collapsed to near zero, persisting"),
-        Rule("sink-shift", "warning", "mass on the first block jumped from its running level, persisting"),
+        Rule("max-logit-outlier", "warning", "max logit above the range the layer shows in clean runs, persisting"),
+        Rule("entropy-outlier", "warning", "more entropy than the query's keys can hold (attended to keys not its own), persisting"),
+        Rule("entropy-collapse", "warning", "every head on one key where the layer never collapses at this length, persisting"),
+        Rule("sink-shift", "warning", "mass on the first block jumped in most layers at once and stayed"),
     )
 
-    def __init__(self, settings: AttentionSettings | None = None, ledger: Ledger | None = None) -> None:
+    def __init__(self, settings: AttentionSettings | None = None, ledger: Ledger | None = None,
+                 profile: AttentionProfile | None = None) -> None:
         super().__init__(ledger)
-        self.settings = s = settings or AttentionSettings()
-        self._layers: dict[int, _Layer] = {}
-        # settings read on every event, as plain attributes
-        self._warmup, self._seq_warmup, self._persist = s.warmup, s.seq_warmup, s.persist
-        self._collapse_entropy, self._sink_shift = s.collapse_entropy, s.sink_shift
+        self.settings = settings or AttentionSettings()
+        self.profile: AttentionProfile | None = None
+        self._learned = _Learned()
+        self._bounds: dict[int, dict[int, _Bounds]] = {}  # bucket -> layer -> bounds; a learned change drops the layer's
+        self._lengths: dict[Any, int] = {}  # seq -> keys its newest query sees (from the step's batch)
+        self._streaks: dict[tuple[Any, int], list[int]] = {}  # (seq, layer) -> [logit, entropy, collapse]
+        self._sinks: dict[Any, _SeqSinks] = {}
+        self._touched: set = set()  # sequences with sink values this step
+        self._min_keys = self.settings.min_keys  # read on every event
+        self._collapse_entropy = self.settings.collapse_entropy
+        self.use_profile(profile)
+
+    def use_profile(self, profile: AttentionProfile | None) -> None:
+        """Judge against ``profile`` from now on (None: ranges learned from the trace itself)."""
+        self.profile = profile
+        self._bounds.clear()
 
     def handlers(self):
-        return {Attn: self._attn, SeqEnd: self._seq_end}
+        return {Attn: self._attn, Batch: self._batch, SeqEnd: self._seq_end}
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def _batch(self, ev: Batch) -> Sequence[Finding]:
+        for seq, pos, n in zip(ev.rows, ev.positions, ev.n):
+            self._lengths[seq] = pos + n
+        return NO_FINDINGS
 
     def _seq_end(self, ev: SeqEnd) -> Sequence[Finding]:
-        for layer in self._layers.values():
-            layer.seqs.pop(ev.seq, None)
+        self._lengths.pop(ev.seq, None)
+        self._sinks.pop(ev.seq, None)
+        for key in [k for k in self._streaks if k[0] == ev.seq]:
+            del self._streaks[key]
         return NO_FINDINGS
+
+    def _bounds_for(self, layer: int, bucket: int) -> _Bounds | None:
+        """The allowed ranges at (layer, bucket), from the profile or what this trace taught so far; cached."""
+        s = self.settings
+        if self.profile is not None:
+            prof, margin = self.profile, s.margin
+        else:
+            prof, margin = self._learned.profile(layer), s.self_margin
+        lp = prof.layers.get(layer) if prof is not None else None
+        if lp is None:
+            return None
+        ent = lp.entropy_span(None if bucket == _UNKNOWN else bucket)
+        if self.profile is None and (lp.logit.n < s.warmup or ent.n < s.warmup):
+            return None
+        b = _Bounds(lp.logit.widened(margin, s.min_width_logit)[1], ent.lo,
+                    ent.lo > s.collapse_floor, lp.logit, ent)
+        self._bounds.setdefault(bucket, {})[layer] = b
+        return b
+
+    # ---- judging ------------------------------------------------------------------------------
 
     def _attn(self, ev: Attn) -> Sequence[Finding]:
         logit, ent, sink = ev.max_logit, ev.entropy, ev.sink
         total = logit + ent + sink
         if ev.nonfinite or total - total:  # x - x is 0.0 for a finite x, NaN otherwise
             return self._nonfinite(ev)
-        layer = self._layers.get(ev.layer)
-        if layer is None:
-            layer = self._layers[ev.layer] = _Layer(self.settings)
-        layer.logits.append(logit)
-        layer.entropies.append(ent)
-        count = layer.count = layer.count + 1
-        if count >= layer.next_refresh:
-            layer.refresh(self.settings)
-        st = layer.seqs.get(ev.seq)
-        if st is None:
-            st = layer.seqs[ev.seq] = [0, 0, 0, 0, None, 0]
-        seen = st[0] = st[0] + 1
-        if count <= self._warmup:
-            return NO_FINDINGS
-        out: list[Finding] | tuple = NO_FINDINGS
-        persist = self._persist
-        # max_logit outlier
-        if not layer.logit_lo <= logit <= layer.logit_hi:
-            st[1] += 1
-            if st[1] == persist:
-                out = self._outlier(ev, "max-logit-outlier", "max logit", logit, layer.logit_med,
-                                    layer.logit_scale, out)
-        elif st[1]:
-            st[1] = 0
-        # entropy outlier (a collapse onto one key is the collapse rule's, judged below)
-        collapsed = layer.can_collapse and ent < self._collapse_entropy
-        if not collapsed and not layer.ent_lo <= ent <= layer.ent_hi:
-            st[2] += 1
-            if st[2] == persist:
-                out = self._outlier(ev, "entropy-outlier", "entropy", ent, layer.ent_med, layer.ent_scale, out)
-        elif st[2]:
-            st[2] = 0
-        if seen <= self._seq_warmup:
-            st[4] = sink if sink < _FULL_SINK else None
-            return out
-        # entropy collapse: near zero where this layer normally spreads its attention
-        if collapsed:
-            st[3] += 1
-            if st[3] == persist:
-                out = self._collapse(ev, layer, out)
-        elif st[3]:
-            st[3] = 0
-        # sink shift, judged against the sequence's own running level once its first block
-        # no longer holds every token
-        level = st[4]
-        if level is None:
-            if sink < _FULL_SINK:
-                st[4] = sink
-        elif not -self._sink_shift <= sink - level <= self._sink_shift:
-            st[5] += 1
-            if st[5] == persist:
-                out = self._sink_shift_finding(ev, level, out)
-                st[4], st[5] = sink, 0  # the new level is the reference from here on
+        seq, layer = ev.seq, ev.layer
+        keys = self._lengths.get(seq)
+        judged_keys = keys is None or keys >= self._min_keys
+        if judged_keys:  # the step's sink mass of this layer, judged across layers at the step's end
+            st = self._sinks.get(seq)
+            if st is None:
+                st = self._sinks[seq] = _SeqSinks()
+            if keys is not None:
+                if keys < st.keys:  # rolled back or recomputed from the start: levels restart
+                    st.level.clear()
+                    st.streak = 0
+                st.keys = keys
+            st.now[layer] = sink
+            self._touched.add(seq)
+        # More entropy than the keys can hold: the query attended to keys its sequence does not have.
+        high_ent = keys is not None and ent > math.log(keys) + _ENTROPY_SLACK
+        bucket = _UNKNOWN if keys is None else bucket_of(keys)
+        by_layer = self._bounds.get(bucket)
+        bounds = by_layer.get(layer) if by_layer is not None else None
+        if bounds is None:
+            bounds = self._bounds_for(layer, bucket)
+        if bounds is None:
+            high_logit = collapsed = False
+            if self.profile is None and not high_ent:
+                self._learn(layer, bucket, logit, ent)
         else:
-            st[5] = 0
-            st[4] = level + 0.25 * (sink - level)
+            high_logit = logit > bounds.logit_hi
+            collapsed = ent < self._collapse_entropy and judged_keys and bounds.can_collapse
+        if not (high_logit or high_ent or collapsed):
+            if self._streaks:
+                self._streaks.pop((seq, layer), None)
+            if self.profile is None and bounds is not None and not (
+                    bounds.logit.lo <= logit <= bounds.logit.hi and bounds.entropy.lo <= ent <= bounds.entropy.hi):
+                self._learn(layer, bucket, logit, ent)  # a value that widens the range it was judged within
+            return NO_FINDINGS
+        return self._abnormal(ev, keys, bounds, high_logit, high_ent, collapsed)
+
+    def _abnormal(self, ev: Attn, keys: int | None, bounds: _Bounds | None, high_logit: bool, high_ent: bool,
+                  collapsed: bool) -> Sequence[Finding]:
+        """Count the streaks of what is out of range; report a rule when its streak reaches ``persist``."""
+        streak = self._streaks.setdefault((ev.seq, ev.layer), [0, 0, 0])
+        persist = self.settings.persist
+        out: Sequence[Finding] = NO_FINDINGS
+        streak[0] = streak[0] + 1 if high_logit else 0
+        if streak[0] == persist and bounds is not None:
+            out = self._logit(ev, bounds, keys, out)
+        streak[1] = streak[1] + 1 if high_ent else 0
+        if streak[1] == persist and keys is not None:
+            out = self._entropy(ev, keys, out)
+        streak[2] = streak[2] + 1 if collapsed else 0
+        if streak[2] == persist and bounds is not None:
+            out = self._collapse(ev, bounds, keys, out)
         return out
+
+    def _learn(self, layer: int, bucket: int, logit: float, ent: float) -> None:
+        if self._learned.learn(layer, bucket, logit, ent):
+            for by_layer in self._bounds.values():
+                by_layer.pop(layer, None)
+
+    def end_step(self, step: int) -> Sequence[Finding]:
+        """Sink shifts are judged once a step's statistics of every layer are in."""
+        if not self._touched:
+            return NO_FINDINGS
+        out: Sequence[Finding] = NO_FINDINGS
+        s = self.settings
+        for seq in self._touched:
+            st = self._sinks.get(seq)
+            if st is None:
+                continue
+            now, level = st.now, st.level
+            common = [li for li in now if li in level]
+            moved = 0
+            for li in common:
+                old, new = level[li], now[li]
+                if abs(new - old) >= s.sink_min_delta and (new < s.sink_drop * old or new * s.sink_drop > old):
+                    moved += 1
+            if common and len(common) == len(now) and moved >= s.sink_layers * len(common):
+                st.streak += 1
+                if st.streak == s.persist:
+                    out = self._sink_shift(seq, step, level, now, moved, out)
+                    level.update(now)  # the new level is the reference from here on
+                    st.streak = 0
+            else:
+                st.streak = 0
+                for li, new in now.items():
+                    old = level.get(li)
+                    level[li] = new if old is None else old + 0.25 * (new - old)
+            st.now = {}
+        self._touched = set()
+        return out
+
+    # ---- findings -----------------------------------------------------------------------------
 
     def _nonfinite(self, ev: Attn) -> Sequence[Finding]:
         if not self.once("nonfinite", ev.seq, ev.layer):
@@ -201,40 +319,53 @@ class AttentionCheck(CheckBase):
         return [*out, self.finding(rule, f"layer {ev.layer} of sequence {ev.seq!r}: {message}",
                                    seq=ev.seq, layer=ev.layer, step=ev.step, events=[_attn_dict(ev)], **evidence)]
 
-    def _outlier(self, ev: Attn, rule: str, what: str, value: float, median: float, scale: float, out):
-        z = (value - median) / scale
+    def _against(self) -> str:
+        p = self.profile
+        if p is None:
+            return "this trace's own range so far"
+        return f"the attention profile{f' of {p.model}' if p.model else ''}"
+
+    def _logit(self, ev: Attn, bounds: _Bounds, keys: int | None, out):
+        span = bounds.logit
         return self._once(
-            ev, rule,
-            f"{what} {value:.4g} is {z:+.1f} robust sigmas from the layer's median {median:.4g}, "
-            f"for {self.settings.persist} steps in a row",
-            out, value=value, median=median, robust_sigma=scale, z=z,
+            ev, "max-logit-outlier",
+            f"max logit {ev.max_logit:.4g} is above {bounds.logit_hi:.4g} ({self._against()}: {span.lo:.4g} .. "
+            f"{span.hi:.4g}, widened), for {self.settings.persist} observations in a row",
+            out, value=ev.max_logit, allowed_max=bounds.logit_hi, normal=[span.lo, span.hi], keys=keys,
+            profile=self.profile.model if self.profile else None,
         )
 
-    def _collapse(self, ev: Attn, layer: _Layer, out):
+    def _entropy(self, ev: Attn, keys: int, out):
+        most = math.log(keys)
+        return self._once(
+            ev, "entropy-outlier",
+            f"entropy {ev.entropy:.4g} nats is above log({keys}) = {most:.4g}, the most {keys} keys can give: "
+            f"the query attended to keys its sequence does not have, for {self.settings.persist} observations in a row",
+            out, value=ev.entropy, max_entropy=most, keys=keys,
+        )
+
+    def _collapse(self, ev: Attn, bounds: _Bounds, keys: int | None, out):
+        at = f" at {keys} keys" if keys is not None else ""
         return self._once(
             ev, "entropy-collapse",
-            f"attention entropy {ev.entropy:.3g} nats for {self.settings.persist} steps, "
-            f"where the layer's median is {layer.ent_med:.3g}",
-            out, value=ev.entropy, median=layer.ent_med,
+            f"attention entropy {ev.entropy:.3g} nats{at} for {self.settings.persist} observations: every head on "
+            f"one key, where the layer's lowest in {self._against()} is {bounds.ent_floor:.3g}",
+            out, value=ev.entropy, floor=bounds.ent_floor, keys=keys,
         )
 
-    def _sink_shift_finding(self, ev: Attn, level: float, out):
-        return self._once(
-            ev, "sink-shift",
-            f"mass on the first block moved from {level:.3f} to {ev.sink:.3f} "
-            f"and stayed there for {self.settings.persist} steps",
-            out, value=ev.sink, level=level,
-        )
-
-
-def _median_mad(values) -> tuple[float, float]:
-    ordered = sorted(values)
-    n = len(ordered)
-    mid = n // 2
-    median = ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-    dev = sorted([median - v if v < median else v - median for v in ordered])
-    mad = dev[mid] if n % 2 else 0.5 * (dev[mid - 1] + dev[mid])
-    return median, mad
+    def _sink_shift(self, seq: Any, step: int, level: dict[int, float], now: dict[int, float], moved: int, out):
+        if not self.once("sink-shift", seq):
+            return out
+        layers = sorted(now)
+        before = sorted(level[li] for li in layers)[len(layers) // 2]
+        after = sorted(now.values())[len(layers) // 2]
+        return [*out, self.finding(
+            "sink-shift",
+            f"sequence {seq!r}: mass on the first block moved in {moved} of {len(layers)} layers at once "
+            f"(median {before:.3f} -> {after:.3f}) and stayed for {self.settings.persist} steps",
+            seq=seq, step=step, layers_moved=moved, num_layers=len(layers),
+            level={li: round(level[li], 4) for li in layers}, sink={li: round(now[li], 4) for li in layers},
+        )]
 
 
 def _attn_dict(ev: Attn) -> dict:

@@ -11,9 +11,11 @@
     [tool.kvdoctor.leak]
     grace_steps = 0
 
+    attention_profile = "auto"                  # auto (shipped for the trace's model) | none | FILE.json
+
     [tool.kvdoctor.attention]
-    z_threshold = 10.0
-    persist = 3
+    margin = 0.5
+    persist = 2
 
 Everything is validated once, here; a bad value is a ``UsageError`` (exit code 2) that names
 the file, the key and what would be accepted.
@@ -27,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import ALL_CHECKS, RULES, AttentionSettings, CheckSuite, LeakSettings, make_suite
+from .checks import (
+    ALL_CHECKS, RULES, AttentionProfile, AttentionSettings, CheckSuite, LeakSettings, make_suite, shipped_profile,
+)
 from .errors import UsageError
 from .findings import SEVERITIES
 
@@ -45,22 +49,38 @@ class Config:
     max_findings_per_rule: int = 100
     history: int = 12
     baseline: str | None = None
+    # "auto": the profile kvdoctor ships for the trace's model, if any; "none": ranges learned from the trace
+    # itself; else a profile file (``kvdoctor attention-profile``), relative to the config file's folder.
+    attention_profile: str = "auto"
     leak: LeakSettings = field(default_factory=LeakSettings)
     attention: AttentionSettings = field(default_factory=AttentionSettings)
     source: str | None = None  # the file it came from, for messages
 
-    def make_suite(self) -> CheckSuite:
+    def make_suite(self, model: str | None = None) -> CheckSuite:
+        """Every check under these settings; ``model`` (a trace header's) picks the shipped attention profile."""
         return make_suite(
             leak=self.leak, attention=self.attention, disabled=self.disable, severity=self.severity,  # type: ignore[arg-type]
             max_per_rule=self.max_findings_per_rule, history=self.history,
+            attention_profile=self.attention_profile_for(model),
         )
 
+    def attention_profile_for(self, model: str | None) -> AttentionProfile | None:
+        """The attention profile to judge a trace of ``model`` against (None: learn from the trace)."""
+        if self.attention_profile == "none":
+            return None
+        if self.attention_profile == "auto":
+            return shipped_profile(model)
+        return _load_profile(self.attention_profile, self.source)
+
     def with_overrides(self, *, fail_on: str | None = None, disable: list[str] | None = None,
-                       source: str = "command line") -> "Config":
+                       attention_profile: str | None = None, source: str = "command line") -> "Config":
         """Settings given closer to the run (command line, a test's marker) win over the file."""
         changes: dict[str, Any] = {}
         if fail_on is not None:
             changes["fail_on"] = _severity("fail_on", fail_on, source)
+        if attention_profile is not None:
+            _load_profile(attention_profile, source)  # a bad file is a usage error now, not mid-run
+            changes["attention_profile"] = attention_profile
         if disable:
             changes["disable"] = self.disable + tuple(_rule_ids("disable", disable, source))
         return dataclasses.replace(self, **changes) if changes else self
@@ -122,6 +142,13 @@ def parse_config(table: dict[str, Any], source: str = "config") -> Config:
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= 1_000_000:
                 raise UsageError(f"{source}: {key} must be an integer in [{lo}, 1000000], got {value!r}")
             values[key] = value
+        elif key == "attention_profile":
+            if not isinstance(value, str) or not value:
+                raise UsageError(f"{source}: attention_profile must be \"auto\", \"none\" or a profile file, got {value!r}")
+            if value not in ("auto", "none"):
+                value = str(_relative_to(value, source))
+                _load_profile(value, source)
+            values[key] = value
         elif key == "baseline":
             if not isinstance(value, str) or not value:
                 raise UsageError(f"{source}: baseline must be a file path, got {value!r}")
@@ -130,6 +157,24 @@ def parse_config(table: dict[str, Any], source: str = "config") -> Config:
             known = ", ".join(sorted(top | set(_SECTIONS)))
             raise UsageError(f"{source}: unknown setting {key!r} (known: {known})")
     return Config(**values)
+
+
+def _relative_to(path: str, source: str) -> Path:
+    """``path`` as written in the config file ``source`` names: relative to that file's folder."""
+    p = Path(path)
+    config_file = Path(source.split(" [", 1)[0])
+    return p if p.is_absolute() or not config_file.is_file() else config_file.parent / p
+
+
+def _load_profile(path: str, source: str | None) -> AttentionProfile | None:
+    if path in ("auto", "none"):
+        return None
+    try:
+        return AttentionProfile.load(path)
+    except OSError as exc:
+        raise UsageError(f"{source or 'config'}: cannot read attention profile {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"{source or 'config'}: {exc}") from None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from .checks import AttentionCheck
 from .child import TracedChild
 from .config import Config
 from .errors import TraceError, UsageError
@@ -266,7 +267,7 @@ class Session:
         source = self._need_source()
         observe = self.suite.observe
         try:
-            self.header = source.wait_header()
+            self._use_header(source.wait_header())
             for batch in source.batches():
                 for event in batch:
                     yield event, observe(event)
@@ -279,7 +280,7 @@ class Session:
         source = self._need_source()
         feed = self.suite.observe_many
         try:
-            self.header = source.wait_header()
+            self._use_header(source.wait_header())
             for batch in source.batches():
                 if batch:
                     feed(batch)
@@ -299,10 +300,19 @@ class Session:
     def on_bus(cls, bus: Any, config: Config | None = None, header: Header | None = None) -> "Session":
         """Check ``bus``'s events as the engine hands them over, in the engine's thread."""
         session = cls(None, config)
-        session.header = header
+        session._use_header(header)
         session._bus = bus
         bus.subscribe(session.feed)
         return session
+
+    def _use_header(self, header: Header | None) -> None:
+        """The trace's header is known: judge attention against the profile of its model (config's choice)."""
+        self.header = header
+        if header is not None and header.model:
+            profile = self.config.attention_profile_for(header.model)
+            for check in self.suite.checks:
+                if isinstance(check, AttentionCheck) and profile is not None:
+                    check.use_profile(profile)
 
     def feed(self, events: list[Any]) -> list[Finding]:
         """Judge a batch of events (a ``Bus`` sink); returns the findings it completed."""

@@ -120,9 +120,9 @@ def test_config_file_and_pyproject(capsys, leaky, tmp_path, monkeypatch):
     monkeypatch.chdir(project)
     code, out, _ = check(capsys, "--trace", leaky)
     assert code == 0 and "unreachable-swapped" not in out
-    (project / "pyproject.toml").write_text('[tool.kvdoctor.attention]\nz_threshold = -1\n')
+    (project / "pyproject.toml").write_text('[tool.kvdoctor.attention]\nmargin = -1\n')
     code, _, err = check(capsys, "--trace", leaky)
-    assert code == 2 and "z_threshold must be > 0" in err
+    assert code == 2 and "margin must be >= 0" in err
 
 
 def test_baseline_accepts_known_findings_and_only_new_ones_fail(capsys, leaky, tmp_path):

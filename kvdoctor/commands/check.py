@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json", "junit", "sarif"), default="text")
     p.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of standard output")
     p.add_argument("--config", metavar="FILE.toml", help="settings file (default: [tool.kvdoctor] in the nearest pyproject.toml)")
+    p.add_argument("--attention-profile", metavar="FILE|auto|none",
+                   help="normal attention ranges of the model (`kvdoctor attention-profile`); auto: the one "
+                        "kvdoctor ships for the trace's model, if any; none: learn them from the trace itself")
     p.add_argument("--disable", action="append", metavar="RULE", help="switch off a check or check/rule (repeatable)")
     p.add_argument("--baseline", metavar="FILE", help="accept the findings listed in this baseline")
     p.add_argument("--write-baseline", metavar="FILE", help="write the findings of this run as a baseline and exit 0")
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
 
-    config = load_config(args.config).with_overrides(fail_on=args.fail_on, disable=args.disable)
+    config = load_config(args.config).with_overrides(fail_on=args.fail_on, disable=args.disable,
+                                                     attention_profile=args.attention_profile)
     baseline_path = args.baseline or (config.baseline if not args.write_baseline else None)
     baseline = load_baseline(baseline_path) if baseline_path else None
 

@@ -52,7 +52,7 @@ def suite_factory(config: Any = None) -> CheckerFactory:
     def make(header: Header) -> Checker:
         from ..config import Config
 
-        return (config or Config()).make_suite()
+        return (config or Config()).make_suite(header.model)
 
     return make
 
