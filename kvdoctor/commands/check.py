@@ -31,10 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("source (exactly one)")
     src.add_argument("--trace", metavar="FILE", help="a trace file; followed while its writer is still running")
     src.add_argument("--demo", action="store_true", help="run the embedded model's demo workload and check it")
+    src.add_argument("--vllm-events", metavar="ENDPOINT",
+                     help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT): check what its events can show, until "
+                     "Ctrl-C or --idle-exit seconds without an event (docs/integrations.md)")
     src.add_argument("workload", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                      help="a workload to start with KVDOCTOR_TRACE set, checked as it runs")
     p.add_argument("--follow", action="store_true",
                    help="with --trace: keep following the file until its writer closes it (or Ctrl-C)")
+    p.add_argument("--idle-exit", type=float, default=0.0, metavar="S",
+                   help="with --vllm-events: stop after S seconds without an event (default: until Ctrl-C)")
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
                    help="with --trace --follow: seconds to wait for the file to appear (default 10)")
     p.add_argument("--fault", metavar="NAME", help="with --demo or a command: switch on an engine fault (KVDOCTOR_FAULT)")
@@ -69,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.workload or [])
     if command and command[0] == "--":
         command = command[1:]
-    chosen = [name for name, on in (("--trace", args.trace), ("--demo", args.demo), ("a command", command)) if on]
+    chosen = [name for name, on in (("--trace", args.trace), ("--demo", args.demo), ("a command", command),
+                                    ("--vllm-events", args.vllm_events)) if on]
     if len(chosen) != 1:
-        raise UsageError("give exactly one source: --trace FILE, --demo, or -- CMD ARGS..."
+        raise UsageError("give exactly one source: --trace FILE, --demo, --vllm-events ENDPOINT, or -- CMD ARGS..."
                          + (f" (got {' and '.join(chosen)})" if chosen else ""))
     if args.fault and args.trace:
         raise UsageError("--fault applies to --demo or a command; a trace was recorded with whatever faults it had")
@@ -106,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--codec", "nf4"]  # the fault corrupts a dequantisation scale: the demo must store codes
         source = CommandSource(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
+    elif args.vllm_events:
+        from ..integrations.vllm_events import bridge_argv
+
+        source = CommandSource(bridge_argv(args.vllm_events, idle_exit=args.idle_exit))
+        source.name = f"vLLM KV events at {args.vllm_events}"
     else:
         source = CommandSource(command, fault=args.fault, env=env)
 

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--demo", action="store_true",
                      help="run the embedded SmolLM2 serving a continuous stream of chat requests")
     src.add_argument("--trace", metavar="FILE", help="follow a trace file that another process is writing")
+    src.add_argument("--vllm-events", metavar="ENDPOINT",
+                     help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT); see docs/integrations.md")
     p.add_argument("--fault", metavar="NAME",
                    help="switch on a deliberate fault in the workload (leak-swapped, stale-version, "
                         "batch-misalign, attention-nan) to see its finding appear")
@@ -49,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.workload_argv or [])
     if command[:1] == ["--"]:
         command = command[1:]
+    if args.vllm_events:
+        if command:
+            raise UsageError("choose exactly one source: --vllm-events and -- CMD")
+        from ..integrations.vllm_events import bridge_argv
+
+        command = bridge_argv(args.vllm_events)  # the bridge is a workload that writes the trace the TUI follows
     chosen = [name for name, on in (("--demo", args.demo), ("--trace", args.trace), ("-- CMD", command)) if on]
     if len(chosen) != 1:
         what = "nothing" if not chosen else " and ".join(chosen)

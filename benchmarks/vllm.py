@@ -1,0 +1,114 @@
+"""vLLM with kvdoctor's plugin on and off, and kvdoctor's runner against vLLM, on the same prompts.
+
+Run with the vLLM environment (``./kvd vllm-setup`` first):
+
+    .venv-vllm/bin/python benchmarks/vllm.py --pairs 4
+
+One process holds one vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler and the
+CPU worker run here, so no inter-process hop favours either side) and kvdoctor's runner over the
+same SmolLM2 weights, both fp32 with torch's threads. Decode tokens/s leave out each request's
+prefill and first token (one step first, then the clock). The plugin comparison attaches and
+detaches a ``VllmTracer`` between runs of one engine, in ABBA pairs, so machine load hits both
+alike; the figure is the median of per-pair ratios with quartiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# This file is named vllm.py: without its folder on the path, `import vllm` finds vLLM, not itself.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+_spec = importlib.util.spec_from_file_location("_decode_bench", os.path.join(_HERE, "decode.py"))
+_decode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_decode)
+_clocks, _prompts, _rates, paired, runner_decode = (
+    _decode._clocks, _decode._prompts, _decode._rates, _decode.paired, _decode.runner_decode)
+
+
+def vllm_decode(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """Decode tokens/s (wall, CPU) of vLLM over ``prompts``, after every prompt's first step."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{vllm_decode.calls}-{i}", {"prompt_token_ids": p}, params)
+    vllm_decode.calls += 1
+    engine.step()  # prefill and first token of every request (the batch fits at once)
+    t0 = _clocks()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return _rates(len(prompts) * (new_tokens - 1), t0)
+
+
+vllm_decode.calls = 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs per comparison")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from vllm import LLM
+
+    from kvdoctor.engine.model import convert_embedded, load_model
+    from kvdoctor.engine.runner import Runner
+    from kvdoctor.integrations.vllm import VllmTracer
+
+    directory = str(convert_embedded())
+    llm = LLM(model=directory, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
+              max_num_seqs=8, enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.2)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    lm = load_model(directory)
+    runner = Runner.create(lm.model, tokenizer=lm.tokenizer, device_blocks=512, host_blocks=0)
+    batch8 = _prompts(lm.tokenizer, [24, 40, 56, 72, 88, 104, 120, 136])
+    batch1 = [batch8[len(batch8) // 2]]
+    trace_dir = tempfile.mkdtemp(prefix="kvd-vllm-bench-")
+    N = args.new_tokens
+
+    def traced(prompts):
+        tracer = VllmTracer(scheduler, os.path.join(trace_dir, f"run{vllm_decode.calls}.kvtrace"), engine="vllm")
+        try:
+            return vllm_decode(llm, prompts, N)
+        finally:
+            tracer.detach()
+
+    vllm_decode(llm, batch8, 4)  # warm both engines before timing anything
+    runner_decode(runner, batch8, [4] * 8)
+    results = {"new_tokens": N, "pairs": args.pairs, "threads": __import__("torch").get_num_threads(),
+               "load_before": os.getloadavg()[0]}
+    for name, prompts in (("batch1", batch1), ("batch8", batch8)):
+        plugin = paired(lambda p=prompts: vllm_decode(llm, p, N), lambda p=prompts: traced(p), args.pairs)
+        engines = paired(lambda p=prompts: vllm_decode(llm, p, N),
+                         lambda p=prompts: runner_decode(runner, p, [N] * len(p)), args.pairs)
+        results[name] = {
+            clock: {"vllm": plugin[clock]["a"], "vllm_traced": plugin[clock]["b"],
+                    "plugin_cost": round(1 - plugin[clock]["ratio"], 4),
+                    "plugin_cost_q": [round(1 - plugin[clock]["ratio_q3"], 4), round(1 - plugin[clock]["ratio_q1"], 4)],
+                    "runner": engines[clock]["b"], "runner_vs_vllm": engines[clock]["ratio"],
+                    "runner_vs_vllm_q": [engines[clock]["ratio_q1"], engines[clock]["ratio_q3"]]}
+            for clock in ("wall", "cpu")}
+    results["load_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for name in ("batch1", "batch8"):
+            r = results[name]["wall"]
+            print(f"{name}: vLLM {r['vllm']} tok/s, traced {r['vllm_traced']} (plugin cost {100 * r['plugin_cost']:+.1f}%, "
+                  f"quartiles {100 * r['plugin_cost_q'][0]:+.1f}..{100 * r['plugin_cost_q'][1]:+.1f}%); kvdoctor runner "
+                  f"{r['runner']} tok/s = {r['runner_vs_vllm']:.2f}x vLLM")
+        print(f"threads {results['threads']}, load {results['load_before']:.1f} -> {results['load_after']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM may spawn helpers: the guard keeps them from rerunning this
+    sys.exit(main())
