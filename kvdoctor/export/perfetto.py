@@ -28,7 +28,7 @@ _TRANSFER_US = 1.0
 
 
 def _us(t_ns: int) -> float:
-    return t_ns / 1000.0
+    return round(t_ns / 1000.0, 3)  # whole ns: no float noise in the JSON
 
 
 def perfetto_events(pairs: Iterable[tuple[Any, list[Finding] | tuple]], model: str | None = None) -> Iterator[dict]:
@@ -48,9 +48,9 @@ def perfetto_events(pairs: Iterable[tuple[Any, list[Finding] | tuple]], model: s
                 step_start = ts
             kind = type(event)
             if kind is StepEnd:
-                start = ts - _us(event.duration_ns) if event.duration_ns else step_start
+                start = round(ts - _us(event.duration_ns), 3) if event.duration_ns else step_start
                 yield {"ph": "X", "pid": _PID, "tid": _TID_STEPS, "name": f"step {event.step}", "cat": "step",
-                       "ts": start, "dur": max(ts - start, 0.0),
+                       "ts": start, "dur": round(max(ts - start, 0.0), 3),
                        "args": {"step": event.step, "num_tokens": event.num_tokens}}
                 step_start = ts
             elif kind is Usage:
