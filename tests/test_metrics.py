@@ -8,11 +8,14 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from check_traces import HEADER, request, with_usage, write_trace
 
 from kvdoctor import events as E
 from kvdoctor.cli import main
-from kvdoctor.metrics import CacheMetrics
+from kvdoctor.metrics import CacheMetrics, metered
+from kvdoctor.tui.feed import suite_factory
 from kvdoctor.trace import TraceWriter
 
 
@@ -78,12 +81,13 @@ def test_scrape_while_a_trace_is_followed(tmp_path, capsys):
     assert "KVDOCTOR SUMMARY: 1 errors" in capsys.readouterr().err
 
 
-def test_a_taken_port_is_one_line_and_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["check", "watch"])
+def test_a_taken_port_is_one_line_and_exit_2(tmp_path, capsys, command):
     trace = write_trace(tmp_path / "t.kvtrace", request("r0", 0))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        code = main(["check", "--trace", str(trace), "--metrics-port", str(busy.getsockname()[1])])
+        code = main([command, "--trace", str(trace), "--metrics-port", str(busy.getsockname()[1])])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--metrics-port" in err
 
@@ -96,3 +100,17 @@ def test_prefix_hit_rate_counts_shared_blocks():
         m.observe(ev)
     # THEN one block in three came from the prefix cache
     assert abs(m.registry.get_sample_value("kvdoctor_prefix_hit_rate") - 1 / 3) < 1e-9
+
+
+def test_the_tui_feeds_checker_also_counts_findings():
+    # GIVEN the checker factory `watch --metrics-port` hands the TUI's feed
+    m = CacheMetrics()
+    checker = metered(suite_factory(), m)(HEADER)
+    # WHEN the feed drives it over a leaking request and the end
+    for ev in request("r1", 1, leak=True):
+        checker.observe(ev)
+    checker.finish()
+    # THEN the leak is counted as a finding, and the swap
+    assert m.registry.get_sample_value(
+        "kvdoctor_findings_total", {"check": "leak", "rule": "unreachable-swapped", "severity": "error"}) == 1
+    assert m.registry.get_sample_value("kvdoctor_swaps_total", {"direction": "out", "src": "device", "dst": "host"}) == 1
