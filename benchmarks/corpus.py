@@ -92,6 +92,7 @@ class Tally:
     tokens: int = 0
     events: int = 0
     preempted: int = 0
+    swaps: Counter = field(default_factory=Counter)  # swap_out events by destination tier
     seconds: float = 0.0
     findings: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
@@ -102,13 +103,15 @@ class Tally:
         for name in ("requests", "seq_steps", "steps", "tokens", "events", "preempted", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.findings.update(other.findings)
+        self.swaps.update(other.swaps)
         for rule, text in other.examples.items():
             self.examples.setdefault(rule, text)
 
     def as_dict(self) -> dict[str, Any]:
         per_k = {rule: 1000.0 * n / max(self.seq_steps, 1) for rule, n in sorted(self.findings.items())}
         return {"requests": self.requests, "seq_steps": self.seq_steps, "steps": self.steps, "tokens": self.tokens,
-                "events": self.events, "preempted": self.preempted, "seconds": round(self.seconds, 1),
+                "events": self.events, "preempted": self.preempted, "swaps": dict(self.swaps),
+                "seconds": round(self.seconds, 1),
                 "findings": dict(sorted(self.findings.items())), "per_1000_seq_steps": per_k,
                 "examples": self.examples}
 
@@ -184,6 +187,7 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
     (a function of the scaled scores) is applied to the middle layer's attention from step 2 on."""
     from kvdoctor.engine.runner import SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.events import SwapOut
     from kvdoctor.session import Session
 
     runner = build_runner(lm, scenario)
@@ -197,6 +201,7 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
         runner.bus.subscribe(listen)
     sched = Scheduler(runner, max_batch=scenario.max_batch, max_step_tokens=scenario.max_step_tokens)
     tally = Tally(requests=len(specs))
+    runner.bus.subscribe(lambda evs: tally.swaps.update(e.dst for e in evs if type(e) is SwapOut))
     queue = list(reversed(specs))
     rng = random.Random(len(specs))
     t0 = time.perf_counter()
@@ -355,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             total.add(tally)
             out["scenarios"][scenario.name] = tally.as_dict()
             print(f"{scenario.name:10} {tally.requests:4} requests {tally.seq_steps:6} seq-steps "
-                  f"{tally.preempted:4} preempted {tally.seconds:6.1f}s findings {dict(tally.findings) or 0}",
+                  f"{tally.preempted:4} preempted, swaps out {dict(tally.swaps) or 0} {tally.seconds:6.1f}s "
+                  f"findings {dict(tally.findings) or 0}",
                   file=sys.stderr, flush=True)
         out["total"] = total.as_dict()
     if learner is not None:
@@ -389,11 +395,12 @@ def render(out: dict[str, Any]) -> str:
         t = out["total"]
         lines.append(f"clean corpus: {t['requests']} requests, {t['seq_steps']} sequence-steps, {t['steps']} steps, "
                      f"{t['tokens']} tokens, {t['events']} events, {t['preempted']} preemptions, {t['seconds']} s")
-        lines.append("| scenario | requests | seq-steps | preempted | findings |")
-        lines.append("|---|---|---|---|---|")
+        lines.append("| scenario | requests | seq-steps | preempted | swaps out to host / disk | findings |")
+        lines.append("|---|---|---|---|---|---|")
         for name, s in out["scenarios"].items():
+            swaps = s["swaps"]
             lines.append(f"| {name} | {s['requests']} | {s['seq_steps']} | {s['preempted']} | "
-                         f"{sum(s['findings'].values())} |")
+                         f"{swaps.get('host', 0)} / {swaps.get('disk', 0)} | {sum(s['findings'].values())} |")
         lines.append("")
         lines.append("false findings per 1000 sequence-steps, by rule: "
                      + (", ".join(f"{r} {v:.3f}" for r, v in t["per_1000_seq_steps"].items()) or "none"))

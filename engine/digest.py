@@ -145,7 +145,7 @@ class _Layout:
     def kv_units(self, kv: torch.Tensor) -> np.ndarray:
         """``(L, N)`` token sums of a native codec's K and V, given as ``(2L, N, H, D)`` (K, V of layer 0, …)."""
         x = _as_ints(kv.to(self.codec.arena_dtype))  # what the arena holds: K/V rounded to its dtype
-        x = x.reshape(-1, 2, *x.shape[1:])  # (L, 2, N, H, D)
+        x = x.reshape(x.shape[0] // 2, 2, *x.shape[1:])  # (L, 2, N, H, D); N may be 0 (an empty store)
         return np.einsum("lknhd,khd->ln", x, self._w_kv)
 
     def part_units(self, parts: dict[str, torch.Tensor]) -> tuple[np.ndarray | None, np.ndarray | None]:

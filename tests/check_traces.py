@@ -47,3 +47,24 @@ def write_trace(path: Path, events: list[E.Event], *, close: bool = True, header
     else:
         writer._flush()
     return path
+
+
+def with_usage(events: list[E.Event], block_bytes: int = 4096) -> list[E.Event]:
+    """``events`` with a true ``usage`` reading per tier before each step end (blocks counted from
+    the allocs, swaps and frees before it), as an engine reports them."""
+    where: dict[int, str] = {}
+    out: list[E.Event] = []
+    for e in events:
+        if isinstance(e, E.Alloc):
+            where[e.block] = e.tier
+        elif isinstance(e, (E.SwapOut, E.SwapIn)):
+            where[e.block] = e.dst
+        elif isinstance(e, E.Free):
+            where.pop(e.block, None)
+        elif isinstance(e, E.StepEnd):
+            for spec in HEADER.tiers:
+                used = sum(t == spec.name for t in where.values())
+                out.append(E.Usage(step=e.step, tier=spec.name, used_blocks=used,
+                                   capacity_blocks=spec.capacity_blocks, bytes=used * block_bytes))
+        out.append(e)
+    return out

@@ -4,6 +4,7 @@
     kvdoctor check -- python serve.py --requests 100    # start a workload with tracing on, check it live
     kvdoctor check --demo --fault leak-swapped          # the embedded model's demo workload
     kvdoctor check --trace run.kvtrace --format sarif --output kvdoctor.sarif --fail-on warning
+    kvdoctor check --trace run.kvtrace --format html -o report.html   # one self-contained page for CI
 
 Exit status: 0 no finding at or above --fail-on; 1 such findings; 2 usage or configuration
 error; 3 an unreadable or incompatible trace.
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --vllm-events: stop after S seconds without an event (default: until Ctrl-C)")
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
                    help="with --trace --follow: seconds to wait for the file to appear (default 10)")
+    p.add_argument("--metrics-port", type=int, metavar="N",
+                   help="serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N "
+                        "while checking; with --trace --follow, headless monitoring of a serving process")
     p.add_argument("--fault", metavar="NAME", help="with --demo or a command: switch on an engine fault (KVDOCTOR_FAULT)")
     p.add_argument("--verify", choices=("off", "sample", "full"),
                    help="with --demo or a command: check the engine's K/V content digests on every read (full: CI), "
@@ -50,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=_DEMO_STEPS, help=f"with --demo: engine steps to run (default {_DEMO_STEPS})")
     p.add_argument("--fail-on", choices=("error", "warning", "info"),
                    help="lowest severity that fails the run (default: error, or fail_on in the config)")
-    p.add_argument("--format", choices=("text", "json", "junit", "sarif"), default="text")
+    p.add_argument("--format", choices=("text", "json", "junit", "sarif", "html"), default="text",
+                   help="html: one self-contained page (findings, block histories, plots over steps) for CI artifacts")
     p.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of standard output")
     p.add_argument("--config", metavar="FILE.toml", help="settings file (default: [tool.kvdoctor] in the nearest pyproject.toml)")
     p.add_argument("--attention-profile", metavar="FILE|auto|none",
@@ -90,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         if args.fault not in FAULTS:
             raise UsageError(f"unknown fault {args.fault!r}: use one of {', '.join(FAULTS)}")
         content_fault = args.fault in CONTENT_FAULTS
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port must be 1-65535, got {args.metrics_port}")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
 
@@ -121,8 +128,29 @@ def run(args: argparse.Namespace) -> int:
         source = CommandSource(command, fault=args.fault, env=env)
 
     session = Session(source, config)
+    series = metrics = None
+    if args.format == "html":
+        from ..report_html import StepSeries
+
+        series = StepSeries()  # the plots need per-step series the report does not keep
+    if args.metrics_port is not None:
+        from ..metrics import CacheMetrics
+
+        metrics = CacheMetrics()
+        metrics.serve(args.metrics_port)
+        print(f"kvdoctor check: metrics on http://127.0.0.1:{args.metrics_port}/metrics", file=sys.stderr)
     try:
-        session.run()
+        if series is None and metrics is None:
+            session.run()
+        else:
+            for event, found in session:
+                if event is not None:
+                    if series is not None:
+                        series.observe(event)
+                    if metrics is not None:
+                        metrics.observe(event)
+                if metrics is not None and found:
+                    metrics.add_findings(found)
     except KeyboardInterrupt:
         session.stop()
         session.close()
@@ -139,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     report = session.report(fail_on=config.fail_on, baseline=baseline)
-    text = render(report, args.format)
+    if args.format == "html":
+        from ..report_html import render_html
+
+        text = render_html(report, series)
+    else:
+        text = render(report, args.format)
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as f:

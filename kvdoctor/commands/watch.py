@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="how long to wait for the trace to appear (default 10 s; 300 s for a workload we start, "
                         "which stops waiting as soon as the workload exits)")
+    p.add_argument("--metrics-port", type=int, metavar="N",
+                   help="also serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N")
     p.add_argument("workload_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                    help="a workload to start with KVDOCTOR_TRACE set, e.g. -- python my_script.py")
 
@@ -75,10 +77,20 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and os.path.exists(args.trace):
         read_header(args.trace)  # a file that is not a trace fails here, as one line, before the screen opens
 
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port must be 1-65535, got {args.metrics_port}")
     config = load_config(args.config)
+    from ..tui.feed import LiveFeed, suite_factory
+
+    checker_factory = suite_factory(config)
+    if args.metrics_port is not None:
+        from ..metrics import CacheMetrics, metered
+
+        metrics = CacheMetrics()
+        metrics.serve(args.metrics_port)  # before the screen opens: a taken port is one line, exit 2
+        checker_factory = metered(checker_factory, metrics)
 
     from ..tui.app import KvdoctorApp
-    from ..tui.feed import LiveFeed, suite_factory
     from ..tui.workload import Workload
 
     workload = None
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     wait = args.wait if args.wait is not None else (300.0 if workload is not None else 10.0)
     app = KvdoctorApp(
         lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait,
-                                 checker_factory=suite_factory(config)),
+                                 checker_factory=checker_factory),
         workload=workload,
     )
     try:
