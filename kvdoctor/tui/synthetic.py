@@ -153,8 +153,10 @@ class SyntheticWorkload:
                 rows.append((s, pos, n))
                 for layer in range(self.num_layers):
                     nan = self.fault == "attention-nan" and step >= self.fault_step and layer == 1 and not faulted
+                    # Entropy stays below log(keys): no query of a healthy model can spread more.
+                    entropy = min(2.0 + 0.2 * layer + rng.gauss(0, 0.05), 0.9 * math.log(pos + n))
                     emit(Attn, seq=s.seq, layer=layer, max_logit=8.0 + layer + rng.gauss(0, 0.3),
-                         entropy=2.0 + 0.2 * layer + rng.gauss(0, 0.05), sink=0.3 + rng.gauss(0, 0.01),
+                         entropy=entropy, sink=0.3 + rng.gauss(0, 0.01),
                          nonfinite=4 if nan else 0)
                     if nan:
                         faulted = True
