@@ -26,6 +26,7 @@ from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
 from .importance import ImportanceEviction
+from .prefix import model_salt
 from .sparse import BlockSparse
 from .weights import layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
@@ -168,6 +169,8 @@ class Runner:
         _check_supported(model)
         cfg = model.config
         param = next(model.parameters())
+        if config.get("prefix_cache") and "prefix_salt" not in config:
+            config["prefix_salt"] = model_salt(model)  # what besides the tokens decides their K/V
         engine_config = EngineConfig(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
@@ -286,9 +289,9 @@ class Runner:
             for g, per_layer in zip(groups, scores):
                 if len(per_layer) == self.num_layers:
                     self._observe_attention([seqs[i] for i in g.rows], torch.stack(per_layer), g)
-        for seq, k in zip(seqs, n):
+        for (seq, toks), k in zip(rows, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
-            cache.commit(seq, k)
+            cache.commit(seq, k, tokens=toks)
             if bus.enabled:
                 cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
         if self._sparse is not None:

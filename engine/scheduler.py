@@ -38,6 +38,7 @@ class Request:
     priority: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # run to max_new_tokens even past the model's end-of-sequence token (benchmarks)
+    adapter: str | None = None  # what it runs under besides the model (a LoRA's name): prefix-cache hits stay within it
     seq: SeqId | None = None  # the id in events; assigned by the scheduler when None
 
     def __post_init__(self) -> None:
@@ -161,7 +162,10 @@ class Scheduler:
         budget = self.max_step_tokens
         for live in chosen:
             if live.state == "waiting":
-                cache.add_sequence(live.seq, prompt_len=len(live.request.prompt_ids), priority=live.request.priority)
+                cache.add_sequence(live.seq, prompt_len=len(live.request.prompt_ids), priority=live.request.priority,
+                                   adapter=live.request.adapter)
+            if live.state in ("waiting", "dropped") and not cache.seq_len(live.seq):
+                cache.reuse_prefix(live.seq, live.tokens)  # with a prefix cache: compute only what is not cached
             live.state = "running"
             done = cache.seq_len(live.seq)
             todo = live.tokens[done:]
@@ -266,10 +270,13 @@ class Scheduler:
     def _make_room(self, chosen: list[_Live], left: list[_Live]) -> list[SeqId]:
         """Preempt the lowest-ranked resident requests left out until the chosen ones fit."""
         tiers = self.cache.stats()["tiers"]
+        for name, t in tiers.items():  # a prefix cache's blocks that no request holds make room when asked
+            t["free_blocks"] += self.cache.reclaimable(name)
         free = tiers[Tier.DEVICE]["free_blocks"]
         need = sum(self._blocks_after_step(lv) - self._device_blocks(lv.seq) for lv in chosen)
         if need > free:
-            free = self._reclaimable(chosen) + self.cache.pool.tiers[Tier.DEVICE].num_free
+            free = (self._reclaimable(chosen) + self.cache.pool.tiers[Tier.DEVICE].num_free
+                    + self.cache.reclaimable(Tier.DEVICE))
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
             if need <= free:

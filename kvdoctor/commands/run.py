@@ -20,7 +20,8 @@ HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedd
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
 FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan", "overwrite-foreign", "stale-slot",
-               "wrong-scale", "bit-flip", "row-off-by-one")
+               "wrong-scale", "bit-flip", "row-off-by-one", "prefix-unsalted", "prefix-overwritten",
+               "prefix-freed-in-use")
 # Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
 VERIFY_MODES = ("off", "sample", "full")
 
