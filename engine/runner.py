@@ -196,13 +196,15 @@ class Runner:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
-    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
-        """Token ids of ``prompt``: as-is with the tokenizer's default special tokens, or in the chat template."""
+    def encode(self, prompt: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids of ``prompt``: as-is with the tokenizer's default special tokens, or in the chat template
+        (after a ``system`` message when given: requests sharing one share a prefix the prefix cache reuses)."""
         if self.tokenizer is None:
             raise ValueError("this runner has no tokenizer: pass token ids instead of text")
         if chat:
+            messages = [{"role": "system", "content": system}] if system is not None else []
             ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                messages + [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             return [int(i) for i in ids]

@@ -288,7 +288,8 @@ class Scheduler:
     def _preempt(self, live: _Live, tiers: dict[str, Any]) -> int:
         """Move ``live``'s blocks off the device: swap to host, else disk, else drop for recompute."""
         s = self.cache.seqs[live.seq]
-        on_device = [b.id for b in s.blocks if b.tier == Tier.DEVICE]
+        # (a block the prefix-freed-in-use fault dropped under the request is no longer the pool's to move)
+        on_device = [b.id for b in s.blocks if b.tier == Tier.DEVICE and self.cache.pool.blocks.get(b.id) is b]
         for dst in (Tier.HOST, Tier.DISK):
             t = tiers.get(dst)
             if t is not None and t["free_blocks"] >= len(on_device):

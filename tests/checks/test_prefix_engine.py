@@ -35,7 +35,7 @@ def serve(prefix_cache: bool, fault: str | None = None, **tiers):
     E: the first prompt under an adapter. Returns each request's greedy tokens and the session's findings."""
     lm = tiny_llama(num_layers=2, max_position_embeddings=512)
     tiers = {"device_blocks": 64, "host_blocks": 16, "disk_blocks": 0, **tiers}
-    runner = Runner.create(lm.model, block_size=4, prefix_cache=prefix_cache, fault=fault, **tiers)
+    runner = Runner.create(lm.model, block_size=4, prefix_cache=prefix_cache, fault=fault, stats_every=0, **tiers)
     session = Session.on_bus(runner.bus)
     sched = Scheduler(runner, max_batch=4)
     for seq, prompt, new, adapter in PLAN:

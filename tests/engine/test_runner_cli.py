@@ -80,3 +80,22 @@ def test_verify_choices_are_the_engines_modes():
     from kvdoctor.engine.config import VERIFY_MODES
 
     assert run_cmd.VERIFY_MODES == VERIFY_MODES
+
+
+def test_prefix_cache_serves_a_repeated_prompt_from_the_first_requests_blocks(checkpoint, tmp_path, capsys):
+    # GIVEN a 10-token prompt in blocks of 4, run twice one after another
+    prompt = " ".join(f"w{i}" for i in range(5, 15))
+    args = ["--model", str(checkpoint), "--prompt", prompt, "--greedy", "--max-new-tokens", "4", "--block-size", "4",
+            "--repeat", "2", "--json"]
+    plain = json.loads(_run(capsys, *args)[1])
+    trace = tmp_path / "prefix.kvtrace"
+    code, out, _ = _run(capsys, *args, "--prefix-cache", "--trace", str(trace))
+    cached = json.loads(out)
+    # THEN the second request reused the two full blocks (8 tokens) before the prompt's last token
+    assert code == 0 and plain["prefix"] is None
+    assert cached["prefix"]["hit_blocks"] == 2 and cached["prefix"]["hit_tokens"] == 8
+    assert cached["token_ids"] == plain["token_ids"] and len(cached["prefill_s_each"]) == 2
+    # AND the trace says so, and the checks find nothing in it
+    assert main(["check", "--trace", str(trace)]) == 0
+    ends = [e for e in TraceReader(trace) if type(e).__name__ == "StepEnd" and e.prefix_hits]
+    assert [e.prefix_hits for e in ends] == [2]
