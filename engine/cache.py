@@ -318,6 +318,8 @@ class PagedKVCache:
         if p.pending:
             raise ValueError(f"fork of {parent!r} with {p.pending} reserved tokens not committed")
         self.add_sequence(child, prompt_len=p.length, priority=p.priority)
+        if self.prefix is not None:
+            self.prefix.forked(parent, child)
         c = self.seqs[child]
         c.length = p.length
         c.blocks = list(p.blocks)

@@ -174,6 +174,12 @@ class PrefixCache:
             del chain.tokens[length:]
         del chain.keys[length // self.block_size:], chain.lookup[length // self.block_size:]
 
+    def forked(self, parent: Any, child: Any) -> None:
+        """``child`` starts as a copy of ``parent``'s committed tokens: it continues the same chain."""
+        p = self.chains[parent]
+        self.chains[child] = _Chain(p.salt, p.lookup_salt, None if p.tokens is None else list(p.tokens),
+                                    list(p.keys), list(p.lookup))
+
     def ended(self, seq: Any) -> None:
         self.chains.pop(seq, None)
 

@@ -147,3 +147,16 @@ def test_reuse_prefix_refuses_a_sequence_that_already_holds_tokens(make_cache):
     start(r, "a", P)
     with pytest.raises(ValueError, match="already holds 10 tokens"):
         r.cache.reuse_prefix("a", P)
+
+
+def test_a_fork_continues_its_parents_chain_of_keys(make_cache):
+    r = make_cache(prefix_cache=True, device_blocks=8)
+    start(r, "a", P[:6])
+    r.fork("a", "b")
+    # WHEN the child fills its second block with its own tokens
+    r.write("b", 2, [50, 51])
+    # THEN that block is registered under the key of the parent's tokens followed by the child's
+    reg = shares(r, PREFIX_CACHE)
+    assert reg[-1][1] == content_key(reg[0][1], P[4:6] + [50, 51])
+    assert start(r, "c", P[:6] + [50, 51, 9]) == 8
+    assert clean(r) == []
