@@ -627,6 +627,11 @@ class PagedKVCache:
         new_len = s.length - n
         if new_len and s.blocks and all(b.index != (new_len - 1) // self.block_size for b in s.blocks):
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: the block holding its new last token was evicted")
+        if self.faults.rollback_uncut and new_len:
+            s.version += n  # the fault: the rollback is recorded, and the tokens stay
+            if self.bus.enabled:
+                self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
+            return
         s.length = new_len
         s.version += n
         if self.bus.enabled:

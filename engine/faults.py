@@ -43,6 +43,10 @@ FAULTS: dict[str, str] = {
     "without leaving the cache; the request writes over it, and a later hit is served that request's K/V",
     "prefix-freed-in-use": "when the request that computed a cached block ends, the cache evicts the block at once, "
     "though requests that hit it still hold it and read it (its slot goes to the next block allocated)",
+    # Speculative decoding (engine.speculative)
+    "spec-rollback-uncut": "a rollback that keeps part of a sequence (rejected draft tokens) is recorded and advances "
+    "the version, but the sequence's length is not cut: the rejected tokens' K/V stay in it, attention reads them, "
+    "and the next token is written after them",
 }
 
 # Faults that corrupt stored K/V while the events stay right.
@@ -77,6 +81,7 @@ class Faults:
         self.prefix_unsalted = name == "prefix-unsalted"
         self.prefix_overwritten = name == "prefix-overwritten"
         self.prefix_freed_in_use = name == "prefix-freed-in-use"
+        self.rollback_uncut = name == "spec-rollback-uncut"
         self.nan_layer = num_layers // 2
         self._batched_steps = 0
         self._misalign_step = -1
