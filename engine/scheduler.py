@@ -99,7 +99,7 @@ class Scheduler:
             raise ValueError(f"num_draft={num_draft}: must be >= 1")
         self.drafter = drafter
         self.num_draft = num_draft
-        self.num_forwards = 0  # target forward passes that sampled at least one token
+        self.num_forwards = 0  # rows of target forward passes that yielded tokens (a sequence's decode passes)
         self.num_generated = 0
         self.num_drafted = 0  # draft tokens proposed, and accepted
         self.num_accepted = 0
@@ -196,7 +196,7 @@ class Scheduler:
         if rows:
             tails = [1 + len(d.tokens) if d is not None else 1 for d in drafts]
             logits = self.runner.forward(rows, tail_logits=tails)  # (sum of tails, V)
-            self.num_forwards += any(ends)
+            self.num_forwards += sum(ends)
             offset = 0
             for live, end, d, m in zip(chosen, ends, drafts, tails):
                 row_logits, offset = logits[offset:offset + m], offset + m  # (m, V)
@@ -265,7 +265,8 @@ class Scheduler:
         return None
 
     def spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding's figures: acceptance rate and tokens per target forward pass."""
+        """Speculative decoding's figures: acceptance rate, and tokens a sequence got per target forward pass
+        that computed it (1 without speculation)."""
         return {
             "drafted": self.num_drafted, "accepted": self.num_accepted,
             "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
