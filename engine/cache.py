@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
 
-from ..events import Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
+from ..events import PREFIX_CACHE, Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
 from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
@@ -46,6 +46,7 @@ from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
 from .pool import Block, BlockPool, Sequence
+from .prefix import PrefixCache
 from .storage import Arena, TensorArena, TierArenas
 from .tiers import TierManager
 
@@ -114,8 +115,12 @@ class PagedKVCache:
         self.tiers = TierManager(
             config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
             protected=self._is_protected, evictable=self._is_evictable, evict=self._evict,
-            distance=self._distance, clock=lambda: self._tick, digests=self.digests,
+            distance=self._distance, clock=lambda: self._tick, digests=self.digests, reclaim=self._reclaim_cached,
         )
+        self.prefix: PrefixCache | None = None
+        if config.prefix_cache:
+            kv = {"codec": "mixed" if config.mixed else config.tier_codec(Tier.DEVICE), "dtype": config.dtype}
+            self.prefix = PrefixCache(self.pool, self.block_size, {**config.prefix_salt, **kv}, self.faults)
         self._writer: Any = None
         self._attached: list[Any] = []  # what the hooks attached; each has detach()
         trace = os.environ.get(TRACE_ENV)
@@ -177,6 +182,8 @@ class PagedKVCache:
 
     def _evict(self, victims: list[Block], tier: str, reason: str = "capacity") -> None:
         for b in victims:
+            if self.prefix is not None:
+                self.prefix.forget(b)
             for o in b.owners:
                 s = self.seqs.get(o)
                 if s is not None:
@@ -199,6 +206,8 @@ class PagedKVCache:
 
     def _free_or_keep(self, b: Block, seq: Any, *, emit_release: bool) -> None:
         """``seq`` lets go of ``b``; the block is freed if nobody else owns it."""
+        if self.pool.blocks.get(b.id) is not b:
+            return  # only the prefix-freed-in-use fault gets here: the cache dropped the block under its reader
         if b.inflight is not None:
             try:
                 self.tiers.settle(b)
@@ -207,13 +216,85 @@ class PagedKVCache:
         if self.pool.release(b, seq, emit=emit_release):
             self.pool.free(b)
 
+    # ---- prefix cache (engine.prefix) ----
+    def _reclaim_cached(self, tier: str, need: int, exclude: set[int]) -> int:
+        """Room in ``tier`` from the prefix cache first: its least recently used blocks that no request holds
+        move one tier down while that tier has free slots, and are evicted (reason ``prefix-cache``) past
+        that, so keeping a cached block never pushes a request's block down. Returns the slots freed."""
+        if self.prefix is None or need <= 0:
+            return 0
+        victims = self.prefix.idle(tier, exclude)[:need]
+        if not victims:
+            return 0
+        nxt = self.tiers.slower(tier)
+        room = self.pool.tiers[nxt].num_free if nxt is not None else 0
+        if room:
+            self.tiers.move(victims[:room], nxt)
+        if victims[room:]:
+            self._evict(victims[room:], tier, reason=PREFIX_CACHE)
+        return len(victims)
+
+    def reclaimable(self, tier: str) -> int:
+        """Slots of ``tier`` the prefix cache gives up when room is needed (its blocks no request holds)."""
+        return len(self.prefix.idle(tier)) if self.prefix is not None else 0
+
+    def reuse_prefix(self, seq: Any, tokens: Seq[int]) -> int:
+        """Start ``seq`` (empty, just added) from the longest cached prefix of ``tokens``: the cached blocks
+        become its first blocks (a ``share`` with the content key each). Returns the tokens served, which
+        ``seq`` need not compute; 0 without a prefix cache."""
+        s = self._seq(seq)
+        if self.prefix is None:
+            return 0
+        if s.length or s.pending or s.blocks:
+            raise ValueError(f"reuse_prefix for {seq!r}: it already holds {s.length + s.pending} tokens")
+        hits = self.prefix.lookup(seq, tokens)
+        if hits:
+            self._tick += 1
+            self._pinned.add(seq)  # its hits stay where they are until the step that computes the rest
+            for b in hits:
+                b.last_access = self._tick
+            s.blocks = list(hits)
+            s.length = len(hits) * self.block_size
+            s.last_access = self._tick
+            s.index_cache = None
+        return s.length
+
+    def _reuse_cached_block(self, seq: Any, index: int) -> Block | None:
+        """prefix-overwritten: an idle cached block handed out as ``seq``'s new block, still in the cache."""
+        idle = self.prefix.idle(Tier.DEVICE) if self.prefix is not None else []
+        if not idle:
+            return None
+        b = min(idle, key=lambda b: b.id)  # the faulty allocator takes blocks lowest id first, cached or not
+        self.pool.share(b, seq)
+        b.index, b.checksum, b.last_access = index, None, self._tick
+        self.faults.fired(b.id, seq, None, self.bus.step)
+        return b
+
+    def _drop_cached_under_readers(self, s: Sequence) -> None:
+        """prefix-freed-in-use: the blocks ``s`` registered are evicted as it ends, whoever still holds them."""
+        for b in s.blocks:
+            if self.prefix.registered_by(b) != s.id or self.pool.blocks.get(b.id) is not b:
+                continue
+            if b.inflight is not None:
+                self.tiers.settle(b)
+            self.prefix.forget(b)
+            if any(o in self.seqs for o in b.owners):
+                self.faults.fired(b.id, next(o for o in b.owners if o in self.seqs), None, self.bus.step)
+            if self.bus.enabled:
+                self.bus.emit(Evict, block=b.id, tier=b.tier, reason=PREFIX_CACHE)
+            self.pool.drop(b)
+
     # ---- sequences ----
-    def add_sequence(self, seq: Any, prompt_len: int = 0, priority: int = 0) -> None:
+    def add_sequence(self, seq: Any, prompt_len: int = 0, priority: int = 0, adapter: str | None = None) -> None:
+        """A new sequence; ``adapter``: what the request runs under besides the model (a LoRA's name), part
+        of the prefix cache's salt, so requests under different adapters never share blocks."""
         if seq in self.seqs:
             raise ValueError(f"sequence {seq!r} is already in the cache")
         self.seqs[seq] = Sequence(seq, prompt_len, priority)
         if self.bus.enabled:
             self.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len)
+        if self.prefix is not None:
+            self.prefix.begin(seq, adapter)
 
     def remove_sequence(self, seq: Any, reason: str = "finished") -> None:
         """The sequence leaves: every block it owns is released, and freed when no one else owns it."""
@@ -222,6 +303,10 @@ class PagedKVCache:
         self._pinned.discard(seq)
         if self.bus.enabled:
             self.bus.emit(SeqEnd, seq=seq, reason=reason)
+        if self.prefix is not None:
+            if self.faults.prefix_freed_in_use:
+                self._drop_cached_under_readers(s)
+            self.prefix.ended(seq)
         for b in reversed(s.blocks):
             if self.faults.leak_swapped and b.tier != Tier.DEVICE:
                 continue  # the fault: a block away from the device is forgotten, owner and all
@@ -233,6 +318,8 @@ class PagedKVCache:
         if p.pending:
             raise ValueError(f"fork of {parent!r} with {p.pending} reserved tokens not committed")
         self.add_sequence(child, prompt_len=p.length, priority=p.priority)
+        if self.prefix is not None:
+            self.prefix.forked(parent, child)
         c = self.seqs[child]
         c.length = p.length
         c.blocks = list(p.blocks)
@@ -286,7 +373,8 @@ class PagedKVCache:
                 tail = self._copy_on_write(s, tail, start)
             tail.checksum = None  # its bytes are about to change
         for i in range(first_new, first_new + num_new):
-            s.blocks.append(self.pool.alloc(Tier.DEVICE, seq, i))
+            reused = self._reuse_cached_block(seq, i) if self.faults.prefix_overwritten else None
+            s.blocks.append(reused or self.pool.alloc(Tier.DEVICE, seq, i))
             if self.faults.content == "stale-slot":
                 self._stale_slot(s.blocks[-1], seq)
         s.index_cache = None
@@ -373,9 +461,12 @@ class PagedKVCache:
             if meant is not None:
                 self._stage((id(meant), i), layer, arena.codec, meant[sel], parts, self._devs.slot(i, 0))
 
-    def commit(self, seq: Any, n: int | None = None) -> None:
+    def commit(self, seq: Any, n: int | None = None, tokens: Seq[int] | None = None) -> None:
         """The first ``n`` reserved tokens (default: all) are stored in every layer: advance the
-        version by ``n`` and emit a ``write`` per block touched. Reserved tokens beyond ``n`` are dropped."""
+        version by ``n`` and emit a ``write`` per block touched. Reserved tokens beyond ``n`` are dropped.
+
+        ``tokens``: their ids, which the prefix cache keys the blocks they fill by (without them, none of
+        the sequence's blocks is cached from here on)."""
         s = self._seq(seq)
         n = s.pending if n is None else n
         if not 0 <= n <= s.pending:
@@ -401,6 +492,8 @@ class PagedKVCache:
         s.length += n
         s.pending = 0
         s.writes = []
+        if self.prefix is not None:
+            self.prefix.committed(seq, s.blocks, tokens[:n] if tokens is not None else None)
         self._drop_tail(s, emit_release=True)
         if self.config.mixed:
             self._demote_unimportant(s)
@@ -534,10 +627,17 @@ class PagedKVCache:
         new_len = s.length - n
         if new_len and s.blocks and all(b.index != (new_len - 1) // self.block_size for b in s.blocks):
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: the block holding its new last token was evicted")
+        if self.faults.rollback_uncut and new_len:
+            s.version += n  # the fault: the rollback is recorded, and the tokens stay
+            if self.bus.enabled:
+                self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
+            return
         s.length = new_len
         s.version += n
         if self.bus.enabled:
             self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
+        if self.prefix is not None:
+            self.prefix.rolled_back(seq, new_len)
         self._drop_tail(s, emit_release=True)
 
     # ---- reading ----
@@ -773,7 +873,11 @@ class PagedKVCache:
                 used = ts.used - landing[t]
                 self.bus.emit(Usage, tier=t, used_blocks=used, capacity_blocks=ts.capacity,
                               bytes=self._used_bytes(t) - landing_bytes[t])
-        self.bus.end_step(num_tokens)
+        if self.prefix is not None:
+            hits, misses = self.prefix.end_step()
+            self.bus.end_step(num_tokens, prefix_hits=hits, prefix_misses=misses)
+        else:
+            self.bus.end_step(num_tokens)
         self.digests.end_step()
         self._pinned.clear()
         self._reserved.clear()
@@ -818,6 +922,7 @@ class PagedKVCache:
             "prefetch_misses": self.tiers.prefetch_misses,
             "prefetch_hit_rate": self.tiers.hit_rate,
             "swaps": {f"{s}->{d}": int(n) for (s, d), (n, _) in self.tiers.moved.items()},
+            **({"prefix": self.prefix.stats()} if self.prefix is not None else {}),
         }
 
     def close(self) -> None:

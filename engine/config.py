@@ -115,6 +115,11 @@ class EngineConfig:
     mixed_window: int = 4  # mixed: a sequence's newest blocks stay high (the recent window)
     mixed_high_blocks: int = 0  # mixed: at least this many of a sequence's older blocks stay high, by attention mass
     mixed_high_fraction: float = 0.25  # mixed: ... or this fraction of its blocks, whichever is more
+    # Automatic prefix caching (engine.prefix): full blocks found again by a chain of content keys. ``prefix_salt``
+    # names what decides a token's K/V besides the tokens (model, weights digest, rope scaling; the runner fills
+    # it from the model); the cache adds its KV codec, and each request its adapter.
+    prefix_cache: bool = False
+    prefix_salt: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes carried into the trace header
     mixed: bool = field(init=False, default=False)  # derived: the device codec is "mixed"
     _tier_codecs: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)

@@ -159,12 +159,14 @@ class TierManager:
         distance: Callable[[Block], float],
         clock: Callable[[], int],
         digests: DigestBook,
+        reclaim: Callable[[str, int, set[int]], int] | None = None,
     ) -> None:
         self.config, self.pool, self.arenas, self.bus = config, pool, arenas, bus
         self.codecs = codecs  # codec name -> Codec, for re-encoding on the way down
         self.policy, self.faults = policy, faults
         self._protected, self._evictable, self._evict = protected, evictable, evict
         self._distance, self._clock = distance, clock
+        self._reclaim = reclaim  # frees room from a prefix cache before anything else is moved
         self.digests = digests
         self._worker: ThreadPoolExecutor | None = None
         self._stream = torch.cuda.Stream(device=config.device) if config.is_cuda else None
@@ -194,6 +196,9 @@ class TierManager:
             except ChecksumMismatch:
                 pass  # the bad copy was discarded and its slot freed; the block stays where it was
         need = n - slots.num_free
+        if need > 0 and self._reclaim is not None:
+            self._reclaim(tier, need, exclude)
+            need = n - slots.num_free
         if need <= 0:
             return
         nxt = self.slower(tier)

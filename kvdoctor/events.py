@@ -16,6 +16,7 @@ import msgspec
 __all__ = [
     "FORMAT",
     "VERSION",
+    "PREFIX_CACHE",
     "TIERS",
     "Tier",
     "SeqId",
@@ -56,6 +57,8 @@ __all__ = [
 _NAN = float("nan")
 
 FORMAT = "kvdoctor-trace"
+# The owner a prefix cache holds its registered blocks as (``share`` with ``hash``; docs/trace-format.md)
+PREFIX_CACHE = "prefix-cache"
 VERSION = "1.0"
 
 Tier = Literal["device", "host", "disk"]
@@ -239,6 +242,9 @@ class StepEnd(Event, tag="step_end"):
 
     num_tokens: int = 0
     duration_ns: int = 0
+    # a prefix cache's lookups this step, in full blocks of prompts: served from the cache, and computed
+    prefix_hits: int | None = None
+    prefix_misses: int | None = None
 
 
 class ChecksumError(Event, tag="checksum_error"):

@@ -20,7 +20,8 @@ HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedd
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
 FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan", "overwrite-foreign", "stale-slot",
-               "wrong-scale", "bit-flip", "row-off-by-one")
+               "wrong-scale", "bit-flip", "row-off-by-one", "prefix-unsalted", "prefix-overwritten",
+               "prefix-freed-in-use", "spec-rollback-uncut")
 # Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
 VERIFY_MODES = ("off", "sample", "full")
 
@@ -71,6 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-block-size", type=_non_negative, default=0, metavar="N",
                    help="with --topk: choose pages of N tokens (a multiple of --block-size, e.g. 64 over blocks of "
                    "16) instead of single blocks (default 0: one block)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="automatic prefix caching: a request reuses the cached K/V blocks of its longest cached "
+                   "prefix and computes only the rest (see --repeat)")
+    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                   help="run the prompt N times, one request after another (default 1); with --prefix-cache the "
+                   "later ones are served the first one's blocks")
+    p.add_argument("--speculative", metavar="ngram|PATH",
+                   help="speculative decoding: draft tokens by prompt lookup (ngram) or with a smaller local checkpoint "
+                   "sharing the tokenizer (PATH), verified by the model in one forward pass")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="with --speculative: draft tokens per step (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -79,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
+    if args.num_draft < 1:
+        raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
     from ..engine.errors import EngineError
     from ..engine.model import ModelLoadError, load_model
     from ..engine.runner import Runner, SamplingParams, UnsupportedModel
@@ -92,10 +105,15 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
             disk_blocks=args.disk_blocks, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
             **engine_settings(args.codec, args.topk, loaded),
-            sparse_block_size=args.sparse_block_size,
+            sparse_block_size=args.sparse_block_size, prefix_cache=args.prefix_cache,
         )
     except (ModelLoadError, UnsupportedModel, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    try:
+        drafter = _drafter(args, runner)
+    except BaseException:
+        runner.close()
+        raise
     writer = None
     try:
         if runner.tokenizer is None:
@@ -111,19 +129,24 @@ def run(args: argparse.Namespace) -> int:
             writer = TraceWriter(args.trace, runner.cache.header())
             runner.bus.subscribe(writer.write_many)
         sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        sched = Scheduler(runner)
-        seq = sched.submit(Request(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling))
-        t0 = time.perf_counter()
-        sched.step()
-        t1 = time.perf_counter()
-        sched.run()
-        t2 = time.perf_counter()
+        sched = Scheduler(runner, drafter=drafter, num_draft=args.num_draft)
+        prefills = []
+        for _ in range(args.repeat):  # the last request's tokens and decode speed are reported
+            seq = sched.submit(Request(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling))
+            t0 = time.perf_counter()
+            sched.step()
+            t1 = time.perf_counter()
+            sched.run()
+            t2 = time.perf_counter()
+            prefills.append(round(t1 - t0, 6))
         gen = sched.done[seq]
         stats = runner.cache.stats()
     except EngineError as exc:
         raise UsageError(f"the engine failed: {exc}") from None
     finally:
         runner.close()
+        if drafter is not None:
+            drafter.close()
         if writer is not None:
             writer.close()
     decode_tokens = len(gen.token_ids) - 1
@@ -133,7 +156,12 @@ def run(args: argparse.Namespace) -> int:
         "token_ids": gen.token_ids,
         "text": gen.text,
         "finish_reason": gen.finish_reason,
-        "prefill_s": round(t1 - t0, 6),
+        "prefill_s": prefills[-1],
+        "prefill_s_each": prefills,  # per request, in order (--repeat)
+        "prefix": stats.get("prefix"),  # the prefix cache's hits and misses (--prefix-cache), else null
+        # --speculative: drafted and accepted tokens, acceptance rate, generated tokens per target forward pass
+        "speculative": {"drafter": args.speculative, "num_draft": args.num_draft, **sched.spec_stats()}
+        if drafter is not None else None,
         "decode_tokens_per_s": round(decode_tokens / (t2 - t1), 3) if decode_tokens > 0 and t2 > t1 else None,
         "swaps": stats["swaps"],
         "trace": args.trace,
@@ -156,3 +184,27 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _drafter(args: argparse.Namespace, runner):
+    """The drafter ``--speculative`` names (None without it); a bad one is a usage error."""
+    from ..engine.model import ModelLoadError, load_model
+    from ..engine.runner import Runner, UnsupportedModel
+    from ..engine.speculative import ModelDrafter, NgramDrafter
+    from ..errors import UsageError
+
+    if not args.speculative:
+        return None
+    if args.speculative == "ngram":
+        return NgramDrafter()
+    try:
+        draft = load_model(args.speculative)
+        draft_runner = Runner.create(draft.model, block_size=args.block_size, device_blocks=args.device_blocks,
+                                     host_blocks=0, stats_every=0)
+    except (ModelLoadError, UnsupportedModel, ValueError) as exc:
+        raise UsageError(f"--speculative {args.speculative}: {exc}") from None
+    try:
+        return ModelDrafter(draft_runner, runner.model.config.vocab_size)
+    except ValueError as exc:
+        draft_runner.close()
+        raise UsageError(f"--speculative {args.speculative}: {exc}") from None

@@ -46,7 +46,7 @@ class Workload(TracedChild):
 
     @classmethod
     def demo(cls, *, fault: str | None = None, model: str | None = None, seconds: float | None = None,
-             workdir: str | None = None, codec: str | None = None) -> "Workload":
+             workdir: str | None = None, codec: str | None = None, prefix_cache: bool = False) -> "Workload":
         """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes."""
         argv = [sys.executable, "-m", "kvdoctor.demo"]
         if model:
@@ -55,6 +55,8 @@ class Workload(TracedChild):
             argv += ["--seconds", str(seconds)]
         if codec:
             argv += ["--codec", codec]
+        if prefix_cache:
+            argv += ["--prefix-cache"]
         what = "a tiny random model" if model == "tiny" else model or "SmolLM2-135M (the first run converts it, ~20 s)"
         return cls(argv, fault=fault, probes=False, workdir=workdir, title=f"the demo: {what} serving chat requests")
 

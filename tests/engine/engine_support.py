@@ -22,8 +22,9 @@ class Recorder:
         self.kv: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._gen = torch.Generator().manual_seed(0)
 
-    def write(self, seq: Any, n: int) -> None:
-        """Append ``n`` random tokens to ``seq`` in every layer (reserve, store, commit)."""
+    def write(self, seq: Any, n: int, tokens: list[int] | None = None) -> None:
+        """Append ``n`` random tokens to ``seq`` in every layer (reserve, store, commit); ``tokens``: their
+        ids, for a prefix cache to key the blocks they fill by."""
         c = self.cache.config
         slots = self.cache.reserve(seq, n)
         layers = self.kv.setdefault(seq, [(torch.empty(0, c.num_kv_heads, c.head_dim),) * 2 for _ in range(c.num_layers)])
@@ -32,7 +33,7 @@ class Recorder:
             v = torch.randn(n, c.num_kv_heads, c.head_dim, generator=self._gen)
             self.cache.store(layer, slots, k.to(self.cache.device), v.to(self.cache.device))
             layers[layer] = (torch.cat([layers[layer][0], k]), torch.cat([layers[layer][1], v]))
-        self.cache.commit(seq, n)
+        self.cache.commit(seq, n, tokens=tokens)
 
     def add(self, seq: Any, n: int) -> None:
         self.cache.add_sequence(seq, prompt_len=n)

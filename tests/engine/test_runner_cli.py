@@ -80,3 +80,51 @@ def test_verify_choices_are_the_engines_modes():
     from kvdoctor.engine.config import VERIFY_MODES
 
     assert run_cmd.VERIFY_MODES == VERIFY_MODES
+
+
+def test_prefix_cache_serves_a_repeated_prompt_from_the_first_requests_blocks(checkpoint, tmp_path, capsys):
+    # GIVEN a 10-token prompt in blocks of 4, run twice one after another
+    prompt = " ".join(f"w{i}" for i in range(5, 15))
+    args = ["--model", str(checkpoint), "--prompt", prompt, "--greedy", "--max-new-tokens", "4", "--block-size", "4",
+            "--repeat", "2", "--json"]
+    plain = json.loads(_run(capsys, *args)[1])
+    trace = tmp_path / "prefix.kvtrace"
+    code, out, _ = _run(capsys, *args, "--prefix-cache", "--trace", str(trace))
+    cached = json.loads(out)
+    # THEN the second request reused the two full blocks (8 tokens) before the prompt's last token
+    assert code == 0 and plain["prefix"] is None
+    assert cached["prefix"]["hit_blocks"] == 2 and cached["prefix"]["hit_tokens"] == 8
+    assert cached["token_ids"] == plain["token_ids"] and len(cached["prefill_s_each"]) == 2
+    # AND the trace says so, and the checks find nothing in it
+    assert main(["check", "--trace", str(trace)]) == 0
+    ends = [e for e in TraceReader(trace) if type(e).__name__ == "StepEnd" and e.prefix_hits]
+    assert [e.prefix_hits for e in ends] == [2]
+
+
+def test_speculative_decoding_gives_the_same_greedy_tokens_and_reports_acceptance(checkpoint, capsys):
+    # GIVEN a repetitive prompt, where prompt lookup finds drafts, and the checkpoint itself as a draft model
+    prompt = " ".join(["w5 w6 w7 w8"] * 4)
+    args = ["--model", str(checkpoint), "--prompt", prompt, "--greedy", "--max-new-tokens", "12", "--json"]
+    plain = json.loads(_run(capsys, *args)[1])
+    for drafter in ("ngram", str(checkpoint)):
+        code, out, _ = _run(capsys, *args, "--speculative", drafter, "--num-draft", "3")
+        result = json.loads(out)
+        # THEN the tokens are plain greedy decoding's, and the JSON says how speculation went
+        assert code == 0 and result["token_ids"] == plain["token_ids"], drafter
+        spec = result["speculative"]
+        assert spec["drafter"] == drafter and spec["num_draft"] == 3 and spec["drafted"] > 0
+        assert spec["tokens_per_forward"] >= 1
+    assert plain["speculative"] is None
+    # a draft model that is the target itself agrees with it on every token
+    assert spec["acceptance_rate"] == 1.0
+
+
+def test_bad_speculative_settings_are_one_line_usage_errors(checkpoint, tmp_path, capsys):
+    other = tmp_path / "other-vocab"
+    tiny_llama(seed=0, vocab_size=64).model.save_pretrained(other)
+    base = ["--model", str(checkpoint), "--prompt", "w5 w6", "--max-new-tokens", "2"]
+    for extra, says in ((["--speculative", str(tmp_path / "missing")], "is not a Hugging Face checkpoint"),
+                        (["--speculative", str(other)], "vocabulary has 64 tokens"),
+                        (["--speculative", "ngram", "--num-draft", "0"], "--num-draft must be >= 1")):
+        code, _, err = _run(capsys, *base, *extra)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (extra, err)
