@@ -8,6 +8,9 @@ its finding appears within seconds. Tracing is switched on by ``KVDOCTOR_TRACE``
 any workload; ``kvdoctor watch --demo`` sets it and follows the file.
 
     python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--seconds S] [--steps N]
+
+It never serves on as an orphan: it stops when the process that started it is gone (its
+parent changes), and on SIGTERM or SIGHUP, in each case closing its trace first.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
 from .errors import UsageError
+from .stop_signals import interrupt_on_stop_signals, reraise
 
 __all__ = ["DemoConfig", "run_demo", "main", "PROMPTS"]
 
@@ -54,6 +58,7 @@ class DemoConfig:
     abort_rate: float = 0.1         # chance per step, per swapped-out request, that its client gives up
     seed: int = 0
     codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
+    parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -64,6 +69,7 @@ def run_demo(cfg: DemoConfig) -> int:
     from .engine.scheduler import Request, Scheduler
     from .probes import ENV_PROBES, attach_to_cache
 
+    parent = os.getppid() if cfg.parent is None else cfg.parent
     lm = tiny_llama(num_layers=4, max_position_embeddings=2048) if cfg.model == "tiny" else load_model(cfg.model)
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
@@ -79,7 +85,8 @@ def run_demo(cfg: DemoConfig) -> int:
     deadline = None if cfg.seconds is None else time.monotonic() + cfg.seconds
     steps = 0
     try:
-        while (cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline):
+        while ((cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline)
+               and os.getppid() == parent):  # an orphan's parent is init (or a subreaper): nobody is watching
             while len(sched.live) < cfg.concurrency:
                 if lm.tokenizer is not None:
                     ids = runner.encode(rng.choice(PROMPTS), chat=True)
@@ -110,12 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
-                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec)
-    try:
-        run_demo(cfg)
-    except (ValueError, OSError, UsageError) as exc:
-        print(f"kvdoctor demo: {exc}", file=sys.stderr)
-        return 2
+                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec, parent=os.getppid())
+    with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
+        try:
+            run_demo(cfg)
+        except (ValueError, OSError, UsageError) as exc:
+            print(f"kvdoctor demo: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            pass  # stopped before serving began: there was no trace to close yet
+    reraise(received)
     return 0
 
 
