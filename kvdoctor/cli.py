@@ -11,6 +11,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from typing import NoReturn
 
 from . import commands
 from .errors import EXIT_TRACE, EXIT_USAGE, KvdoctorError
@@ -18,8 +19,16 @@ from .errors import EXIT_TRACE, EXIT_USAGE, KvdoctorError
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvdoctor's error style: a bad option is one line on stderr and exit 2, not
+    the usage block (subcommands' parsers are of this class too); ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvdoctor",
         description="Memory diagnostics and debugging for the KV cache of LLM inference.",
         epilog="exit codes: 0 ok, 1 findings, 2 usage or configuration error, 3 unreadable trace",
