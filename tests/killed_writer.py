@@ -6,7 +6,7 @@ kills it with SIGKILL a random time after its trace appeared. The child tells th
 pipe, how many engine steps it had completed, so the test knows what the trace must hold.
 Forking keeps a cut at milliseconds instead of an interpreter start with torch (seconds).
 
-    python tests/killed_writer.py --model tiny --cuts 20 --seed 0 --span 0.6 --out DIR
+    python tests/killed_writer.py --model tiny --cuts 20 --seed 0 --span 0.4 --out DIR [--from-first-step]
 
 prints one JSON object per cut: ``{"trace": path, "completed": steps, "moment": seconds}``.
 """
@@ -45,8 +45,9 @@ def serve(lm, trace: str, report_fd: int, seed: int) -> None:
         os.write(report_fd, struct.pack("<I", completed))
 
 
-def cut(lm, trace: str, moment: float, seed: int) -> int:
-    """Fork a serving child, SIGKILL it ``moment`` s after its trace appeared; the steps it completed."""
+def cut(lm, trace: str, moment: float, seed: int, *, from_first_step: bool = False) -> int:
+    """Fork a serving child, SIGKILL it ``moment`` s after its trace appeared (or after its first step
+    completed: a large model's start-up would take most moments); the steps it completed."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -56,6 +57,9 @@ def cut(lm, trace: str, moment: float, seed: int) -> int:
         finally:
             os._exit(1)
     os.close(write_end)
+    reports = b""
+    if from_first_step:
+        reports = os.read(read_end, 4)
     deadline = time.monotonic() + 60
     while not os.path.exists(trace) or os.path.getsize(trace) == 0:
         if time.monotonic() > deadline:
@@ -64,7 +68,6 @@ def cut(lm, trace: str, moment: float, seed: int) -> int:
     time.sleep(moment)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    reports = b""
     while chunk := os.read(read_end, 1 << 16):
         reports += chunk
     os.close(read_end)
@@ -77,6 +80,7 @@ def main() -> None:
     p.add_argument("--cuts", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--span", type=float, default=0.6, help="moments are uniform in [0, span) s after the trace appears")
+    p.add_argument("--from-first-step", action="store_true", help="moments count from the first completed step")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import torch
@@ -89,7 +93,7 @@ def main() -> None:
     for i in range(a.cuts):
         trace = os.path.join(a.out, f"cut{i:02d}.kvtrace")
         moment = rng.uniform(0, a.span)
-        completed = cut(lm, trace, moment, seed=rng.randrange(1 << 30))
+        completed = cut(lm, trace, moment, seed=rng.randrange(1 << 30), from_first_step=a.from_first_step)
         print(json.dumps({"trace": trace, "completed": completed, "moment": round(moment, 4)}), flush=True)
 
 
