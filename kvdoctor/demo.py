@@ -12,6 +12,9 @@ same chat system prompt, so from the second request on its blocks are served fro
 show live); a quarter of the requests run under an adapter, whose requests share only among themselves.
 
     python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--prefix-cache] [--seconds S] [--steps N]
+
+It never serves on as an orphan: it stops when the process that started it is gone (its
+parent changes), and on SIGTERM or SIGHUP, in each case closing its trace first.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
 from .errors import UsageError
+from .stop_signals import interrupt_on_stop_signals, reraise
 
 __all__ = ["DemoConfig", "run_demo", "main", "PROMPTS", "SYSTEM_PROMPT", "ADAPTER"]
 
@@ -68,6 +72,7 @@ class DemoConfig:
     seed: int = 0
     codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
     prefix_cache: bool = False      # cache full blocks by content; every request opens with SYSTEM_PROMPT
+    parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -78,6 +83,7 @@ def run_demo(cfg: DemoConfig) -> int:
     from .engine.scheduler import Request, Scheduler
     from .probes import ENV_PROBES, attach_to_cache
 
+    parent = os.getppid() if cfg.parent is None else cfg.parent
     lm = tiny_llama(num_layers=4, max_position_embeddings=2048) if cfg.model == "tiny" else load_model(cfg.model)
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
@@ -94,7 +100,8 @@ def run_demo(cfg: DemoConfig) -> int:
     deadline = None if cfg.seconds is None else time.monotonic() + cfg.seconds
     steps = 0
     try:
-        while (cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline):
+        while ((cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline)
+               and os.getppid() == parent):  # an orphan's parent is init (or a subreaper): nobody is watching
             while len(sched.live) < cfg.concurrency:
                 if lm.tokenizer is not None:
                     ids = runner.encode(rng.choice(PROMPTS), chat=True,
@@ -130,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="cache full blocks by content; every request opens with the same chat system prompt")
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
-                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache)
-    try:
-        run_demo(cfg)
-    except (ValueError, OSError, UsageError) as exc:
-        print(f"kvdoctor demo: {exc}", file=sys.stderr)
-        return 2
+                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache,
+                     parent=os.getppid())
+    with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
+        try:
+            run_demo(cfg)
+        except (ValueError, OSError, UsageError) as exc:
+            print(f"kvdoctor demo: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            pass  # stopped before serving began: there was no trace to close yet
+    reraise(received)
     return 0
 
 

@@ -71,6 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..stop_signals import interrupt_on_stop_signals, reraise
+
+    # SIGTERM/SIGHUP (a CI timeout, a closed terminal) act as Ctrl-C: the workload is stopped, the
+    # report printed; then kvdoctor dies of the signal, so the sender sees it did.
+    with interrupt_on_stop_signals() as received:
+        code = _check(args)
+    reraise(received)
+    return code
+
+
+def _check(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..errors import UsageError
     from ..findings import Finding

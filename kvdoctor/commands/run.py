@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-every", type=_non_negative, default=1, metavar="N",
                    help="attention statistics every N steps (default 1; 0 never)")
     p.add_argument("--trace", metavar="FILE", help="write the engine's events to FILE (.kvtrace or .kvtrace.gz)")
+    p.add_argument("--no-probes", dest="probes", action="store_false",
+                   help="with --trace: record no memory readings (mem events; on by default, as KVDOCTOR_PROBES=0)")
     p.add_argument("--fault", choices=FAULT_NAMES, help="switch on one of the engine's deliberate faults")
     p.add_argument("--verify", choices=VERIFY_MODES, help="content digests of K/V blocks checked on every read (full), "
                    "a sample of reads (sample) or none (off); default $KVDOCTOR_VERIFY, else sample")
@@ -128,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         if args.trace:
             writer = TraceWriter(args.trace, runner.cache.header())
             runner.bus.subscribe(writer.write_many)
+            if args.probes:  # a recorded run shows memory like any traced workload (KVDOCTOR_PROBES=0: off)
+                from ..probes import from_env
+
+                from_env(runner.cache, default=True)
         sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         sched = Scheduler(runner, drafter=drafter, num_draft=args.num_draft)
         prefills = []

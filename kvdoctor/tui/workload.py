@@ -2,8 +2,8 @@
 
 The terminal belongs to the TUI, so the child's output goes to a log file instead; when
 it exits or crashes, the last line of that log says why. The child runs in a session
-of its own, so a Ctrl-C in the TUI reaches the TUI first and the workload only when
-the TUI asks it to stop.
+of its own (see ``kvdoctor.child``), so a Ctrl-C in the TUI reaches the TUI first and the
+workload only when the TUI asks it to stop, and it never outlives the TUI.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Workload(TracedChild):
             env.setdefault("KVDOCTOR_PROBES", "1")
         self._log_file = open(self.log, "wb")
         try:
-            super().__init__(argv, str(self.trace), fault=fault, env=env, stdout=self._log_file, own_session=True,
+            super().__init__(argv, str(self.trace), fault=fault, env=env, stdout=self._log_file,
                              on_exit=self._log_file.close)
         except UsageError:
             self._log_file.close()

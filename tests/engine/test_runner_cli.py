@@ -10,7 +10,8 @@ from kvdoctor.cli import main
 from kvdoctor.commands import run as run_cmd
 from kvdoctor.engine.faults import FAULTS
 from kvdoctor.engine.model import tiny_llama
-from kvdoctor.events import Batch, Write
+from kvdoctor.events import Batch, Mem, Write
+from kvdoctor.session import Session, TraceSource
 from kvdoctor.trace import TraceReader
 
 WORDS = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(125)]
@@ -50,6 +51,27 @@ def test_run_prints_json_and_writes_a_trace(checkpoint, tmp_path, capsys):
     events = list(reader)
     assert reader.header.block_size == 4 and not reader.truncated
     assert any(isinstance(e, Batch) for e in events) and any(isinstance(e, Write) for e in events)
+
+
+@pytest.mark.parametrize("options, env, probed", [
+    ((), {}, True), ((), {"KVDOCTOR_PROBES": "1"}, True), (("--no-probes",), {}, False),
+    ((), {"KVDOCTOR_PROBES": "0"}, False),
+], ids=["default", "env-on", "no-probes", "env-off"])
+def test_a_recorded_run_holds_memory_readings_unless_switched_off(checkpoint, tmp_path, capsys, monkeypatch,
+                                                                  options, env, probed):
+    # GIVEN `kvdoctor run --trace F` with the probes' switches as given
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    trace = tmp_path / "run.kvtrace"
+    code, _, _ = _run(capsys, "--model", str(checkpoint), "--prompt", "w5 w6", "--greedy", "--max-new-tokens", "3",
+                      "--trace", str(trace), *options)
+    # THEN the trace holds mem readings (RSS and the KV bytes at least) exactly when the probes are on
+    assert code == 0
+    mems = [e for e in TraceReader(trace) if isinstance(e, Mem)]
+    assert bool(mems) is probed
+    assert all(m.rss and m.kv_bytes is not None for m in mems)
+    # AND the readings raise no finding on a clean run
+    assert Session(TraceSource(trace)).run().findings == []
 
 
 def test_greedy_run_is_reproducible_and_chat_changes_the_prompt(checkpoint, capsys):
