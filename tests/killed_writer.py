@@ -6,9 +6,10 @@ kills it with SIGKILL a random time after its trace appeared. The child tells th
 pipe, how many engine steps it had completed, so the test knows what the trace must hold.
 Forking keeps a cut at milliseconds instead of an interpreter start with torch (seconds).
 
-    python tests/killed_writer.py --model tiny --cuts 20 --seed 0 --span 0.4 --out DIR [--from-first-step]
+    python tests/killed_writer.py --model tiny --cuts 20 --seed 0 --span 0.4 --from-first-step 0.75 --out DIR
 
-prints one JSON object per cut: ``{"trace": path, "completed": steps, "moment": seconds}``.
+prints one JSON object per cut: ``{"trace": path, "completed": steps, "moment": seconds, "serving": bool}``
+(serving: the moment counted from the first completed step).
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def main() -> None:
     p.add_argument("--cuts", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--span", type=float, default=0.6, help="moments are uniform in [0, span) s after the trace appears")
-    p.add_argument("--from-first-step", action="store_true", help="moments count from the first completed step")
+    p.add_argument("--from-first-step", type=float, default=0.0, metavar="SHARE",
+                   help="the share of cuts whose moment counts from the first completed step, not from the "
+                   "trace's appearance (a busy machine or a large model can take the whole span to start)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import torch
@@ -93,8 +96,10 @@ def main() -> None:
     for i in range(a.cuts):
         trace = os.path.join(a.out, f"cut{i:02d}.kvtrace")
         moment = rng.uniform(0, a.span)
-        completed = cut(lm, trace, moment, seed=rng.randrange(1 << 30), from_first_step=a.from_first_step)
-        print(json.dumps({"trace": trace, "completed": completed, "moment": round(moment, 4)}), flush=True)
+        serving = rng.random() < a.from_first_step
+        completed = cut(lm, trace, moment, seed=rng.randrange(1 << 30), from_first_step=serving)
+        print(json.dumps({"trace": trace, "completed": completed, "moment": round(moment, 4), "serving": serving}),
+              flush=True)
 
 
 if __name__ == "__main__":

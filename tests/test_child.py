@@ -215,7 +215,9 @@ def test_the_demo_stops_on_its_own_when_its_parent_is_gone(tmp_path, started):
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_closing_the_terminal_of_watch_stops_its_workload(tmp_path, started):
+@pytest.mark.parametrize("how", ["close-terminal", signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=lambda h: h if isinstance(h, str) else signal.Signals(h).name)
+def test_the_workload_of_watch_stops_however_the_tui_ends(tmp_path, started, how):
     # GIVEN `kvdoctor watch -- python workload.py` in a terminal (a tmux server of the test's own)
     pids_file = tmp_path / "pids.json"
     workload = WORKLOAD.format(tests=TESTS, pids=str(pids_file))
@@ -223,13 +225,65 @@ def test_closing_the_terminal_of_watch_stops_its_workload(tmp_path, started):
     command = shlex.join([sys.executable, "-m", "kvdoctor.cli", "watch", "--", sys.executable, "-c", workload])
     tmux = started(["tmux", "-L", server, "new-session", "-d", "-x", "100", "-y", "30", command])
     tmux.wait(30)
-    deadline = time.monotonic() + 60
-    while not pids_file.exists():
-        assert time.monotonic() < deadline, "the workload never started"
-        time.sleep(0.05)
-    pids = json.loads(pids_file.read_text())
-    started.leftovers += [pids["workload"], pids["grandchild"]]
-    # WHEN the terminal goes away (every process in it gets SIGHUP)
-    subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True, timeout=30)
-    # THEN the workload and its grandchild are gone within 5 s
-    assert _gone([pids["workload"], pids["grandchild"]]) == []
+    try:
+        deadline = time.monotonic() + 60
+        while not pids_file.exists():
+            assert time.monotonic() < deadline, "the workload never started"
+            time.sleep(0.05)
+        pids = json.loads(pids_file.read_text())
+        started.leftovers += [pids["workload"], pids["grandchild"]]
+        # WHEN the terminal goes away (every process in it gets SIGHUP), or the TUI gets a signal
+        if how == "close-terminal":
+            subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True, timeout=30)
+        else:
+            with open(f"/proc/{pids['workload']}/stat") as f:
+                tui = int(f.read().rsplit(")", 1)[1].split()[1])  # the workload's parent: kvdoctor watch
+            os.kill(tui, how)
+        # THEN the workload and its grandchild are gone within 5 s
+        assert _gone([pids["workload"], pids["grandchild"]]) == []
+    finally:
+        subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True, timeout=30)
+
+
+# Ignores SIGINT, SIGTERM and SIGHUP: only SIGKILL ends it.
+STUBBORN = """
+import os, signal, time
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+open({pids!r}, "w").write(str(os.getpid()))
+time.sleep(300)
+"""
+
+STUBBORN_PARENT = """
+import os, sys, time
+from kvdoctor.child import TracedChild
+TracedChild([sys.executable, "-c", {workload!r}], {trace!r})
+while not os.path.exists({pids!r}):
+    time.sleep(0.02)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_workload_that_ignores_every_polite_signal_is_still_stopped(tmp_path, started):
+    # GIVEN a workload that ignores SIGINT, SIGTERM and SIGHUP
+    pids_file = tmp_path / "pid"
+    workload = STUBBORN.format(pids=str(pids_file))
+    child = TracedChild([sys.executable, "-c", workload], str(tmp_path / "a.kvtrace"))
+    while not pids_file.exists() or not pids_file.read_text():
+        time.sleep(0.02)
+    # WHEN kvdoctor stops it THEN it escalates to SIGKILL
+    child.stop(timeout=0.3)
+    assert child.returncode == -signal.SIGKILL
+    # GIVEN the same workload under a parent WHEN the parent is SIGKILLed
+    pids_file.unlink()
+    parent = subprocess.Popen([sys.executable, "-c", STUBBORN_PARENT.format(workload=workload, pids=str(pids_file),
+                                                                            trace=str(tmp_path / "b.kvtrace"))],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert parent.stdout.readline() == "ready\n"
+    pid = int(pids_file.read_text())
+    started.leftovers.append(pid)
+    parent.kill()
+    parent.wait(5)
+    # THEN the guard's SIGTERM does nothing, and its SIGKILL 3 s later ends it, within 5 s
+    assert _gone([pid]) == []
