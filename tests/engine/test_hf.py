@@ -74,7 +74,7 @@ def test_crop_rolls_the_engine_back(model):
     cache.bus.subscribe(seen.extend)
     model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False, pad_token_id=0, cache=cache)
     length = cache.get_seq_length()
-    cache.crop(3)
+    cache.crop(-3)
     assert cache.get_seq_length() == length - 3
     cache.close()
     assert any(isinstance(e, Rollback) and e.n == 3 for e in seen)
