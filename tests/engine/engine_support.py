@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from kvdoctor.checks import make_suite
 from kvdoctor.engine.cache import PagedKVCache
 from kvdoctor.engine.config import EngineConfig
+from kvdoctor.trace import TraceReader
 
 
 class Recorder:
@@ -70,3 +72,14 @@ def tiny_config(**kw: Any) -> EngineConfig:
                                 device_blocks=4, host_blocks=4, disk_blocks=8, chunk_blocks=2)
     base.update(kw)
     return EngineConfig(**base)
+
+
+def findings_of(path) -> tuple[TraceReader, list[Any], list[Any]]:
+    """Every check over the trace file at ``path``: its reader, its events and the findings."""
+    reader = TraceReader(path)
+    suite = make_suite()
+    events = []
+    for e in reader:
+        events.append(e)
+        suite.observe(e)
+    return reader, events, suite.findings + suite.finish()
