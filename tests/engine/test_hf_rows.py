@@ -16,8 +16,6 @@ last owner let go, and that every check over the events finds nothing.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -64,7 +62,6 @@ class Owners:
 class RowsMachine(RuleBasedStateMachine):
     @initialize(rows=st.integers(1, 3), n=st.integers(1, 9))
     def setup(self, rows, n):
-        self.dir = tempfile.mkdtemp(prefix="kvd-rows-")
         engine = PagedKVCache(tiny_config(device_blocks=MAX_ROWS * 6, host_blocks=12, disk_blocks=0))
         self.r = Recorder(engine)
         self.events: list[Any] = []
@@ -191,7 +188,6 @@ class RowsMachine(RuleBasedStateMachine):
             assert findings == [], "\n".join(f.message for f in findings)
         finally:
             self.engine.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 RowsMachine.TestCase.settings = settings(
