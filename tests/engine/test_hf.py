@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from engine_support import findings_of
+from engine_support import contrastive_search, kinds_of, traced
 from kvdoctor.engine.hf import ATTN_IMPLEMENTATION, EngineCache, use_kvdoctor_attention
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.events import (Alloc, Attn, Batch, Free, Read, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn,
@@ -101,24 +101,6 @@ def test_crop_takes_transformers_negative_count(model):
         assert cache.get_seq_length() == 5
 
 
-def traced(model, tmp_path, monkeypatch, run: Callable[[EngineCache], Any], name: str = "run", **engine: Any
-           ) -> tuple[Any, list[Any], list[Any]]:
-    """``run(cache)`` on an EngineCache that writes a trace file; its result, the trace's events and the
-    findings of every check over that trace."""
-    path = tmp_path / f"{name}.kvtrace"
-    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
-    engine = {"block_size": 4, "device_blocks": 64, "host_blocks": 0, **engine}
-    with EngineCache(model, **engine) as cache:
-        result = run(cache)
-    monkeypatch.delenv("KVDOCTOR_TRACE")
-    _, events, findings = findings_of(path)
-    return result, events, findings
-
-
-def kinds_of(events: list[Any]) -> Counter:
-    return Counter(type(e) for e in events)
-
-
 PADDED = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])  # two prompts, the first left-padded
 
 
@@ -165,31 +147,6 @@ def test_assisted_and_prompt_lookup_decoding_match_greedy(model, tmp_path, monke
         assert out.tolist() == ref.tolist(), name
         assert kinds_of(events)[Rollback], name
         assert findings == [], "\n".join(f.message for f in findings)
-
-
-def contrastive_search(model, ids: torch.Tensor, cache: Any, top_k: int = 3, alpha: float = 0.6, steps: int = 6
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contrastive search (Su et al., 2022) as transformers 4.x's generate ran it, making the same cache calls:
-    ``batch_repeat_interleave(top_k)`` for the candidates, one forward pass over them, ``batch_select_indices``
-    for each row's chosen one, ``crop(-1)`` at the end. (transformers 5 moved it to a Hub repository, which
-    tests cannot reach.) Returns the tokens and the logits of one more step after the crop."""
-    B = ids.shape[0]
-    out = model(ids, cache=cache, output_hidden_states=True)
-    context, logits = out.hidden_states[-1], out.logits[:, -1]  # (B, T, H), (B, V)
-    for _ in range(steps):
-        top_p, top_ids = logits.softmax(-1).topk(top_k, dim=-1)  # (B, k) each
-        cache.batch_repeat_interleave(top_k)
-        cand = model(top_ids.reshape(-1, 1), cache=cache, output_hidden_states=True)
-        h = cand.hidden_states[-1][:, -1]  # (B*k, H)
-        sim = torch.cosine_similarity(h[:, None], context.repeat_interleave(top_k, dim=0), dim=-1)  # (B*k, T)
-        best = ((1 - alpha) * top_p - alpha * sim.max(-1).values.view(B, top_k)).argmax(-1)  # (B,)
-        keep = best + torch.arange(B) * top_k
-        cache.batch_select_indices(keep)
-        ids = torch.cat([ids, top_ids[torch.arange(B), best, None]], dim=1)
-        context = torch.cat([context, h[keep, None]], dim=1)
-        logits = cand.logits[keep, -1]
-    cache.crop(-1)
-    return ids, model(ids[:, -1:], cache=cache).logits[:, -1]
 
 
 def test_contrastive_search_matches_the_default_cache(model, tmp_path, monkeypatch):
