@@ -10,6 +10,15 @@ transformers' own kernels do not expose: switch the model to the ``"kvdoctor"``
 attention implementation (``use_kvdoctor_attention(model)``), registered here with
 ``AttentionInterface``, which computes attention over those K/V with statistics.
 
+Every generate mode runs on it: greedy and sampling, beam search (``reorder_cache``),
+``num_return_sequences``, assisted and prompt-lookup decoding (``crop``), and the row
+expansion and selection contrastive search makes (``batch_repeat_interleave``,
+``batch_select_indices``). A row operation moves rows between engine sequences instead of
+copying K/V: a row keeps the sequence it continues, a duplicate row is a sequence that
+``adopt``s the blocks (or a ``fork``), a dropped row's sequence ends, and a write into a
+shared partial block copies it first; the events show it as ``share``, ``release``,
+``seq_start``/``seq_end`` and ``free``.
+
 A step ends when the next forward pass begins or on ``finish()``; call
 ``finish()`` (or ``close()``) after ``generate`` so the last step and the
 sequences' ends reach the trace.
@@ -87,7 +96,8 @@ class EngineCache(Cache):
     ``EngineCache(model, device_blocks=…, host_blocks=…, …)`` builds an engine shaped for
     ``model`` (further keywords are ``EngineConfig`` fields); ``EngineCache(cache=engine)``
     wraps an existing one. ``seqs`` names the engine sequences of the batch rows (default:
-    ``"hf0"``, ``"hf1"``, … created on first use, new ones after each ``finish()``).
+    ``"hf0"``, ``"hf1"``, … created on first use, new ones after each ``finish()``); rows that
+    forks add take fresh ``"hfN"`` ids, and ``finish()`` puts the given names back.
     """
 
     def __init__(self, model: Any = None, *, cache: PagedKVCache | None = None, seqs: Sequence[SeqId] | None = None,
