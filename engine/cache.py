@@ -326,6 +326,36 @@ class PagedKVCache:
         for b in c.blocks:
             self.pool.share(b, child)
 
+    def adopt(self, seq: Any, source: Any) -> None:
+        """``seq`` gives up its own tokens and takes ``source``'s committed ones, keeping its id (beam
+        search's reorder: the hypothesis in a row is replaced by another row's).
+
+        Ownership changes hands and no K/V is copied: ``seq`` shares every block of ``source`` it does
+        not hold yet and releases every block of its own that ``source`` does not hold (freed when
+        ``seq`` was its last owner). A later write into a shared partial block copies it first
+        (``reserve``), so ``source`` never sees ``seq``'s tokens. Both must hold the same number of
+        tokens: the events tell a sequence's length only through its writes, so a ``seq`` that took
+        another length would look misplaced to the checks (``fork`` a new sequence instead)."""
+        s, src = self._seq(seq), self._seq(source)
+        if s is src:
+            return
+        if s.pending or src.pending:
+            raise ValueError(f"adopt of {source!r} by {seq!r} with reserved tokens not committed "
+                             f"({src.pending} and {s.pending})")
+        if s.length != src.length:
+            raise ValueError(f"adopt of {source!r} ({src.length} tokens) by {seq!r} ({s.length} tokens): "
+                             "the lengths must match; fork a new sequence instead")
+        held = {b.id for b in s.blocks}
+        for b in src.blocks:
+            if b.id not in held:
+                self.pool.share(b, seq)  # before the releases: a block both hold never loses its last owner
+        kept = {b.id for b in src.blocks}
+        old, s.blocks = s.blocks, list(src.blocks)
+        s.index_cache = None
+        for b in reversed(old):
+            if b.id not in kept:
+                self._free_or_keep(b, seq, emit_release=True)
+
     def seq_len(self, seq: Any) -> int:
         return self._seq(seq).length
 
