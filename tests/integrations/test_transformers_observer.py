@@ -96,6 +96,7 @@ def test_assisted_decoding_and_a_continued_cache_are_silent(tiny, tmp_path):
     observed = _observed(tiny, tmp_path / "run.kvtrace", run)
     # THEN the outputs agree, the assistant's crops became rollbacks, and nothing is found
     assert torch.equal(observed, run())
+    assert any(type(e) is Rollback for e in _events(tmp_path / "run.kvtrace"))
     assert _findings(tmp_path / "run.kvtrace") == []
 
 
