@@ -234,8 +234,7 @@ class Observer:
                 if name == "batch_repeat_interleave":
                     sources = [i for i in range(len(rows.rows)) for _ in range(int(arg))]
                 else:
-                    index = arg.nonzero().flatten() if getattr(arg, "dtype", None) is not None and str(arg.dtype) == "torch.bool" else arg
-                    sources = [int(i) for i in (index.tolist() if hasattr(index, "tolist") else index)]
+                    sources = _row_indices(arg)
                 rows.remap(sources)
                 seen.dirty = True
             return result
@@ -386,3 +385,12 @@ class Observer:
         for first in sorted(kinds.values()) or [0]:
             seen_len = self.tap.kv_len.get(first)
             rows.read(first, max(0, rows.num_slots - seen_len) if seen_len is not None else 0)
+
+
+def _row_indices(index: Any) -> list[int]:
+    """The rows a reorder or select keeps, in their new order (indices, or a mask of rows to keep)."""
+    import torch
+
+    if isinstance(index, torch.Tensor):
+        return (index.nonzero().flatten() if index.dtype == torch.bool else index).tolist()
+    return [int(i) for i in index]
