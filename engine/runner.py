@@ -27,6 +27,7 @@ from .cache import PagedKVCache
 from .config import EngineConfig
 from .importance import ImportanceEviction
 from .sparse import BlockSparse
+from .streaming import StreamedAttention
 from .weights import layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
 
@@ -159,6 +160,11 @@ class Runner:
             raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
         # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
         self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
+        # Long context: a step whose rows have blocks off the device attends through the staging area.
+        self._streamer = StreamedAttention(cache, cache.staging, self._sparse) if cache.staging is not None else None
+        if self._streamer is not None and (self._window is not None or self._importance is not None):
+            raise ValueError("long context (staging_blocks) is not supported with sliding-window attention "
+                             "or importance eviction")
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -235,7 +241,8 @@ class Runner:
             raise ValueError(f"every row needs at least one token, got {n}")
         positions = [cache.seq_len(seq) for seq in seqs]
         slots = torch.cat([cache.reserve(seq, k) for seq, k in zip(seqs, n)])
-        cache.ensure_resident(seqs)
+        plan = cache.plan_reads(seqs, n)  # where every block is read from; all resident unless long context streams
+        streaming = plan.streaming
         # What attention will see: committed plus the new tokens, less any blocks evicted when every tier was full.
         kv_lens = [cache.num_tokens(seq) for seq in seqs]
         if bus.enabled:
@@ -245,10 +252,13 @@ class Runner:
         dev = self.device
         ids = torch.tensor([t for _, toks in rows for t in toks], dtype=torch.long, device=dev)
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
-        groups = self._groups(seqs, n, kv_lens)
+        groups = self._groups(seqs, n, kv_lens) if not streaming else []
         stats = self.stats_due()
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
         observe = self._observe and self._stats_step()
+        starts = [sum(n[:i]) for i in range(len(n))]
+        if streaming:
+            self._streamer.begin_step(plan, want_mass=observe)
         if self._sparse is not None:
             self._sparse.begin_step(seqs)
 
@@ -271,8 +281,11 @@ class Runner:
             cache.store(li, slots, k, v)
             if self._sparse is not None:
                 self._sparse.after_store(li, seqs)
-            out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
-                                      cache.score_hook(li))
+            if streaming:
+                out = self._streamer.attend(li, q, starts, a.scaling)
+            else:
+                out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
+                                          cache.score_hook(li))
             x = x + w.o(out)
             gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
@@ -282,6 +295,9 @@ class Runner:
             last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
             logits = self._lm_head(self._final_norm(x[last])).float()  # (B, V)
 
+        if observe and streaming:
+            for seq, mass in self._streamer.step.mass.items():
+                cache.observe_attention(seq, None, mass)
         if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
                 if len(per_layer) == self.num_layers:
@@ -289,8 +305,11 @@ class Runner:
         for seq, k in zip(seqs, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k)
-            if bus.enabled:
+            if bus.enabled and not streaming:
                 cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
+        if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks
+            st = self._streamer.step
+            cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self._sparse is not None)
         if self._sparse is not None:
             self._sparse.commit(seqs)
         if self._importance is not None:

@@ -102,6 +102,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._eos = frozenset(runner.eos_token_ids)
         self.capacity = self.cache.config.capacity(Tier.DEVICE)
+        # long context: a sequence may hold blocks in every tier
+        self.total_capacity = sum(self.cache.config.capacity(t) for t in self.cache.config.tiers)
 
     # ---- requests in and out ----
     def submit(self, request: Request) -> SeqId:
@@ -166,6 +168,9 @@ class Scheduler:
             done = cache.seq_len(live.seq)
             todo = live.tokens[done:]
             take = todo[: max(1, min(len(todo), budget))] if len(todo) > 1 else todo
+            limit = cache.max_step_tokens(live.seq)  # long context: a prompt longer than the device goes in chunks
+            if limit is not None:
+                take = take[:limit]
             budget -= len(take)
             rows.append((live.seq, take))
             ends.append(len(take) == len(todo))  # the row reaches the end of its tokens: sample after it
@@ -202,8 +207,9 @@ class Scheduler:
         tokens = self.max_step_tokens
         for live in sorted(self.live.values(), key=lambda lv: lv.rank):
             need = self._blocks_after_step(live)
-            if need > self.capacity:
-                # Longer than the whole device tier: it can never run.
+            whole = -(-len(live.tokens) // self.cache.block_size)
+            if whole > (self.total_capacity if self.cache.staging is not None else self.capacity):
+                # Longer than the whole device tier (every tier, with long context): it can never run.
                 self._finish(live, "aborted")
                 continue
             todo = len(live.tokens) - (self.cache.seq_len(live.seq) if live.seq in self.cache.seqs else 0)
@@ -235,8 +241,12 @@ class Scheduler:
             self.cache.prefetch(nxt.seq, max_blocks=room)
 
     def _blocks_after_step(self, live: _Live) -> int:
-        """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill)."""
-        return -(-len(live.tokens) // self.cache.block_size)
+        """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill).
+        Long context: at most the device, which streams the rest (``_plan`` checks the total against every tier)."""
+        blocks = -(-len(live.tokens) // self.cache.block_size)
+        if self.cache.staging is not None:
+            return min(blocks, self.capacity)
+        return blocks
 
     def _device_blocks(self, seq: SeqId) -> int:
         """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""

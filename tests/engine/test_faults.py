@@ -28,7 +28,7 @@ def test_env_var_switches_a_fault_on_and_rejects_unknown_names(tmp_path, monkeyp
     monkeypatch.setenv("KVDOCTOR_FAULT", "nope")
     with pytest.raises(ValueError, match="KVDOCTOR_FAULT='nope'"):
         PagedKVCache(tiny_config(disk_dir=str(tmp_path)))
-    assert set(FAULTS) == {"leak-swapped", "stale-version", "batch-misalign", "attention-nan", "overwrite-foreign",
+    assert set(FAULTS) == {"leak-swapped", "stale-version", "stale-staging", "batch-misalign", "attention-nan", "overwrite-foreign",
                            "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one"}
 
 
