@@ -680,8 +680,8 @@ class PagedKVCache:
                         for bid, (t, v, _) in order]
             self.emit_read(seq, [bid for bid, _ in order], versions=versions, tiers=[t for _, (t, _, _) in order])
         if predict and predicted and self.config.prefetch_depth:
-            self.tiers.prefetch(predicted[: self.config.prefetch_depth], Tier.DEVICE,
-                                exclude=self._held | {b.id for got in reads.values() for b in map(self.pool.blocks.get, got) if b})
+            # room comes from the blocks the policy ranks lowest (a block read this step has just been touched)
+            self.tiers.prefetch(predicted[: self.config.prefetch_depth], Tier.DEVICE, exclude=set(self._held))
 
     def slot_table(self, seq: Any) -> torch.Tensor:
         """``(num_blocks,)`` device-arena slots of ``seq``'s blocks in position order (paged attention).

@@ -77,6 +77,7 @@ class StreamedAttention:
 
     def begin_step(self, plan: ReadPlan, *, want_mass: bool) -> None:
         self.plan, self.step, self._want_mass = plan, StreamedStep(), want_mass
+        self._masks: dict[tuple, torch.Tensor] = {}  # the step's causal masks per part: the same for every layer
 
     def attend(self, layer: int, q: torch.Tensor, starts: Sequence[int], scale: float) -> torch.Tensor:
         """Output (N, H*D) of every row's tokens ``q`` (N, H, D); row ``r``'s tokens start at ``starts[r]``."""
@@ -130,9 +131,12 @@ class StreamedAttention:
         n, H_kv, bs, D = k.shape
         keys = k.transpose(0, 1).reshape(H_kv, n * bs, D)
         vals = v.transpose(0, 1).reshape(H_kv, n * bs, D)
-        index = torch.tensor([b.index for b in locs], device=q.device)
-        pos = (index[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)  # (n*bs,) key positions
-        allowed = ((pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len))[None]  # (1, S, T)
+        key = (kv_len, len(q_pos), tuple(b.index for b in locs))
+        allowed = self._masks.get(key)
+        if allowed is None:
+            index = torch.tensor(key[2], device=q.device)
+            pos = (index[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)  # (n*bs,) key positions
+            allowed = self._masks[key] = ((pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len))[None]  # (1, S, T)
         if choice is not None:
             picked = choice[:, :, torch.tensor([b.pos for b in locs], device=q.device)]  # (H_kv, S, n)
             allowed = allowed & picked.repeat_interleave(bs, dim=-1)
