@@ -87,17 +87,21 @@ class StagingArea:
         if len(locs) > self.capacity:
             raise ValueError(f"{len(locs)} blocks to stage at once; the staging area holds {self.capacity}")
         c = self.config
-        k = torch.empty((len(locs), c.num_kv_heads, c.block_size, c.head_dim), dtype=c.compute_dtype, device=self.device)
-        v = torch.empty_like(k)
         versions = [0] * len(locs)
         by_codec: dict[str, list[int]] = {}
         for i, loc in enumerate(locs):
             by_codec.setdefault(loc.codec, []).append(i)
+        parts = []
         for codec, idx in by_codec.items():
             buf = self._buffer(codec)
             slots = self._place(buf, layer, seq, [locs[i] for i in idx], versions, idx)
             rows = buf.data[torch.tensor(slots, device=self.device), layer]  # (m, H, R)
-            ki, vi = self.codecs[codec].read(rows, layer)  # (m, H, bs, D) each
+            parts.append((idx, *self.codecs[codec].read(rows, layer)))  # (m, H, bs, D) each
+        if len(parts) == 1:  # one codec (the usual case): already in the order asked
+            return parts[0][1], parts[0][2], versions
+        k = torch.empty((len(locs), c.num_kv_heads, c.block_size, c.head_dim), dtype=c.compute_dtype, device=self.device)
+        v = torch.empty_like(k)
+        for idx, ki, vi in parts:
             sel = torch.tensor(idx, device=self.device)
             k[sel], v[sel] = ki, vi
         return k, v, versions

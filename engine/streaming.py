@@ -26,10 +26,10 @@ from .staging import StagingArea
 __all__ = ["partial_attention", "merge", "StreamedAttention", "StreamedStep"]
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``q`` (H, S, D) over one part's keys ``k``, ``v`` (H_kv, T, D) where ``allowed``
-    (H_kv or 1, S, T) says which key each query sees.
+    (H_kv or 1, S, T) says which key each query sees (None: every key, as for a part wholly before the queries).
 
     Returns the output normalised within the part (H, S, D), float32 (zero where a query sees no key),
     its log-sum-exp of scaled scores (H, S) (-inf there), and the newest query's probabilities (H, T)."""
@@ -37,9 +37,12 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     H_kv, T = k.shape[0], k.shape[1]
     g = H // H_kv
     raw = (q.reshape(H_kv, g * S, D) @ k.transpose(-1, -2)).float().mul_(scale).view(H_kv, g, S, T)
-    raw = raw.masked_fill(~allowed[:, None], -math.inf)
+    if allowed is not None:
+        raw = raw.masked_fill(~allowed[:, None], -math.inf)
     lse = torch.logsumexp(raw, dim=-1)  # (H_kv, g, S)
-    probs = torch.exp(raw - lse[..., None]).nan_to_num_(0.0)  # a query with no key here: -inf - -inf
+    probs = torch.exp(raw - lse[..., None])
+    if allowed is not None:
+        probs.nan_to_num_(0.0)  # a query with no key here: -inf - -inf
     out = (probs.view(H_kv, g * S, T) @ v.float()).view(H, S, D)
     return out, lse.view(H, S), probs[:, :, -1].reshape(H, T)
 
@@ -77,7 +80,7 @@ class StreamedAttention:
 
     def begin_step(self, plan: ReadPlan, *, want_mass: bool) -> None:
         self.plan, self.step, self._want_mass = plan, StreamedStep(), want_mass
-        self._masks: dict[tuple, torch.Tensor] = {}  # the step's causal masks per part: the same for every layer
+        self._masks: dict[tuple, torch.Tensor | None] = {}  # the step's causal masks per part: the same for every layer
 
     def attend(self, layer: int, q: torch.Tensor, starts: Sequence[int], scale: float) -> torch.Tensor:
         """Output (N, H*D) of every row's tokens ``q`` (N, H, D); row ``r``'s tokens start at ``starts[r]``."""
@@ -132,14 +135,17 @@ class StreamedAttention:
         keys = k.transpose(0, 1).reshape(H_kv, n * bs, D)
         vals = v.transpose(0, 1).reshape(H_kv, n * bs, D)
         key = (kv_len, len(q_pos), tuple(b.index for b in locs))
-        allowed = self._masks.get(key)
-        if allowed is None:
+        if key in self._masks:
+            allowed = self._masks[key]
+        else:
             index = torch.tensor(key[2], device=q.device)
             pos = (index[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)  # (n*bs,) key positions
-            allowed = self._masks[key] = ((pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len))[None]  # (1, S, T)
+            allowed = ((pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len))[None]  # (1, S, T)
+            self._masks[key] = allowed = None if bool(allowed.all()) else allowed  # older keys: no mask to apply
         if choice is not None:
             picked = choice[:, :, torch.tensor([b.pos for b in locs], device=q.device)]  # (H_kv, S, n)
-            allowed = allowed & picked.repeat_interleave(bs, dim=-1)
+            picked = picked.repeat_interleave(bs, dim=-1)
+            allowed = picked if allowed is None else allowed & picked
         out, lse, last = partial_attention(q, keys, vals, allowed, scale)
         parts.append((out, lse))
         lasts.append((locs, last))
