@@ -163,3 +163,44 @@ def test_a_sequence_larger_than_every_tier_is_aborted(model):
     (gen,) = runner.generate([PROMPT], max_new_tokens=4)
     runner.close()
     assert gen.finish_reason == "aborted" and gen.token_ids == []
+
+
+@pytest.mark.parametrize("by_id", [False, True])
+def test_staging_serves_a_copy_until_its_block_changes_unless_found_by_id(tmp_path, by_id):
+    from kvdoctor.engine.cache import PagedKVCache
+    from kvdoctor.engine.staging import StagingArea
+
+    from engine_support import Recorder, tiny_config
+
+    # GIVEN a block written and swapped out to the host
+    cache = PagedKVCache(tiny_config(disk_dir=str(tmp_path), staging_blocks=2))
+    r = Recorder(cache)
+    r.add("a", 4)
+    (b,) = cache.seqs["a"].blocks
+    cache.swap_out([b.id], "host")
+    staging = StagingArea(cache.config, cache.tier_arenas, cache.codecs, cache.device, by_id=by_id)
+
+    def loc():
+        return BlockLoc(0, b.index, b.id, b.tier, b.slot, b.version, b.codec)
+
+    # WHEN one layer of it is staged twice
+    k, v, versions = staging.load(1, "a", (loc(),))
+    first = staging.end_step()
+    staging.load(1, "a", (loc(),))
+    second = staging.end_step()
+    # THEN the staged K/V are what was written, and the second read moved nothing
+    want_k, want_v = r.expected("a", 1)
+    assert torch.equal(k[0].reshape(2, 4, 8), want_k) and torch.equal(v[0].reshape(2, 4, 8), want_v)
+    assert versions == [b.version] and first.rows_staged == 1 and second.rows_staged == 0 and second.rows_reused == 1
+    # WHEN the block is rolled back, rewritten and sent back down to the same host slot
+    cache.swap_in([b.id])
+    r.rollback("a", 2)
+    r.write("a", 2)
+    cache.swap_out([b.id], "host")
+    k, _, versions = staging.load(1, "a", (loc(),))
+    # THEN the copy is restaged at the new version - unless copies are found by block id (the fault)
+    if by_id:
+        assert versions[0] < b.version
+    else:
+        assert versions == [b.version] and torch.equal(k[0].reshape(2, 4, 8), r.expected("a", 1)[0])
+    cache.close()
