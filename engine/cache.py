@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
 
-from ..events import PREFIX_CACHE, Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
+from ..events import (PREFIX_CACHE, Evict, Header, PrefetchUse, Read, Recode, Rollback, SeqEnd, SeqStart, Stage,
+                      TierSpec, Usage, Write)
 from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
@@ -47,6 +48,8 @@ from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
 from .pool import Block, BlockPool, Sequence
 from .prefix import PrefixCache
+from .readplan import BlockLoc, ReadPlan, plan_reads
+from .staging import StagingArea
 from .storage import Arena, TensorArena, TierArenas
 from .tiers import TierManager
 
@@ -111,6 +114,14 @@ class PagedKVCache:
         self.num_recodes = 0  # blocks re-encoded in place (mixed resolution's demotions)
         self._pinned: set[Any] = set()  # sequences the current step uses
         self._reserved: list[Any] = []  # sequences in the order this step reserved them
+        # long context: the blocks this step needs on the device (sinks, recent windows, blocks written); the
+        # rest of a running sequence's blocks may be demoted, and attention streams them (engine.streaming)
+        self._held: set[int] = set()
+        self.staging = (StagingArea(config, self.tier_arenas, self.codecs, self.device, by_id=self.faults.stale_staging)
+                        if config.long_context else None)
+        self.bytes_staged = 0  # long context: bytes the staging area moved, every step so far
+        self.rows_from_device = 0  # long context: (layer, block) reads served by a copy already on the device
+        self.rows_from_slower = 0  # ... and those that had to be copied up from a slower tier
         self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
         self.tiers = TierManager(
             config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
@@ -167,6 +178,8 @@ class PagedKVCache:
         return grow
 
     def _is_protected(self, b: Block) -> bool:
+        if self.staging is not None:  # long context: a running sequence needs only these on the device
+            return b.id in self._held
         return any(o in self._pinned for o in b.owners)
 
     def _is_evictable(self, b: Block) -> bool:
@@ -394,7 +407,7 @@ class PagedKVCache:
         first_new = (last.index + 1) if last is not None else 0
         num_new = max((end - 1) // bs + 1 - first_new, 0)
         need = num_new + int(cow) + int(tail is not None and tail.tier != Tier.DEVICE)
-        keep = {b.id for b in s.blocks}
+        keep = {b.id for b in s.blocks} if self.staging is None else self._hold(s, tail)
         self.tiers.make_room(Tier.DEVICE, need, keep)
         if tail is not None:
             if tail.tier != Tier.DEVICE:
@@ -405,6 +418,7 @@ class PagedKVCache:
         for i in range(first_new, first_new + num_new):
             reused = self._reuse_cached_block(seq, i) if self.faults.prefix_overwritten else None
             s.blocks.append(reused or self.pool.alloc(Tier.DEVICE, seq, i))
+            self._held.add(s.blocks[-1].id)
             if self.faults.content == "stale-slot":
                 self._stale_slot(s.blocks[-1], seq)
         s.index_cache = None
@@ -424,6 +438,25 @@ class PagedKVCache:
         s.writes.extend(writes)
         s.pending += n
         return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _hold(self, s: Sequence, tail: Block | None) -> set[int]:
+        """Long context: keep ``s``'s sinks, recent window and the block being appended to on the device this step."""
+        c = self.config
+        held = {b.id for b in s.blocks[: c.sink_blocks]} | {b.id for b in s.blocks[-c.local_blocks :]}
+        if tail is not None:
+            held.add(tail.id)
+        self._held |= held
+        return set(self._held)
+
+    def max_step_tokens(self, seq: Any) -> int | None:
+        """Long context: the most new tokens ``seq`` may reserve in one step (a prompt longer than the device is
+        prefilled in chunks this size): the blocks they touch, its sinks and its window fit the device. None: no limit."""
+        if self.staging is None:
+            return None
+        s = self.seqs.get(seq)
+        start = s.length + s.pending if s is not None else 0
+        room = self.pool.tiers[Tier.DEVICE].capacity - self.config.pinned_blocks
+        return max(room * self.block_size - start % self.block_size, 1)
 
     def _misaligned_target(self, seq: Any, n: int) -> Block | None:
         """batch-misalign fault: the second row of a step writes into the first row's tail block."""
@@ -706,6 +739,81 @@ class PagedKVCache:
             for s in ss:
                 s.index_cache = None
 
+    def plan_reads(self, seqs: Seq[Any], q_lens: Seq[int]) -> ReadPlan:
+        """This step's ``ReadPlan``, built once before the forward pass: where each row's blocks are read from.
+
+        Without long context (or when every block is on the device) the blocks are made resident, as always,
+        and the plan is empty; with it, prefetches in flight land first, and each block is read where it is."""
+        if self.staging is None:
+            self.ensure_resident(seqs)
+            return ReadPlan((), 0)
+        rows = []
+        self._tick += 1
+        for seq, q in zip(seqs, q_lens):
+            s = self._seq(seq)
+            self._pinned.add(seq)
+            s.last_access = self._tick
+            locs = []
+            for pos, b in enumerate(s.blocks):
+                if b.inflight is not None:
+                    try:
+                        self.tiers.settle(b)
+                    except ChecksumMismatch:
+                        pass  # the corrupt copy was dropped; the block is read where it was
+                locs.append(BlockLoc(pos, b.index, b.id, b.tier, b.slot, b.version, b.codec))
+            rows.append((seq, self.num_tokens(seq), q, locs))
+        plan = plan_reads(rows, self.config.staging_blocks)
+        if not plan.streaming:
+            self.ensure_resident(seqs)  # all on the device: the resident path reads them (prefetch hits counted there)
+        return plan
+
+    def book_streamed(self, reads: dict[Any, dict[int, tuple[str, int, int]]], device_rows: int, staged_rows: int,
+                      *, predict: bool) -> None:
+        """After a streamed step's commit: the ``stage``, ``prefetch_use`` and ``read`` events of what attention
+        read, and (``predict``: block-sparse top-k) a background prefetch of the blocks it read from slower tiers,
+        which the next step's query will likely choose again, into device room the placement policy makes."""
+        staged = self.staging.end_step()
+        self.bytes_staged += staged.bytes_moved
+        self.rows_from_device += device_rows + staged.rows_reused
+        self.rows_from_slower += staged.rows_staged
+        predicted: list[Block] = []
+        for seq, got in reads.items():
+            s = self.seqs.get(seq)
+            if s is None:
+                continue
+            hits, misses = [], []
+            for bid, (tier, _, pos) in got.items():
+                b = self.pool.blocks.get(bid)
+                if b is None:
+                    continue
+                b.last_access = self._tick
+                if b.prefetched and tier == Tier.DEVICE:
+                    hits.append(bid)
+                    b.prefetched = False
+                elif tier != Tier.DEVICE:
+                    misses.append(bid)
+                    predicted.append(b)
+            if predict:
+                self.tiers.prefetch_hits += len(hits)
+                self.tiers.prefetch_misses += len(misses)
+            if not self.bus.enabled:
+                continue
+            copies = staged.copies.get(seq, {})
+            if copies:
+                self.bus.emit(Stage, seq=seq, blocks=list(copies), srcs=[t for t, _ in copies.values()],
+                              versions=[v for _, v in copies.values()],
+                              bytes=staged.bytes_by_seq.get(seq, 0))
+            if predict and (hits or misses):
+                self.bus.emit(PrefetchUse, seq=seq, hits=hits, misses=misses)
+            order = sorted(got.items(), key=lambda kv: kv[1][2])
+            # a resident copy was read after this step's write into it: it holds the committed version
+            versions = [self.pool.blocks[bid].version if t == Tier.DEVICE and bid in self.pool.blocks else v
+                        for bid, (t, v, _) in order]
+            self.emit_read(seq, [bid for bid, _ in order], versions=versions, tiers=[t for _, (t, _, _) in order])
+        if predict and predicted and self.config.prefetch_depth:
+            # room comes from the blocks the policy ranks lowest (a block read this step has just been touched)
+            self.tiers.prefetch(predicted[: self.config.prefetch_depth], Tier.DEVICE, exclude=set(self._held))
+
     def slot_table(self, seq: Any) -> torch.Tensor:
         """``(num_blocks,)`` device-arena slots of ``seq``'s blocks in position order (paged attention).
 
@@ -808,8 +916,10 @@ class PagedKVCache:
         v = vb.transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
         return k, v
 
-    def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None) -> None:
-        """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read."""
+    def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None, *,
+                  versions: Seq[int] | None = None, tiers: Seq[str] | None = None) -> None:
+        """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read (default: each
+        block's own; long context passes those of the staged copies it read, and the tier each came from)."""
         if not self.bus.enabled:
             return
         s = self._seq(seq)
@@ -820,7 +930,7 @@ class PagedKVCache:
         else:
             ids = list(blocks)
             read = [self.pool.blocks.get(i) for i in ids]
-            versions = [b.version if b is not None else -1 for b in read]
+            versions = list(versions) if versions is not None else [b.version if b is not None else -1 for b in read]
         digests = layers = None
         chosen = [i for i in self.digests.sample(read) if read[i] is not None]
         if chosen:
@@ -830,7 +940,8 @@ class PagedKVCache:
                 digests[i], layers[i] = d, lay
             if not any(lay is not None for lay in layers):
                 layers = None
-        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers)
+        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers,
+                      tiers=list(tiers) if tiers is not None else None)
 
     def observe_attention(self, seq: Any, layer: int | None, block_scores: Seq[float] | torch.Tensor) -> None:
         """Feed the hybrid policy: attention mass of ``seq``'s newest query on each of its blocks
@@ -911,6 +1022,7 @@ class PagedKVCache:
         self.digests.end_step()
         self._pinned.clear()
         self._reserved.clear()
+        self._held.clear()
 
     def _blocks_by_codec(self, tier: str) -> dict[str, int]:
         ts = self.pool.tiers[tier]

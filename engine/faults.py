@@ -21,6 +21,8 @@ FAULTS: dict[str, str] = {
     "never freed, they stay allocated in the slower tier",
     "stale-version": "a block swapped back out reuses the host/disk copy it left behind at its last "
     "swap-in, even after newer writes; the next swap-in serves that old copy",
+    "stale-staging": "the device staging area (long context) serves the copy it staged of a block by the block's "
+    "id alone, without comparing versions: a block written since it was staged is read at its old version",
     "batch-misalign": "every eighth batched step, the second row's new K/V is written into the "
     "first row's sequence's tail block instead of its own",
     "attention-nan": "from step 2 on, one head's newest score at the middle layer becomes NaN "
@@ -76,6 +78,7 @@ class Faults:
         self.name = name
         self.leak_swapped = name == "leak-swapped"
         self.stale_version = name == "stale-version"
+        self.stale_staging = name == "stale-staging"
         self.batch_misalign = name == "batch-misalign"
         self.attention_nan = name == "attention-nan"
         self.prefix_unsalted = name == "prefix-unsalted"

@@ -28,6 +28,7 @@ from .config import EngineConfig
 from .importance import ImportanceEviction
 from .prefix import model_salt
 from .sparse import BlockSparse
+from .streaming import StreamedAttention
 from .weights import layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
 
@@ -169,6 +170,11 @@ class Runner:
             raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
         # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
         self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
+        # Long context: a step whose rows have blocks off the device attends through the staging area.
+        self._streamer = StreamedAttention(cache, cache.staging, self._sparse) if cache.staging is not None else None
+        if self._streamer is not None and (self._window is not None or self._importance is not None):
+            raise ValueError("long context (staging_blocks) is not supported with sliding-window attention "
+                             "or importance eviction")
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -254,7 +260,8 @@ class Runner:
             raise ValueError(f"tail_logits={list(tail_logits)}: one count per row, each in [1, its tokens {n}]")
         positions = [cache.seq_len(seq) for seq in seqs]
         slots = torch.cat([cache.reserve(seq, k) for seq, k in zip(seqs, n)])
-        cache.ensure_resident(seqs)
+        plan = cache.plan_reads(seqs, n)  # where every block is read from; all resident unless long context streams
+        streaming = plan.streaming
         # What attention will see: committed plus the new tokens, less any blocks evicted when every tier was full.
         kv_lens = [cache.num_tokens(seq) for seq in seqs]
         if bus.enabled:
@@ -264,10 +271,13 @@ class Runner:
         dev = self.device
         ids = torch.tensor([t for _, toks in rows for t in toks], dtype=torch.long, device=dev)
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
-        groups = self._groups(seqs, n, kv_lens)
+        groups = self._groups(seqs, n, kv_lens) if not streaming else []
         stats = self.stats_due()
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
         observe = self._observe and self._stats_step()
+        starts = [sum(n[:i]) for i in range(len(n))]
+        if streaming:
+            self._streamer.begin_step(plan, want_mass=observe)
         if self._sparse is not None:
             self._sparse.begin_step(seqs)
 
@@ -290,8 +300,11 @@ class Runner:
             cache.store(li, slots, k, v)
             if self._sparse is not None:
                 self._sparse.after_store(li, seqs)
-            out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
-                                      cache.score_hook(li))
+            if streaming:
+                out = self._streamer.attend(li, q, starts, a.scaling)
+            else:
+                out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
+                                          cache.score_hook(li))
             x = x + w.o(out)
             gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
@@ -303,6 +316,9 @@ class Runner:
             last = torch.tensor([e - m + j for e, m in zip(ends, tails) for j in range(m)], device=dev)
             logits = self._lm_head(self._final_norm(x[last])).float()  # (sum of tails, V)
 
+        if observe and streaming:
+            for seq, mass in self._streamer.step.mass.items():
+                cache.observe_attention(seq, None, mass)
         if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
                 if len(per_layer) == self.num_layers:
@@ -310,8 +326,11 @@ class Runner:
         for (seq, toks), k in zip(rows, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k, tokens=toks)
-            if bus.enabled:
+            if bus.enabled and not streaming:
                 cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
+        if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks
+            st = self._streamer.step
+            cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self._sparse is not None)
         if self._sparse is not None:
             self._sparse.commit(seqs)
         if self._importance is not None:

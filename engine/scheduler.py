@@ -115,6 +115,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._eos = frozenset(runner.eos_token_ids)
         self.capacity = self.cache.config.capacity(Tier.DEVICE)
+        # long context: a sequence may hold blocks in every tier
+        self.total_capacity = sum(self.cache.config.capacity(t) for t in self.cache.config.tiers)
 
     # ---- requests in and out ----
     def submit(self, request: Request) -> SeqId:
@@ -186,6 +188,9 @@ class Scheduler:
             # fault did not cut, is still given the newest token)
             todo = live.tokens[done:] or live.tokens[-1:]
             take = todo[: max(1, min(len(todo), budget))] if len(todo) > 1 else todo
+            limit = cache.max_step_tokens(live.seq)  # long context: a prompt longer than the device goes in chunks
+            if limit is not None:
+                take = take[:limit]
             budget -= len(take)
             rows.append((live.seq, take))
             ends.append(len(take) == len(todo))  # the row reaches the end of its tokens: sample after it
@@ -282,8 +287,9 @@ class Scheduler:
         tokens = self.max_step_tokens
         for live in sorted(self.live.values(), key=lambda lv: lv.rank):
             need = self._blocks_after_step(live)
-            if need > self.capacity:
-                # Longer than the whole device tier: it can never run.
+            whole = -(-len(live.tokens) // self.cache.block_size)
+            if whole > (self.total_capacity if self.cache.staging is not None else self.capacity):
+                # Longer than the whole device tier (every tier, with long context): it can never run.
                 self._finish(live, "aborted")
                 continue
             todo = len(live.tokens) - (self.cache.seq_len(live.seq) if live.seq in self.cache.seqs else 0)
@@ -316,9 +322,13 @@ class Scheduler:
 
     def _blocks_after_step(self, live: _Live) -> int:
         """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill),
-        draft tokens included."""
+        draft tokens included. Long context: at most the device, which streams the rest (``_plan`` checks the
+        total against every tier)."""
         drafts = self.num_draft if self.drafter is not None else 0
-        return -(-(len(live.tokens) + drafts) // self.cache.block_size)
+        blocks = -(-(len(live.tokens) + drafts) // self.cache.block_size)
+        if self.cache.staging is not None:
+            return min(blocks, self.capacity)
+        return blocks
 
     def _device_blocks(self, seq: SeqId) -> int:
         """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""

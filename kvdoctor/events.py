@@ -43,6 +43,8 @@ __all__ = [
     "StepEnd",
     "ChecksumError",
     "Prefetch",
+    "Stage",
+    "PrefetchUse",
     "TraceEnd",
     "Unknown",
     "KNOWN_EVENTS",
@@ -152,6 +154,8 @@ class Read(Event, tag="read"):
     # and, where it differs from the producer's record, the first layer whose bytes differ
     digests: list[int | None] | None = None
     digest_layers: list[int | None] | None = None
+    # long context (v1.x): per block, the tier its copy was read from ("device", or the slower tier a staged copy came from)
+    tiers: list[Tier] | None = None
 
 
 class SwapOut(Event, tag="swap_out"):
@@ -264,6 +268,27 @@ class Prefetch(Event, tag="prefetch"):
     dst: Tier
 
 
+class Stage(Event, tag="stage"):
+    """Long context: copies of ``seq``'s blocks brought from a slower tier into the device staging area this step
+    for attention to read in place of a resident copy; ``versions[i]`` is the version of the copy staged, ``bytes``
+    what the step moved (every layer's rows)."""
+
+    seq: SeqId
+    blocks: list[int]
+    srcs: list[Tier]
+    versions: list[int]
+    bytes: int = 0
+
+
+class PrefetchUse(Event, tag="prefetch_use"):
+    """Long context: of the blocks ``seq``'s attention read this step that the engine predicted (prefetched
+    to the device), ``hits`` had arrived; ``misses`` were read from a slower tier through staging."""
+
+    seq: SeqId
+    hits: list[int]
+    misses: list[int]
+
+
 class TraceEnd(Event, tag="trace_end"):
     """The writer closed the trace on purpose; a follower stops here."""
 
@@ -281,7 +306,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
-    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, TraceEnd,
+    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, Stage, PrefetchUse, TraceEnd,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

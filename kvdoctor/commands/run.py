@@ -19,8 +19,8 @@ NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
-FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan", "overwrite-foreign", "stale-slot",
-               "wrong-scale", "bit-flip", "row-off-by-one", "prefix-unsalted", "prefix-overwritten",
+FAULT_NAMES = ("leak-swapped", "stale-version", "stale-staging", "batch-misalign", "attention-nan", "overwrite-foreign",
+               "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one", "prefix-unsalted", "prefix-overwritten",
                "prefix-freed-in-use", "spec-rollback-uncut")
 # Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
 VERIFY_MODES = ("off", "sample", "full")
@@ -45,7 +45,9 @@ _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input), for long inputs")
     p.add_argument("--model", metavar="PATH", help="a local Hugging Face Llama-family checkpoint directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="tokens to generate (default 64)")
@@ -84,7 +86,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: draft tokens by prompt lookup (ngram) or with a smaller local checkpoint "
                    "sharing the tokenizer (PATH), verified by the model in one forward pass")
     p.add_argument("--num-draft", type=int, default=4, metavar="K", help="with --speculative: draft tokens per step (default 4)")
+    p.add_argument("--staging-blocks", type=_non_negative, default=0, metavar="N",
+                   help="long context: a sequence may outgrow the device tier, its host and disk blocks read through a "
+                        "device staging area of N blocks (dense: streamed and merged exactly; with --topk: only the "
+                        "chosen pages); 0 (default): the sequence must fit the device")
+    p.add_argument("--eviction", choices=("lru", "hybrid"), default="lru",
+                   help="which blocks leave a full tier first (long context: which stay on the device): lru (default), "
+                        "or hybrid (recency, position distance and attention importance)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt text: ``--prompt``, or ``--prompt-file`` (``-``: standard input)."""
+    from ..errors import UsageError
+
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        with open(args.prompt_file, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompt-file {args.prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner.create(
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-            disk_blocks=args.disk_blocks, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
+            disk_blocks=args.disk_blocks, staging_blocks=args.staging_blocks, eviction=args.eviction, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
             **engine_settings(args.codec, args.topk, loaded),
             sparse_block_size=args.sparse_block_size, prefix_cache=args.prefix_cache,
         )
@@ -120,12 +144,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         if runner.tokenizer is None:
             raise UsageError(f"{loaded.path} has no tokenizer, so a text prompt cannot be encoded")
-        prompt_ids = runner.encode(args.prompt, chat=args.chat)
+        prompt_ids = runner.encode(_prompt(args), chat=args.chat)
         need = -(-(len(prompt_ids) + args.max_new_tokens) // args.block_size)
-        if need > args.device_blocks:
+        total = args.device_blocks + args.host_blocks + args.disk_blocks
+        if args.staging_blocks and need > total:
+            raise UsageError(
+                f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} needs {need} blocks, "
+                f"and device + host + disk hold {total}: raise --host-blocks or --disk-blocks by {need - total}"
+            )
+        if not args.staging_blocks and need > args.device_blocks:
             raise UsageError(
                 f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} needs {need} blocks "
-                f"on the device tier, which holds {args.device_blocks}: raise --device-blocks or --block-size"
+                f"on the device tier, which holds {args.device_blocks}: raise --device-blocks or --block-size, or stream "
+                f"from host and disk with --staging-blocks N"
             )
         if args.trace:
             writer = TraceWriter(args.trace, runner.cache.header())
@@ -147,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
             prefills.append(round(t1 - t0, 6))
         gen = sched.done[seq]
         stats = runner.cache.stats()
+        cache = runner.cache
+        reads = cache.rows_from_device + cache.rows_from_slower
     except EngineError as exc:
         raise UsageError(f"the engine failed: {exc}") from None
     finally:
@@ -178,7 +211,14 @@ def run(args: argparse.Namespace) -> int:
         "recodes": stats["recodes"],  # blocks mixed resolution demoted
         "topk": args.topk,
         "sparse_block_size": runner.cache.config.sparse_block_size,
+        "staging_blocks": args.staging_blocks,
     }
+    if args.staging_blocks:
+        moved = cache.bytes_staged + sum(n for n, _ in cache.tiers.moved.values()) * cache.config.bytes_per_block
+        tokens = len(prompt_ids) + len(gen.token_ids)
+        result["bytes_moved_per_token"] = round(moved / max(tokens, 1), 1)  # staged rows and whole-block swaps
+        result["device_hit_rate"] = round(cache.rows_from_device / reads, 4) if reads else None
+        result["prefetch_hit_rate"] = stats["prefetch_hit_rate"]
     if args.json:
         print(json.dumps(result))
     else:

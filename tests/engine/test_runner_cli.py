@@ -150,3 +150,52 @@ def test_bad_speculative_settings_are_one_line_usage_errors(checkpoint, tmp_path
                         (["--speculative", "ngram", "--num-draft", "0"], "--num-draft must be >= 1")):
         code, _, err = _run(capsys, *base, *extra)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+# ---- long context (issue 13): a prompt file longer than the device tier ----
+LONG = " ".join(f"w{3 + (i * 7) % 120}" for i in range(120))  # 120 tokens: 16 blocks of 8 with 8 new ones
+TIERS = ("--device-blocks", "4", "--host-blocks", "6", "--disk-blocks", "16", "--staging-blocks", "3")
+
+
+def test_run_streams_a_prompt_file_longer_than_the_device_with_the_resident_tokens(checkpoint, tmp_path, capsys):
+    from kvdoctor.checks import make_suite
+
+    # GIVEN a prompt file of 121 tokens and a device tier of 4 blocks of 8 (a quarter of the sequence)
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(LONG)
+    common = ["--model", str(checkpoint), "--prompt-file", str(prompt), "--block-size", "8", "--max-new-tokens", "8",
+              "--greedy", "--json"]
+    code, out, _ = _run(capsys, *common, "--device-blocks", "64")
+    resident = json.loads(out)
+    # WHEN it runs streamed from host and disk through a 3-block staging area
+    trace = tmp_path / "long.kvtrace"
+    code, out, err = _run(capsys, *common, *TIERS, "--trace", str(trace))
+    got = json.loads(out)
+    # THEN the tokens are the resident run's, the JSON says what moved, and the trace is clean
+    assert code == 0, err
+    assert got["token_ids"] == resident["token_ids"]
+    assert got["bytes_moved_per_token"] > 0 and 0 < got["device_hit_rate"] < 1
+    suite = make_suite()
+    for ev in TraceReader(trace):
+        suite.observe(ev)
+    findings = suite.findings + suite.finish()
+    assert findings == [], [f.message for f in findings]
+
+
+def test_prompt_file_dash_reads_stdin(checkpoint, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("w5 w6 w7"))
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt-file", "-", "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["prompt_tokens"] == 3
+
+
+def test_a_sequence_that_fits_no_tier_is_one_line_naming_what_is_needed(checkpoint, tmp_path, capsys):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(LONG)
+    code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt-file", str(prompt), "--block-size", "8",
+                        "--device-blocks", "4", "--host-blocks", "2", "--staging-blocks", "2")
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "needs 23 blocks" in err and "device + host + disk hold 6" in err  # 120 tokens + 64 new, by 8
+    code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt-file", str(tmp_path / "none.txt"))
+    assert code == 2 and "--prompt-file" in err and "Traceback" not in err
