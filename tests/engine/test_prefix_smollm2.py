@@ -4,6 +4,7 @@ greedy tokens as without the cache, most of their prompt is served from it, and 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvdoctor.demo import PROMPTS, SYSTEM_PROMPT
 from kvdoctor.engine.model import load_model
@@ -14,19 +15,28 @@ from kvdoctor.session import Session
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # on a shared machine two OpenMP threads wait on each other; one keeps the module's time predictable
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def smol():
     return load_model()
 
 
 def serve(smol, prefix_cache: bool):
-    """Four chat requests: two admitted together, then two more as the first finish; a small device tier."""
-    runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=16, device_blocks=24, host_blocks=16,
-                           prefix_cache=prefix_cache)
+    """Three chat requests: two admitted together, then one more as they finish; a small device tier."""
+    runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=16, device_blocks=20, host_blocks=16,
+                           prefix_cache=prefix_cache, stats_every=0)
     session = Session.on_bus(runner.bus)
     sched = Scheduler(runner, max_batch=2)
-    for text in PROMPTS[:4]:
-        sched.submit(Request(runner.encode(text, chat=True, system=SYSTEM_PROMPT), max_new_tokens=24, ignore_eos=True))
+    for text in PROMPTS[:3]:
+        sched.submit(Request(runner.encode(text, chat=True, system=SYSTEM_PROMPT), max_new_tokens=8, ignore_eos=True))
     sched.run()
     stats = runner.cache.stats().get("prefix")
     runner.close()
@@ -39,5 +49,5 @@ def test_greedy_tokens_match_without_the_cache_and_the_run_is_clean(smol):
     cached, findings, stats = serve(smol, True)
     assert cached == plain
     assert [f.message for f in plain_findings + findings] == []
-    # the two later requests reuse the system prompt's full blocks (the first two started before any was cached)
-    assert stats["hit_blocks"] >= 2 * 4 and stats["hit_rate"] > 0.3
+    # the third request reuses the system prompt's full blocks (the first two started before any was cached)
+    assert stats["hit_blocks"] >= 4 and stats["hit_rate"] > 0.25

@@ -5,6 +5,7 @@ and a run without findings."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvdoctor.engine.model import load_model
 from kvdoctor.engine.runner import Runner
@@ -21,6 +22,15 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # on a shared machine two OpenMP threads wait on each other; one keeps the module's time predictable
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def smol():
     return load_model()
@@ -28,10 +38,10 @@ def smol():
 
 def serve(smol, speculative: bool):
     runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=16, device_blocks=32, host_blocks=8,
-                           prefix_cache=True)
+                           prefix_cache=True, stats_every=0)
     session = Session.on_bus(runner.bus)
     sched = Scheduler(runner, max_batch=2, drafter=NgramDrafter() if speculative else None, num_draft=4)
-    seqs = [sched.submit(Request(runner.encode(t, chat=True), max_new_tokens=40, ignore_eos=True)) for t in TEXTS]
+    seqs = [sched.submit(Request(runner.encode(t, chat=True), max_new_tokens=24, ignore_eos=True)) for t in TEXTS]
     sched.run()
     runner.close()
     session.close()
