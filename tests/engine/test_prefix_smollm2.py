@@ -4,7 +4,6 @@ greedy tokens as without the cache, most of their prompt is served from it, and 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvdoctor.demo import PROMPTS, SYSTEM_PROMPT
 from kvdoctor.engine.model import load_model
@@ -12,16 +11,7 @@ from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.session import Session
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # on a shared machine two OpenMP threads wait on each other; one keeps the module's time predictable
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and a run without findings."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvdoctor.engine.model import load_model
 from kvdoctor.engine.runner import Runner
@@ -13,22 +12,13 @@ from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.engine.speculative import NgramDrafter
 from kvdoctor.session import Session
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 TEXTS = [
     "Repeat the following text exactly: A paged KV cache stores the keys and values of every token in "
     "fixed-size blocks, and swaps them to host memory when the device is full.",
     "Write a short poem about the sea.",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # on a shared machine two OpenMP threads wait on each other; one keeps the module's time predictable
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
