@@ -318,7 +318,8 @@ class Scheduler:
         """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill),
         draft tokens included."""
         drafts = self.num_draft if self.drafter is not None else 0
-        return -(-(len(live.tokens) + drafts) // self.cache.block_size)
+        held = self.cache.seq_len(live.seq) + 1 if live.seq in self.cache.seqs else 0  # more than its tokens only
+        return -(-(max(len(live.tokens), held) + drafts) // self.cache.block_size)  # after a rollback left uncut
 
     def _device_blocks(self, seq: SeqId) -> int:
         """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""
