@@ -230,22 +230,21 @@ class PagedKVCache:
             self.pool.free(b)
 
     # ---- prefix cache (engine.prefix) ----
-    def _reclaim_cached(self, tier: str, need: int, exclude: set[int]) -> int:
+    def _reclaim_cached(self, tier: str, need: int, exclude: set[int]) -> None:
         """Room in ``tier`` from the prefix cache first: its least recently used blocks that no request holds
         move one tier down while that tier has free slots, and are evicted (reason ``prefix-cache``) past
-        that, so keeping a cached block never pushes a request's block down. Returns the slots freed."""
+        that, so keeping a cached block never pushes a request's block down."""
         if self.prefix is None or need <= 0:
-            return 0
+            return
         victims = self.prefix.idle(tier, exclude)[:need]
         if not victims:
-            return 0
+            return
         nxt = self.tiers.slower(tier)
         room = self.pool.tiers[nxt].num_free if nxt is not None else 0
         if room:
             self.tiers.move(victims[:room], nxt)
         if victims[room:]:
             self._evict(victims[room:], tier, reason=PREFIX_CACHE)
-        return len(victims)
 
     def reclaimable(self, tier: str) -> int:
         """Slots of ``tier`` the prefix cache gives up when room is needed (its blocks no request holds)."""

@@ -325,7 +325,8 @@ class Scheduler:
         draft tokens included. Long context: at most the device, which streams the rest (``_plan`` checks the
         total against every tier)."""
         drafts = self.num_draft if self.drafter is not None else 0
-        blocks = -(-(len(live.tokens) + drafts) // self.cache.block_size)
+        held = self.cache.seq_len(live.seq) + 1 if live.seq in self.cache.seqs else 0  # more than its tokens only
+        blocks = -(-(max(len(live.tokens), held) + drafts) // self.cache.block_size)  # after a rollback left uncut
         if self.cache.staging is not None:
             return min(blocks, self.capacity)
         return blocks

@@ -11,7 +11,11 @@ With ``--prefix-cache`` the engine caches full blocks by content and every reque
 same chat system prompt, so from the second request on its blocks are served from the cache (hits
 show live); a quarter of the requests run under an adapter, whose requests share only among themselves.
 
-    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--prefix-cache] [--seconds S] [--steps N]
+With ``--speculative`` each decode step also verifies up to 4 tokens drafted by prompt lookup, and
+rejected drafts are rolled back through the cache.
+
+    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--prefix-cache] [--speculative]
+                            [--seconds S] [--steps N]
 
 It never serves on as an orphan: it stops when the process that started it is gone (its
 parent changes), and on SIGTERM or SIGHUP, in each case closing its trace first.
@@ -72,6 +76,7 @@ class DemoConfig:
     seed: int = 0
     codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
     prefix_cache: bool = False      # cache full blocks by content; every request opens with SYSTEM_PROMPT
+    speculative: bool = False       # prompt-lookup drafts verified each decode step (engine.speculative)
     parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
 
 
@@ -81,6 +86,7 @@ def run_demo(cfg: DemoConfig) -> int:
     from .engine.runner import Runner, SamplingParams
     from .compression import engine_settings
     from .engine.scheduler import Request, Scheduler
+    from .engine.speculative import NgramDrafter
     from .probes import ENV_PROBES, attach_to_cache
 
     parent = os.getppid() if cfg.parent is None else cfg.parent
@@ -93,7 +99,7 @@ def run_demo(cfg: DemoConfig) -> int:
     if runner.bus.enabled and not os.environ.get(ENV_PROBES):
         # Memory readings when a trace is being written, unless the engine's probe hook attached them.
         attach_to_cache(runner.cache)
-    sched = Scheduler(runner, max_batch=cfg.concurrency)
+    sched = Scheduler(runner, max_batch=cfg.concurrency, drafter=NgramDrafter() if cfg.speculative else None)
     rng = random.Random(cfg.seed)
     vocab = lm.config.vocab_size
     system = [rng.randrange(3, vocab) for _ in range(3 * cfg.block_size)] if cfg.prefix_cache else []
@@ -135,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
     p.add_argument("--prefix-cache", action="store_true",
                    help="cache full blocks by content; every request opens with the same chat system prompt")
+    p.add_argument("--speculative", action="store_true", help="speculative decoding with prompt-lookup drafts")
     a = p.parse_args(argv)
-    cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
-                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache,
+    cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps, device_blocks=a.device_blocks,
+                     seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache, speculative=a.speculative,
                      parent=os.getppid())
     with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
         try:

@@ -38,12 +38,12 @@ def test_prefix_cache_demo_serves_the_shared_system_prompt_from_the_cache_and_st
     path = tmp_path / "prefix.kvtrace"
     monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
     # WHEN it serves for a while
-    run_demo(DemoConfig(model="tiny", steps=40, device_blocks=12, prefix_cache=True))
+    run_demo(DemoConfig(model="tiny", steps=30, device_blocks=12, max_new_tokens=20, prefix_cache=True))
     events = list(TraceReader(path))
     # THEN the requests admitted after the first wave (which all start in step 0, before anything is cached)
     # were served the system prompt's 3 blocks from the cache, the cache holds blocks, and the checks find nothing
     ends = [e for e in events if isinstance(e, StepEnd) and e.prefix_hits is not None]
-    assert len(ends) == 40 and ends[0].prefix_hits == 0 and sum(e.prefix_hits for e in ends) >= 3
+    assert len(ends) == 30 and ends[0].prefix_hits == 0 and sum(e.prefix_hits for e in ends) >= 3
     assert any(isinstance(e, Share) and e.seq == PREFIX_CACHE and e.hash for e in events)
     suite = make_suite()
     for e in events:

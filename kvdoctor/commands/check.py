@@ -135,6 +135,8 @@ def _check(args: argparse.Namespace) -> int:
             argv += ["--codec", "nf4"]  # the fault corrupts a dequantisation scale: the demo must store codes
         if args.prefix_cache or (args.fault or "").startswith("prefix-"):
             argv += ["--prefix-cache"]  # a prefix-cache fault needs the cache it breaks
+        if (args.fault or "").startswith("spec-"):
+            argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
         source = CommandSource(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
     elif args.vllm_events:

@@ -57,6 +57,8 @@ class Workload(TracedChild):
             argv += ["--codec", codec]
         if prefix_cache:
             argv += ["--prefix-cache"]
+        if (fault or "").startswith("spec-"):
+            argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
         what = "a tiny random model" if model == "tiny" else model or "SmolLM2-135M (the first run converts it, ~20 s)"
         return cls(argv, fault=fault, probes=False, workdir=workdir, title=f"the demo: {what} serving chat requests")
 

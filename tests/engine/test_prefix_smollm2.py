@@ -11,7 +11,7 @@ from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.session import Session
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +20,13 @@ def smol():
 
 
 def serve(smol, prefix_cache: bool):
-    """Four chat requests: two admitted together, then two more as the first finish; a small device tier."""
-    runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=16, device_blocks=24, host_blocks=16,
-                           prefix_cache=prefix_cache)
+    """Three chat requests: two admitted together, then one more as they finish; a small device tier."""
+    runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=16, device_blocks=20, host_blocks=16,
+                           prefix_cache=prefix_cache, stats_every=0)
     session = Session.on_bus(runner.bus)
     sched = Scheduler(runner, max_batch=2)
-    for text in PROMPTS[:4]:
-        sched.submit(Request(runner.encode(text, chat=True, system=SYSTEM_PROMPT), max_new_tokens=24, ignore_eos=True))
+    for text in PROMPTS[:3]:
+        sched.submit(Request(runner.encode(text, chat=True, system=SYSTEM_PROMPT), max_new_tokens=8, ignore_eos=True))
     sched.run()
     stats = runner.cache.stats().get("prefix")
     runner.close()
@@ -39,5 +39,5 @@ def test_greedy_tokens_match_without_the_cache_and_the_run_is_clean(smol):
     cached, findings, stats = serve(smol, True)
     assert cached == plain
     assert [f.message for f in plain_findings + findings] == []
-    # the two later requests reuse the system prompt's full blocks (the first two started before any was cached)
-    assert stats["hit_blocks"] >= 2 * 4 and stats["hit_rate"] > 0.3
+    # the third request reuses the system prompt's full blocks (the first two started before any was cached)
+    assert stats["hit_blocks"] >= 4 and stats["hit_rate"] > 0.25

@@ -12,7 +12,7 @@ from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.engine.speculative import NgramDrafter
 from kvdoctor.session import Session
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 TEXTS = [
     "Repeat the following text exactly: A paged KV cache stores the keys and values of every token in "
@@ -28,10 +28,10 @@ def smol():
 
 def serve(smol, speculative: bool):
     runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=16, device_blocks=32, host_blocks=8,
-                           prefix_cache=True)
+                           prefix_cache=True, stats_every=0)
     session = Session.on_bus(runner.bus)
     sched = Scheduler(runner, max_batch=2, drafter=NgramDrafter() if speculative else None, num_draft=4)
-    seqs = [sched.submit(Request(runner.encode(t, chat=True), max_new_tokens=40, ignore_eos=True)) for t in TEXTS]
+    seqs = [sched.submit(Request(runner.encode(t, chat=True), max_new_tokens=24, ignore_eos=True)) for t in TEXTS]
     sched.run()
     runner.close()
     session.close()
