@@ -44,7 +44,8 @@ def test_a_workload_killed_at_random_moments_leaves_whole_clean_traces(tmp_path,
         assert steps == list(range(len(steps))), c
         in_flight = events[len(events) - next((i for i, e in enumerate(reversed(events)) if type(e) is StepEnd),
                                               len(events)):]
-        assert {e.step for e in in_flight} <= {len(steps)}, c
+        # (a memory probe's reading of the last whole step may land after its step_end: late, not lost)
+        assert all(e.step is None or e.step <= len(steps) for e in in_flight), (c, in_flight[:3])
         swaps += sum(type(e) is SwapOut for e in events)
         # AND the checks find nothing: a cut is no leak, no stale read, no misaligned batch
         findings = Session(TraceSource(c["trace"])).run().findings
