@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
+from .engine.model import DTYPES
 from .errors import UsageError
 
 __all__ = ["DemoConfig", "run_demo", "main", "PROMPTS"]
@@ -54,6 +55,7 @@ class DemoConfig:
     abort_rate: float = 0.1         # chance per step, per swapped-out request, that its client gives up
     seed: int = 0
     codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
+    dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -64,7 +66,8 @@ def run_demo(cfg: DemoConfig) -> int:
     from .engine.scheduler import Request, Scheduler
     from .probes import ENV_PROBES, attach_to_cache
 
-    lm = tiny_llama(num_layers=4, max_position_embeddings=2048) if cfg.model == "tiny" else load_model(cfg.model)
+    lm = (tiny_llama(num_layers=4, max_position_embeddings=2048, dtype=cfg.dtype) if cfg.model == "tiny"
+          else load_model(cfg.model, dtype=cfg.dtype))
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
         host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name},
@@ -108,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-blocks", type=int, default=DemoConfig.device_blocks)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
+    p.add_argument("--dtype", choices=DTYPES, default=DemoConfig.dtype, help="the model's and the cache's dtype")
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
-                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec)
+                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec, dtype=a.dtype)
     try:
         run_demo(cfg)
     except (ValueError, OSError, UsageError) as exc:
