@@ -27,7 +27,8 @@ batch (off, on, on, off, …) and reports the median extra time of a listened st
 neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
-        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--json]
+        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--dtype bfloat16]
+        [--profile N] [--bound-repeats 7] [--json]
 """
 
 from __future__ import annotations
@@ -252,6 +253,20 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
             "tok_s": round(1 / s, 1)}
 
 
+def profile_batch8(runner: Any, prompts: list[list[int]], new_tokens: int) -> int:
+    """Where the runner's decode time goes: torch.profiler's ops by self CPU time over one continuous batch
+    (the Python side is best seen with ``py-spy record`` on the same command)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner_decode(runner, prompts, [4] * len(prompts))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall, _ = runner_decode(runner, prompts, [new_tokens] * len(prompts))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print(f"decode {wall:.2f} tok/s (wall, under the profiler), threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    return 0
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -304,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights, activations and KV cache of both sides (default float32)")
     ap.add_argument("--bound-repeats", type=int, default=7,
                     help="timed passes over every projection at one row for the bandwidth bound (0 skips it)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="only profile the runner on the batch-8 prompts for N new tokens (torch.profiler, ops by self CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -324,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0, pack_weights=not args.no_pack)
     trace_path = os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "decode.kvtrace")
 
+    if args.profile:
+        return profile_batch8(runner, batch8, args.profile)
     N = args.new_tokens
     # The mixed case gives the eight requests different output budgets (N/4 … N), as a server sees them:
     # the runner's batch shrinks as requests finish, a static batch keeps computing finished rows.
