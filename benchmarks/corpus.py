@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from kvdoctor.engine.faults import CONTENT_FAULTS
+
 MIN_PROMPT, MAX_PROMPT = 5, 1500
 
 
@@ -61,6 +63,7 @@ class Scenario:
     pressure: bool = False  # requests arrive over time with random priorities: newcomers preempt, swapped ones abort
     abort_rate: float = 0.05  # under pressure: chance per step that a client abandons a swapped-out request
     fault: str | None = None
+    verify: str = "full"  # every read's K/V checked against its digest: a clean corpus must not trip integrity
     note: str = ""
 
 
@@ -98,6 +101,7 @@ class Tally:
     examples: dict[str, str] = field(default_factory=dict)
     found: list = field(default_factory=list, repr=False)  # the findings themselves
     leaked: set = field(default_factory=set, repr=False)  # blocks the engine still held with no live owner at the end
+    fault_hit: dict | None = field(default=None, repr=False)  # where a content fault corrupted bytes (engine's record)
 
     def add(self, other: "Tally") -> None:
         for name in ("requests", "seq_steps", "steps", "tokens", "events", "preempted", "seconds"):
@@ -178,7 +182,8 @@ def build_runner(lm: Any, scenario: Scenario):
 
     settings = {"block_size": 16, "device_blocks": 512, "host_blocks": 512, **scenario.engine}
     settings.update(engine_settings(scenario.codec, scenario.topk, lm))
-    return Runner.create(lm.model, tokenizer=lm.tokenizer, fault=scenario.fault, extra={"model": lm.name}, **settings)
+    return Runner.create(lm.model, tokenizer=lm.tokenizer, fault=scenario.fault, verify=scenario.verify,
+                         extra={"model": lm.name}, **settings)
 
 
 def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any = None,
@@ -201,7 +206,8 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
         runner.bus.subscribe(listen)
     sched = Scheduler(runner, max_batch=scenario.max_batch, max_step_tokens=scenario.max_step_tokens)
     tally = Tally(requests=len(specs))
-    runner.bus.subscribe(lambda evs: tally.swaps.update(e.dst for e in evs if type(e) is SwapOut))
+    runner.bus.subscribe(lambda evs: tally.swaps.update(str(getattr(e.dst, "value", e.dst))
+                                                        for e in evs if type(e) is SwapOut))
     queue = list(reversed(specs))
     rng = random.Random(len(specs))
     t0 = time.perf_counter()
@@ -228,6 +234,7 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
     tally.seconds = time.perf_counter() - t0
     cache = runner.cache
     tally.leaked = {b.id for b in cache.pool.blocks.values() if not any(o in cache.seqs for o in b.owners)}
+    tally.fault_hit = cache.faults.hit
     runner.close()
     session.close()
     tally.events = session.num_events
@@ -269,12 +276,22 @@ def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], corrupt: Any = 
     swapped-out requests, batches of several rows, greedy decoding to the full length."""
     engine_fault = fault if corrupt is None else None
     scenario = Scenario(fault, engine={"device_blocks": 12, "host_blocks": 96, "disk_blocks": 0}, max_batch=4,
-                        pressure=True, abort_rate=0.3 if fault == "leak-swapped" else 0.0, fault=engine_fault)
+                        pressure=True, abort_rate=0.3 if fault == "leak-swapped" else 0.0, fault=engine_fault,
+                        codec="nf4" if fault == "wrong-scale" else None)  # a scale exists only where codes are stored
     greedy = [Spec(s.ids, s.chat, True, s.max_new_tokens, s.seed) for s in specs]
     tally = run_scenario(lm, scenario, greedy, corrupt=corrupt)
-    hits = [f for f in tally.found if f"{f.check}/{f.rule}" == rule]
-    others = Counter(f"{f.check}/{f.rule}" for f in tally.found if f"{f.check}/{f.rule}" != rule)
-    if fault == "leak-swapped":
+
+    def matches(f: Any) -> bool:  # a rule "check/rule", or a whole check for the content faults
+        return f"{f.check}/{f.rule}" == rule or f.check == rule
+
+    hits = [f for f in tally.found if matches(f)]
+    others = Counter(f"{f.check}/{f.rule}" for f in tally.found if not matches(f))
+    if fault in CONTENT_FAULTS:
+        # the first finding names the block, sequence, step (and layer) where the engine corrupted the bytes
+        hit, first = tally.fault_hit, hits[0] if hits else None
+        right = first is not None and hit is not None and (first.block, first.seq, first.step) == (
+            hit["block"], hit["seq"], hit["step"]) and hit["layer"] in (None, first.layer)
+    elif fault == "leak-swapped":
         # the engine itself still holds the forgotten blocks: each must be named, by its last owner
         right = bool(hits) and {f.block for f in hits} == tally.leaked and all(_owned_by(f, f.seq) for f in hits)
     elif fault == "attention-nan" or corrupt is not None:
@@ -294,6 +311,7 @@ FAULT_RULES = {
     "stale-version": "stale/stale-swap-in",
     "batch-misalign": "batch/write-not-owned",
     "attention-nan": "attention/nonfinite",
+    **{fault: "integrity" for fault in CONTENT_FAULTS},  # bytes wrong, every event right: only digests see it
 }
 
 # Corruptions of the middle layer's scaled scores (through the hook attention-nan uses): keys at 2x or

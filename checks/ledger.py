@@ -233,5 +233,5 @@ class Ledger:
     def _rollback(self, ev: Rollback) -> None:
         state = self._seq(ev.seq)
         state.version = ev.version
-        if state.length is not None:
+        if state.length is not None and ev.n > 0:  # a count below 1 drops nothing (the stale check names it)
             state.length = max(0, state.length - ev.n)

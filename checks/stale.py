@@ -30,6 +30,8 @@ class StaleCheck(CheckBase):
         Rule("version-not-advanced", "error",
              "a write of n tokens did not advance its sequence's version by exactly n"),
         Rule("rollback-version", "error", "a rollback did not advance its sequence's version"),
+        Rule("rollback-count", "error",
+             "a rollback of fewer than 1 or more tokens than its sequence holds (a crop past what was written)"),
     )
 
     def handlers(self):
@@ -108,6 +110,15 @@ class StaleCheck(CheckBase):
 
     def _rollback(self, ev: Rollback) -> Sequence[Finding]:
         state = self.ledger.seqs.get(ev.seq)
+        if (state is not None and state.length is not None and not 1 <= ev.n <= state.length
+                and self.once("rollback-count", ev.seq)):
+            return [self.finding(
+                "rollback-count",
+                f"rollback of {ev.n} tokens of sequence {ev.seq!r}, which holds {state.length}: "
+                f"{'a crop to a longer length than was written' if ev.n < 1 else 'more than was written'}",
+                seq=ev.seq, step=ev.step, position=state.length - ev.n, length=state.length,
+                events=[self.event_dict(ev)],
+            )]
         if state is None or state.version is None or ev.version > state.version:
             return NO_FINDINGS
         if not self.once("rollback-version", ev.seq, ev.version):

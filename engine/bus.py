@@ -62,10 +62,11 @@ class Bus:
         if len(self._buf) >= _MAX_BUFFERED:
             self.flush()
 
-    def end_step(self, num_tokens: int = 0) -> None:
-        """Close the current step: emit ``step_end``, hand the batch to the sinks, advance."""
+    def end_step(self, num_tokens: int = 0, **fields: Any) -> None:
+        """Close the current step: emit ``step_end`` (with ``fields``: its optional ones), hand the batch
+        to the sinks, advance."""
         now = time.perf_counter_ns()
-        self.emit(StepEnd, num_tokens=num_tokens, duration_ns=now - self._step_t0)
+        self.emit(StepEnd, num_tokens=num_tokens, duration_ns=now - self._step_t0, **fields)
         self.flush()
         self._step_t0 = now
         self.step += 1

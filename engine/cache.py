@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
 
-from ..events import Evict, Header, Read, Recode, Rollback, SeqEnd, SeqStart, TierSpec, Usage, Write
+from ..events import (PREFIX_CACHE, Evict, Header, PrefetchUse, Read, Recode, Rollback, SeqEnd, SeqStart, Stage,
+                      TierSpec, Usage, Write)
 from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
@@ -46,6 +47,9 @@ from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
 from .pool import Block, BlockPool, Sequence
+from .prefix import PrefixCache
+from .readplan import BlockLoc, ReadPlan, plan_reads
+from .staging import StagingArea
 from .storage import Arena, TensorArena, TierArenas
 from .tiers import TierManager
 
@@ -110,12 +114,24 @@ class PagedKVCache:
         self.num_recodes = 0  # blocks re-encoded in place (mixed resolution's demotions)
         self._pinned: set[Any] = set()  # sequences the current step uses
         self._reserved: list[Any] = []  # sequences in the order this step reserved them
+        # long context: the blocks this step needs on the device (sinks, recent windows, blocks written); the
+        # rest of a running sequence's blocks may be demoted, and attention streams them (engine.streaming)
+        self._held: set[int] = set()
+        self.staging = (StagingArea(config, self.tier_arenas, self.codecs, self.device, by_id=self.faults.stale_staging)
+                        if config.long_context else None)
+        self.bytes_staged = 0  # long context: bytes the staging area moved, every step so far
+        self.rows_from_device = 0  # long context: (layer, block) reads served by a copy already on the device
+        self.rows_from_slower = 0  # ... and those that had to be copied up from a slower tier
         self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
         self.tiers = TierManager(
             config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
             protected=self._is_protected, evictable=self._is_evictable, evict=self._evict,
-            distance=self._distance, clock=lambda: self._tick, digests=self.digests,
+            distance=self._distance, clock=lambda: self._tick, digests=self.digests, reclaim=self._reclaim_cached,
         )
+        self.prefix: PrefixCache | None = None
+        if config.prefix_cache:
+            kv = {"codec": "mixed" if config.mixed else config.tier_codec(Tier.DEVICE), "dtype": config.dtype}
+            self.prefix = PrefixCache(self.pool, self.block_size, {**config.prefix_salt, **kv}, self.faults)
         self._writer: Any = None
         self._attached: list[Any] = []  # what the hooks attached; each has detach()
         trace = os.environ.get(TRACE_ENV)
@@ -162,6 +178,8 @@ class PagedKVCache:
         return grow
 
     def _is_protected(self, b: Block) -> bool:
+        if self.staging is not None:  # long context: a running sequence needs only these on the device
+            return b.id in self._held
         return any(o in self._pinned for o in b.owners)
 
     def _is_evictable(self, b: Block) -> bool:
@@ -177,6 +195,8 @@ class PagedKVCache:
 
     def _evict(self, victims: list[Block], tier: str, reason: str = "capacity") -> None:
         for b in victims:
+            if self.prefix is not None:
+                self.prefix.forget(b)
             for o in b.owners:
                 s = self.seqs.get(o)
                 if s is not None:
@@ -199,6 +219,8 @@ class PagedKVCache:
 
     def _free_or_keep(self, b: Block, seq: Any, *, emit_release: bool) -> None:
         """``seq`` lets go of ``b``; the block is freed if nobody else owns it."""
+        if self.pool.blocks.get(b.id) is not b:
+            return  # only the prefix-freed-in-use fault gets here: the cache dropped the block under its reader
         if b.inflight is not None:
             try:
                 self.tiers.settle(b)
@@ -207,13 +229,84 @@ class PagedKVCache:
         if self.pool.release(b, seq, emit=emit_release):
             self.pool.free(b)
 
+    # ---- prefix cache (engine.prefix) ----
+    def _reclaim_cached(self, tier: str, need: int, exclude: set[int]) -> None:
+        """Room in ``tier`` from the prefix cache first: its least recently used blocks that no request holds
+        move one tier down while that tier has free slots, and are evicted (reason ``prefix-cache``) past
+        that, so keeping a cached block never pushes a request's block down."""
+        if self.prefix is None or need <= 0:
+            return
+        victims = self.prefix.idle(tier, exclude)[:need]
+        if not victims:
+            return
+        nxt = self.tiers.slower(tier)
+        room = self.pool.tiers[nxt].num_free if nxt is not None else 0
+        if room:
+            self.tiers.move(victims[:room], nxt)
+        if victims[room:]:
+            self._evict(victims[room:], tier, reason=PREFIX_CACHE)
+
+    def reclaimable(self, tier: str) -> int:
+        """Slots of ``tier`` the prefix cache gives up when room is needed (its blocks no request holds)."""
+        return len(self.prefix.idle(tier)) if self.prefix is not None else 0
+
+    def reuse_prefix(self, seq: Any, tokens: Seq[int]) -> int:
+        """Start ``seq`` (empty, just added) from the longest cached prefix of ``tokens``: the cached blocks
+        become its first blocks (a ``share`` with the content key each). Returns the tokens served, which
+        ``seq`` need not compute; 0 without a prefix cache."""
+        s = self._seq(seq)
+        if self.prefix is None:
+            return 0
+        if s.length or s.pending or s.blocks:
+            raise ValueError(f"reuse_prefix for {seq!r}: it already holds {s.length + s.pending} tokens")
+        hits = self.prefix.lookup(seq, tokens)
+        if hits:
+            self._tick += 1
+            self._pinned.add(seq)  # its hits stay where they are until the step that computes the rest
+            for b in hits:
+                b.last_access = self._tick
+            s.blocks = list(hits)
+            s.length = len(hits) * self.block_size
+            s.last_access = self._tick
+            s.index_cache = None
+        return s.length
+
+    def _reuse_cached_block(self, seq: Any, index: int) -> Block | None:
+        """prefix-overwritten: an idle cached block handed out as ``seq``'s new block, still in the cache."""
+        idle = self.prefix.idle(Tier.DEVICE) if self.prefix is not None else []
+        if not idle:
+            return None
+        b = min(idle, key=lambda b: b.id)  # the faulty allocator takes blocks lowest id first, cached or not
+        self.pool.share(b, seq)
+        b.index, b.checksum, b.last_access = index, None, self._tick
+        self.faults.fired(b.id, seq, None, self.bus.step)
+        return b
+
+    def _drop_cached_under_readers(self, s: Sequence) -> None:
+        """prefix-freed-in-use: the blocks ``s`` registered are evicted as it ends, whoever still holds them."""
+        for b in s.blocks:
+            if self.prefix.registered_by(b) != s.id or self.pool.blocks.get(b.id) is not b:
+                continue
+            if b.inflight is not None:
+                self.tiers.settle(b)
+            self.prefix.forget(b)
+            if any(o in self.seqs for o in b.owners):
+                self.faults.fired(b.id, next(o for o in b.owners if o in self.seqs), None, self.bus.step)
+            if self.bus.enabled:
+                self.bus.emit(Evict, block=b.id, tier=b.tier, reason=PREFIX_CACHE)
+            self.pool.drop(b)
+
     # ---- sequences ----
-    def add_sequence(self, seq: Any, prompt_len: int = 0, priority: int = 0) -> None:
+    def add_sequence(self, seq: Any, prompt_len: int = 0, priority: int = 0, adapter: str | None = None) -> None:
+        """A new sequence; ``adapter``: what the request runs under besides the model (a LoRA's name), part
+        of the prefix cache's salt, so requests under different adapters never share blocks."""
         if seq in self.seqs:
             raise ValueError(f"sequence {seq!r} is already in the cache")
         self.seqs[seq] = Sequence(seq, prompt_len, priority)
         if self.bus.enabled:
             self.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len)
+        if self.prefix is not None:
+            self.prefix.begin(seq, adapter)
 
     def remove_sequence(self, seq: Any, reason: str = "finished") -> None:
         """The sequence leaves: every block it owns is released, and freed when no one else owns it."""
@@ -222,6 +315,10 @@ class PagedKVCache:
         self._pinned.discard(seq)
         if self.bus.enabled:
             self.bus.emit(SeqEnd, seq=seq, reason=reason)
+        if self.prefix is not None:
+            if self.faults.prefix_freed_in_use:
+                self._drop_cached_under_readers(s)
+            self.prefix.ended(seq)
         for b in reversed(s.blocks):
             if self.faults.leak_swapped and b.tier != Tier.DEVICE:
                 continue  # the fault: a block away from the device is forgotten, owner and all
@@ -233,11 +330,43 @@ class PagedKVCache:
         if p.pending:
             raise ValueError(f"fork of {parent!r} with {p.pending} reserved tokens not committed")
         self.add_sequence(child, prompt_len=p.length, priority=p.priority)
+        if self.prefix is not None:
+            self.prefix.forked(parent, child)
         c = self.seqs[child]
         c.length = p.length
         c.blocks = list(p.blocks)
         for b in c.blocks:
             self.pool.share(b, child)
+
+    def adopt(self, seq: Any, source: Any) -> None:
+        """``seq`` gives up its own tokens and takes ``source``'s committed ones, keeping its id (beam
+        search's reorder: the hypothesis in a row is replaced by another row's).
+
+        Ownership changes hands and no K/V is copied: ``seq`` shares every block of ``source`` it does
+        not hold yet and releases every block of its own that ``source`` does not hold (freed when
+        ``seq`` was its last owner). A later write into a shared partial block copies it first
+        (``reserve``), so ``source`` never sees ``seq``'s tokens. Both must hold the same number of
+        tokens: the events tell a sequence's length only through its writes, so a ``seq`` that took
+        another length would look misplaced to the checks (``fork`` a new sequence instead)."""
+        s, src = self._seq(seq), self._seq(source)
+        if s is src:
+            return
+        if s.pending or src.pending:
+            raise ValueError(f"adopt of {source!r} by {seq!r} with reserved tokens not committed "
+                             f"({src.pending} and {s.pending})")
+        if s.length != src.length:
+            raise ValueError(f"adopt of {source!r} ({src.length} tokens) by {seq!r} ({s.length} tokens): "
+                             "the lengths must match; fork a new sequence instead")
+        held = {b.id for b in s.blocks}
+        for b in src.blocks:
+            if b.id not in held:
+                self.pool.share(b, seq)  # before the releases: a block both hold never loses its last owner
+        kept = {b.id for b in src.blocks}
+        old, s.blocks = s.blocks, list(src.blocks)
+        s.index_cache = None
+        for b in reversed(old):
+            if b.id not in kept:
+                self._free_or_keep(b, seq, emit_release=True)
 
     def seq_len(self, seq: Any) -> int:
         return self._seq(seq).length
@@ -277,7 +406,7 @@ class PagedKVCache:
         first_new = (last.index + 1) if last is not None else 0
         num_new = max((end - 1) // bs + 1 - first_new, 0)
         need = num_new + int(cow) + int(tail is not None and tail.tier != Tier.DEVICE)
-        keep = {b.id for b in s.blocks}
+        keep = {b.id for b in s.blocks} if self.staging is None else self._hold(s, tail)
         self.tiers.make_room(Tier.DEVICE, need, keep)
         if tail is not None:
             if tail.tier != Tier.DEVICE:
@@ -286,7 +415,9 @@ class PagedKVCache:
                 tail = self._copy_on_write(s, tail, start)
             tail.checksum = None  # its bytes are about to change
         for i in range(first_new, first_new + num_new):
-            s.blocks.append(self.pool.alloc(Tier.DEVICE, seq, i))
+            reused = self._reuse_cached_block(seq, i) if self.faults.prefix_overwritten else None
+            s.blocks.append(reused or self.pool.alloc(Tier.DEVICE, seq, i))
+            self._held.add(s.blocks[-1].id)
             if self.faults.content == "stale-slot":
                 self._stale_slot(s.blocks[-1], seq)
         s.index_cache = None
@@ -306,6 +437,25 @@ class PagedKVCache:
         s.writes.extend(writes)
         s.pending += n
         return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _hold(self, s: Sequence, tail: Block | None) -> set[int]:
+        """Long context: keep ``s``'s sinks, recent window and the block being appended to on the device this step."""
+        c = self.config
+        held = {b.id for b in s.blocks[: c.sink_blocks]} | {b.id for b in s.blocks[-c.local_blocks :]}
+        if tail is not None:
+            held.add(tail.id)
+        self._held |= held
+        return set(self._held)
+
+    def max_step_tokens(self, seq: Any) -> int | None:
+        """Long context: the most new tokens ``seq`` may reserve in one step (a prompt longer than the device is
+        prefilled in chunks this size): the blocks they touch, its sinks and its window fit the device. None: no limit."""
+        if self.staging is None:
+            return None
+        s = self.seqs.get(seq)
+        start = s.length + s.pending if s is not None else 0
+        room = self.pool.tiers[Tier.DEVICE].capacity - self.config.pinned_blocks
+        return max(room * self.block_size - start % self.block_size, 1)
 
     def _misaligned_target(self, seq: Any, n: int) -> Block | None:
         """batch-misalign fault: the second row of a step writes into the first row's tail block."""
@@ -373,9 +523,12 @@ class PagedKVCache:
             if meant is not None:
                 self._stage((id(meant), i), layer, arena.codec, meant[sel], parts, self._devs.slot(i, 0))
 
-    def commit(self, seq: Any, n: int | None = None) -> None:
+    def commit(self, seq: Any, n: int | None = None, tokens: Seq[int] | None = None) -> None:
         """The first ``n`` reserved tokens (default: all) are stored in every layer: advance the
-        version by ``n`` and emit a ``write`` per block touched. Reserved tokens beyond ``n`` are dropped."""
+        version by ``n`` and emit a ``write`` per block touched. Reserved tokens beyond ``n`` are dropped.
+
+        ``tokens``: their ids, which the prefix cache keys the blocks they fill by (without them, none of
+        the sequence's blocks is cached from here on)."""
         s = self._seq(seq)
         n = s.pending if n is None else n
         if not 0 <= n <= s.pending:
@@ -401,6 +554,8 @@ class PagedKVCache:
         s.length += n
         s.pending = 0
         s.writes = []
+        if self.prefix is not None:
+            self.prefix.committed(seq, s.blocks, tokens[:n] if tokens is not None else None)
         self._drop_tail(s, emit_release=True)
         if self.config.mixed:
             self._demote_unimportant(s)
@@ -534,10 +689,17 @@ class PagedKVCache:
         new_len = s.length - n
         if new_len and s.blocks and all(b.index != (new_len - 1) // self.block_size for b in s.blocks):
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: the block holding its new last token was evicted")
+        if self.faults.rollback_uncut and new_len:
+            s.version += n  # the fault: the rollback is recorded, and the tokens stay
+            if self.bus.enabled:
+                self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
+            return
         s.length = new_len
         s.version += n
         if self.bus.enabled:
             self.bus.emit(Rollback, seq=seq, n=n, version=s.version)
+        if self.prefix is not None:
+            self.prefix.rolled_back(seq, new_len)
         self._drop_tail(s, emit_release=True)
 
     # ---- reading ----
@@ -575,6 +737,81 @@ class PagedKVCache:
             self.tiers.move(missing, Tier.DEVICE, exclude=set(blocks))
             for s in ss:
                 s.index_cache = None
+
+    def plan_reads(self, seqs: Seq[Any], q_lens: Seq[int]) -> ReadPlan:
+        """This step's ``ReadPlan``, built once before the forward pass: where each row's blocks are read from.
+
+        Without long context (or when every block is on the device) the blocks are made resident, as always,
+        and the plan is empty; with it, prefetches in flight land first, and each block is read where it is."""
+        if self.staging is None:
+            self.ensure_resident(seqs)
+            return ReadPlan((), 0)
+        rows = []
+        self._tick += 1
+        for seq, q in zip(seqs, q_lens):
+            s = self._seq(seq)
+            self._pinned.add(seq)
+            s.last_access = self._tick
+            locs = []
+            for pos, b in enumerate(s.blocks):
+                if b.inflight is not None:
+                    try:
+                        self.tiers.settle(b)
+                    except ChecksumMismatch:
+                        pass  # the corrupt copy was dropped; the block is read where it was
+                locs.append(BlockLoc(pos, b.index, b.id, b.tier, b.slot, b.version, b.codec))
+            rows.append((seq, self.num_tokens(seq), q, locs))
+        plan = plan_reads(rows, self.config.staging_blocks)
+        if not plan.streaming:
+            self.ensure_resident(seqs)  # all on the device: the resident path reads them (prefetch hits counted there)
+        return plan
+
+    def book_streamed(self, reads: dict[Any, dict[int, tuple[str, int, int]]], device_rows: int, staged_rows: int,
+                      *, predict: bool) -> None:
+        """After a streamed step's commit: the ``stage``, ``prefetch_use`` and ``read`` events of what attention
+        read, and (``predict``: block-sparse top-k) a background prefetch of the blocks it read from slower tiers,
+        which the next step's query will likely choose again, into device room the placement policy makes."""
+        staged = self.staging.end_step()
+        self.bytes_staged += staged.bytes_moved
+        self.rows_from_device += device_rows + staged.rows_reused
+        self.rows_from_slower += staged.rows_staged
+        predicted: list[Block] = []
+        for seq, got in reads.items():
+            s = self.seqs.get(seq)
+            if s is None:
+                continue
+            hits, misses = [], []
+            for bid, (tier, _, pos) in got.items():
+                b = self.pool.blocks.get(bid)
+                if b is None:
+                    continue
+                b.last_access = self._tick
+                if b.prefetched and tier == Tier.DEVICE:
+                    hits.append(bid)
+                    b.prefetched = False
+                elif tier != Tier.DEVICE:
+                    misses.append(bid)
+                    predicted.append(b)
+            if predict:
+                self.tiers.prefetch_hits += len(hits)
+                self.tiers.prefetch_misses += len(misses)
+            if not self.bus.enabled:
+                continue
+            copies = staged.copies.get(seq, {})
+            if copies:
+                self.bus.emit(Stage, seq=seq, blocks=list(copies), srcs=[t for t, _ in copies.values()],
+                              versions=[v for _, v in copies.values()],
+                              bytes=staged.bytes_by_seq.get(seq, 0))
+            if predict and (hits or misses):
+                self.bus.emit(PrefetchUse, seq=seq, hits=hits, misses=misses)
+            order = sorted(got.items(), key=lambda kv: kv[1][2])
+            # a resident copy was read after this step's write into it: it holds the committed version
+            versions = [self.pool.blocks[bid].version if t == Tier.DEVICE and bid in self.pool.blocks else v
+                        for bid, (t, v, _) in order]
+            self.emit_read(seq, [bid for bid, _ in order], versions=versions, tiers=[t for _, (t, _, _) in order])
+        if predict and predicted and self.config.prefetch_depth:
+            # room comes from the blocks the policy ranks lowest (a block read this step has just been touched)
+            self.tiers.prefetch(predicted[: self.config.prefetch_depth], Tier.DEVICE, exclude=set(self._held))
 
     def slot_table(self, seq: Any) -> torch.Tensor:
         """``(num_blocks,)`` device-arena slots of ``seq``'s blocks in position order (paged attention).
@@ -678,8 +915,10 @@ class PagedKVCache:
         v = vb.transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
         return k, v
 
-    def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None) -> None:
-        """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read."""
+    def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None, *,
+                  versions: Seq[int] | None = None, tiers: Seq[str] | None = None) -> None:
+        """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read (default: each
+        block's own; long context passes those of the staged copies it read, and the tier each came from)."""
         if not self.bus.enabled:
             return
         s = self._seq(seq)
@@ -690,7 +929,7 @@ class PagedKVCache:
         else:
             ids = list(blocks)
             read = [self.pool.blocks.get(i) for i in ids]
-            versions = [b.version if b is not None else -1 for b in read]
+            versions = list(versions) if versions is not None else [b.version if b is not None else -1 for b in read]
         digests = layers = None
         chosen = [i for i in self.digests.sample(read) if read[i] is not None]
         if chosen:
@@ -700,7 +939,8 @@ class PagedKVCache:
                 digests[i], layers[i] = d, lay
             if not any(lay is not None for lay in layers):
                 layers = None
-        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers)
+        self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers,
+                      tiers=list(tiers) if tiers is not None else None)
 
     def observe_attention(self, seq: Any, layer: int | None, block_scores: Seq[float] | torch.Tensor) -> None:
         """Feed the hybrid policy: attention mass of ``seq``'s newest query on each of its blocks
@@ -773,10 +1013,15 @@ class PagedKVCache:
                 used = ts.used - landing[t]
                 self.bus.emit(Usage, tier=t, used_blocks=used, capacity_blocks=ts.capacity,
                               bytes=self._used_bytes(t) - landing_bytes[t])
-        self.bus.end_step(num_tokens)
+        if self.prefix is not None:
+            hits, misses = self.prefix.end_step()
+            self.bus.end_step(num_tokens, prefix_hits=hits, prefix_misses=misses)
+        else:
+            self.bus.end_step(num_tokens)
         self.digests.end_step()
         self._pinned.clear()
         self._reserved.clear()
+        self._held.clear()
 
     def _blocks_by_codec(self, tier: str) -> dict[str, int]:
         ts = self.pool.tiers[tier]
@@ -818,6 +1063,7 @@ class PagedKVCache:
             "prefetch_misses": self.tiers.prefetch_misses,
             "prefetch_hit_rate": self.tiers.hit_rate,
             "swaps": {f"{s}->{d}": int(n) for (s, d), (n, _) in self.tiers.moved.items()},
+            **({"prefix": self.prefix.stats()} if self.prefix is not None else {}),
         }
 
     def close(self) -> None:

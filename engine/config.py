@@ -109,12 +109,20 @@ class EngineConfig:
     sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
     local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
     sparse_block_size: int = 0  # tokens per page top-k selects (a multiple of block_size); 0: block_size
+    # Long context (engine.readplan, engine.staging): a running sequence's blocks may live in any tier, and attention
+    # reads slower tiers' blocks through a device staging area of this many blocks; 0: every block read is resident
+    staging_blocks: int = 0
     importance: str | None = None  # importance eviction: "h2o" or "streaming" (None: off)
     kv_budget_blocks: int = 0  # importance eviction keeps each sequence within this many blocks
     mixed_low: str = "nf4"  # mixed: the codec a block is demoted to
     mixed_window: int = 4  # mixed: a sequence's newest blocks stay high (the recent window)
     mixed_high_blocks: int = 0  # mixed: at least this many of a sequence's older blocks stay high, by attention mass
     mixed_high_fraction: float = 0.25  # mixed: ... or this fraction of its blocks, whichever is more
+    # Automatic prefix caching (engine.prefix): full blocks found again by a chain of content keys. ``prefix_salt``
+    # names what decides a token's K/V besides the tokens (model, weights digest, rope scaling; the runner fills
+    # it from the model); the cache adds its KV codec, and each request its adapter.
+    prefix_cache: bool = False
+    prefix_salt: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes carried into the trace header
     mixed: bool = field(init=False, default=False)  # derived: the device codec is "mixed"
     _tier_codecs: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
@@ -154,6 +162,10 @@ class EngineConfig:
         if self.verify is not None and self.verify not in VERIFY_MODES:
             raise _bad("verify", self.verify, f"None or one of {', '.join(VERIFY_MODES)}")
         _int_in("verify_every", self.verify_every, 1, 1 << 20)
+        _int_in("staging_blocks", self.staging_blocks, 0, 1 << 20)
+        if self.staging_blocks and self.device_blocks < self.pinned_blocks + 1:
+            raise _bad("device_blocks", self.device_blocks,
+                       f">= {self.pinned_blocks + 1} with staging_blocks (the sinks, the recent window and a block to write)")
 
     def _check_compression(self) -> None:
         from .codecs import CODECS, NEEDS_CALIBRATION, PRECISION, codec_of_dtype
@@ -358,6 +370,16 @@ class EngineConfig:
 
     def capacity(self, tier: str) -> int:
         return int(getattr(self, f"{tier}_blocks"))
+
+    @property
+    def long_context(self) -> bool:
+        """A sequence may be longer than the device tier: its slower tiers' blocks are read through staging."""
+        return self.staging_blocks > 0
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks of a long sequence that never leave the device: its sinks and its recent window."""
+        return self.sink_blocks + self.local_blocks
 
     @property
     def is_cuda(self) -> bool:

@@ -21,6 +21,8 @@ FAULTS: dict[str, str] = {
     "never freed, they stay allocated in the slower tier",
     "stale-version": "a block swapped back out reuses the host/disk copy it left behind at its last "
     "swap-in, even after newer writes; the next swap-in serves that old copy",
+    "stale-staging": "the device staging area (long context) serves the copy it staged of a block by the block's "
+    "id alone, without comparing versions: a block written since it was staged is read at its old version",
     "batch-misalign": "every eighth batched step, the second row's new K/V is written into the "
     "first row's sequence's tail block instead of its own",
     "attention-nan": "from step 2 on, one head's newest score at the middle layer becomes NaN "
@@ -36,6 +38,17 @@ FAULTS: dict[str, str] = {
     "layer (an exponent bit for fp16/bf16/fp32, a code bit for int8/nf4)",
     "row-off-by-one": "once, from step 2 on: a step's first token is written one row further into its block "
     "(every layer), leaving its own row as it was",
+    # Prefix-cache faults (engine.prefix): the cache hands a request K/V that is not its prefix's.
+    "prefix-unsalted": "the prefix cache keys blocks by their tokens alone, leaving out the salt (model, weights, "
+    "KV codec, rope scaling, adapter): a request under another adapter hits blocks computed under the first",
+    "prefix-overwritten": "a block that only the prefix cache holds is handed to a request as its next new block "
+    "without leaving the cache; the request writes over it, and a later hit is served that request's K/V",
+    "prefix-freed-in-use": "when the request that computed a cached block ends, the cache evicts the block at once, "
+    "though requests that hit it still hold it and read it (its slot goes to the next block allocated)",
+    # Speculative decoding (engine.speculative)
+    "spec-rollback-uncut": "a rollback that keeps part of a sequence (rejected draft tokens) is recorded and advances "
+    "the version, but the sequence's length is not cut: the rejected tokens' K/V stay in it, attention reads them, "
+    "and the next token is written after them",
 }
 
 # Faults that corrupt stored K/V while the events stay right.
@@ -65,8 +78,13 @@ class Faults:
         self.name = name
         self.leak_swapped = name == "leak-swapped"
         self.stale_version = name == "stale-version"
+        self.stale_staging = name == "stale-staging"
         self.batch_misalign = name == "batch-misalign"
         self.attention_nan = name == "attention-nan"
+        self.prefix_unsalted = name == "prefix-unsalted"
+        self.prefix_overwritten = name == "prefix-overwritten"
+        self.prefix_freed_in_use = name == "prefix-freed-in-use"
+        self.rollback_uncut = name == "spec-rollback-uncut"
         self.nan_layer = num_layers // 2
         self._batched_steps = 0
         self._misalign_step = -1

@@ -10,6 +10,15 @@ transformers' own kernels do not expose: switch the model to the ``"kvdoctor"``
 attention implementation (``use_kvdoctor_attention(model)``), registered here with
 ``AttentionInterface``, which computes attention over those K/V with statistics.
 
+Every generate mode runs on it: greedy and sampling, beam search (``reorder_cache``),
+``num_return_sequences``, assisted and prompt-lookup decoding (``crop``), and the row
+expansion and selection contrastive search makes (``batch_repeat_interleave``,
+``batch_select_indices``). A row operation moves rows between engine sequences instead of
+copying K/V: a row keeps the sequence it continues, a duplicate row is a sequence that
+``adopt``s the blocks (or a ``fork``), a dropped row's sequence ends, and a write into a
+shared partial block copies it first; the events show it as ``share``, ``release``,
+``seq_start``/``seq_end`` and ``free``.
+
 A step ends when the next forward pass begins or on ``finish()``; call
 ``finish()`` (or ``close()``) after ``generate`` so the last step and the
 sequences' ends reach the trace.
@@ -72,13 +81,13 @@ class _EngineLayer(CacheLayerMixin):
         pass  # EngineCache.crop() rolls the sequences back once for all layers
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("EngineCache does not support beam search; use greedy or sampled decoding")
+        pass  # EngineCache.reorder_cache() moves the rows once for all layers
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("EngineCache does not support expanding the batch inside the cache")
+        pass  # EngineCache.batch_repeat_interleave() forks the rows once for all layers
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("EngineCache does not support selecting batch rows inside the cache")
+        pass  # EngineCache.batch_select_indices() keeps the rows once for all layers
 
 
 class EngineCache(Cache):
@@ -87,7 +96,8 @@ class EngineCache(Cache):
     ``EngineCache(model, device_blocks=…, host_blocks=…, …)`` builds an engine shaped for
     ``model`` (further keywords are ``EngineConfig`` fields); ``EngineCache(cache=engine)``
     wraps an existing one. ``seqs`` names the engine sequences of the batch rows (default:
-    ``"hf0"``, ``"hf1"``, … created on first use, new ones after each ``finish()``).
+    ``"hf0"``, ``"hf1"``, … created on first use, new ones after each ``finish()``); rows that
+    forks add take fresh ``"hfN"`` ids, and ``finish()`` puts the given names back.
     """
 
     def __init__(self, model: Any = None, *, cache: PagedKVCache | None = None, seqs: Sequence[SeqId] | None = None,
@@ -112,7 +122,7 @@ class EngineCache(Cache):
         self.stats_every = stats_every
         self.per_head = per_head
         self.seqs: list[SeqId] = list(seqs) if seqs is not None else []
-        self._named = seqs is not None
+        self._names = list(seqs) if seqs is not None else None  # what finish() puts back: forks take new ids
         self._ids = itertools.count()
         self._slots: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
@@ -141,17 +151,96 @@ class EngineCache(Cache):
         return self._update(layer_idx, key_states, value_states)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens of every row (assisted decoding's rejected candidates) as a ``rollback``."""
-        if tokens_to_remove <= 0:
+        """Drop the newest ``-tokens_to_remove`` tokens of every row (assisted decoding's rejected
+        candidates, contrastive search's look-ahead) as a ``rollback``; 0 does nothing. As for
+        transformers' ``DynamicCache``, the count is negative: a positive one (the old "crop to this
+        length") is refused."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, "
+                             f"as transformers' DynamicCache takes it (crop({-tokens_to_remove}))")
+        if tokens_to_remove == 0:
             return
         self._end_step()
         for seq in self.seqs:
             if seq in self.engine.seqs:
-                self.engine.rollback(seq, tokens_to_remove)
+                self.engine.rollback(seq, -tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues the hypothesis of row ``beam_idx[i]``. Rows change owners,
+        not bytes (``_remap``)."""
+        self._remap(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Every row becomes ``repeats`` adjacent rows (contrastive search's candidates): the copies
+        are ``fork``s that share the row's blocks copy-on-write."""
+        if repeats < 1:
+            raise ValueError(f"batch_repeat_interleave({repeats}): repeats must be >= 1")
+        self._remap([b for b in range(len(self.seqs)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (row numbers, or a boolean mask), in that order; the other rows'
+        sequences end and their blocks nobody else holds are freed."""
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().squeeze(1)
+        self._remap(idx.tolist())
 
     def reset(self) -> None:
         """Release every row's sequence; the next forward starts from an empty cache."""
         self.finish()
+
+    # ---- rows ----
+    def _remap(self, sources: list[int]) -> None:
+        """Row ``i`` of the new batch continues row ``sources[i]`` of the current one, with ownership
+        moves, shares and releases in place of K/V copies:
+
+        - the first new row that picks an old row takes that row's sequence as it is (no event);
+        - a further row picking it takes a sequence no row picked, which ``adopt``s the picked one's
+          blocks (``share`` the ones it lacks, ``release`` the rest), or else a ``fork`` (``seq_start``,
+          ``share``) when every old sequence is taken;
+        - the sequences nobody picked and nobody adopted end (``seq_end``; their blocks nobody else
+          holds are freed).
+
+        Shared partial blocks are copied on the next write into them (``PagedKVCache.reserve``). Every
+        row holds the same number of tokens (they are one padded batch), so adoption always applies."""
+        old = self.seqs
+        if any(not 0 <= s < len(old) for s in sources):
+            raise IndexError(f"EngineCache has {len(old)} rows; cannot take rows {sources}")
+        self._end_step()  # the step's statistics and usage belong to the rows that computed it
+        eng = self.engine
+        live = bool(old) and old[0] in eng.seqs  # rows exist once the first forward pass created them
+        rows: list[SeqId | None] = [None] * len(sources)
+        taken: set[int] = set()
+        for i, s in enumerate(sources):
+            if s not in taken:
+                taken.add(s)
+                rows[i] = old[s]
+        spare = [q for b, q in enumerate(old) if b not in taken]
+        for i, s in enumerate(sources):
+            if rows[i] is not None:
+                continue
+            # a row's own previous sequence first, so that ids stay in their rows where they can
+            q = old[i] if i < len(old) and old[i] in spare else (spare[0] if spare else None)
+            if q is not None:
+                spare.remove(q)
+                if live:
+                    eng.adopt(q, old[s])
+            else:
+                q = self._fresh_id()
+                if live:
+                    eng.fork(old[s], q)
+            rows[i] = q
+        if live:
+            for q in spare:
+                eng.remove_sequence(q, reason="aborted")
+        self.seqs = list(rows)
+
+    def _fresh_id(self) -> SeqId:
+        """A sequence id not yet used by this cache's engine (ids are unique within a trace)."""
+        while True:
+            seq = f"hf{next(self._ids)}"
+            if seq not in self.engine.seqs and seq not in self.seqs:
+                return seq
 
     # ---- the engine side ----
     def _begin(self, batch: int, new: int) -> None:
@@ -233,8 +322,7 @@ class EngineCache(Cache):
         for seq in self.seqs:
             if seq in self.engine.seqs:
                 self.engine.remove_sequence(seq, reason="finished")
-        if not self._named:
-            self.seqs = []
+        self.seqs = list(self._names) if self._names is not None else []
         self.engine.end_step(0)
 
     def close(self) -> None:

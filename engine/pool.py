@@ -145,10 +145,11 @@ class BlockPool:
             self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq, codec=codec)
         return blk
 
-    def share(self, blk: Block, seq: Any) -> None:
+    def share(self, blk: Block, seq: Any, hash: str | None = None) -> None:
+        """``seq`` becomes one more owner; ``hash``: the prefix cache's content key (registration or hit)."""
         blk.owners.append(seq)
         if self.bus.enabled:
-            self.bus.emit(Share, block=blk.id, seq=seq)
+            self.bus.emit(Share, block=blk.id, seq=seq, hash=hash)
 
     def release(self, blk: Block, seq: Any, *, emit: bool = True) -> bool:
         """``seq`` stops owning ``blk``; True when no owner is left (the caller frees it this step)."""

@@ -26,11 +26,13 @@ from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
 from .importance import ImportanceEviction
+from .prefix import model_salt
 from .sparse import BlockSparse
+from .streaming import StreamedAttention
 from .weights import layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
 
-__all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "Generation"]
+__all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
 
 # Decoder-only models whose layers are Llama-shaped: RMSNorm, q/k/v/o projections with RoPE
 # (optionally q/k norms and projection biases), SwiGLU MLP.
@@ -64,11 +66,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token id from ``logits`` (V,) under ``params``."""
     if params.greedy:
         return int(logits.argmax())
+    probs = sampling_probs(logits, params)
+    if probs is None:
+        return int(logits.float().nan_to_num(nan=float("-inf")).argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The distribution ``sample`` draws from for ``logits`` (V,) under non-greedy ``params`` (temperature,
+    top-k, top-p applied), as fp32 probabilities; None when no token is possible (every score non-finite).
+    Speculative sampling accepts draft tokens against it."""
     # NaN logits (corrupted attention, e.g. the attention-nan fault) must not stop the engine:
     # they are treated as impossible tokens, as a serving engine would keep going and emit garbage.
     scores = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max) / params.temperature
     if not torch.isfinite(scores).any():
-        return int(scores.argmax())
+        return None
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -77,8 +89,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         cum = torch.softmax(sorted_scores, -1).cumsum(-1)
         drop = cum - torch.softmax(sorted_scores, -1) >= params.top_p  # keep the smallest prefix reaching top_p
         scores = scores.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(scores, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(scores, -1)
 
 
 @dataclass
@@ -159,6 +170,11 @@ class Runner:
             raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
         # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
         self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
+        # Long context: a step whose rows have blocks off the device attends through the staging area.
+        self._streamer = StreamedAttention(cache, cache.staging, self._sparse) if cache.staging is not None else None
+        if self._streamer is not None and (self._window is not None or self._importance is not None):
+            raise ValueError("long context (staging_blocks) is not supported with sliding-window attention "
+                             "or importance eviction")
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -168,6 +184,8 @@ class Runner:
         _check_supported(model)
         cfg = model.config
         param = next(model.parameters())
+        if config.get("prefix_cache") and "prefix_salt" not in config:
+            config["prefix_salt"] = model_salt(model)  # what besides the tokens decides their K/V
         engine_config = EngineConfig(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
@@ -193,13 +211,15 @@ class Runner:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
-    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
-        """Token ids of ``prompt``: as-is with the tokenizer's default special tokens, or in the chat template."""
+    def encode(self, prompt: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids of ``prompt``: as-is with the tokenizer's default special tokens, or in the chat template
+        (after a ``system`` message when given: requests sharing one share a prefix the prefix cache reuses)."""
         if self.tokenizer is None:
             raise ValueError("this runner has no tokenizer: pass token ids instead of text")
         if chat:
+            messages = [{"role": "system", "content": system}] if system is not None else []
             ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                messages + [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             return [int(i) for i in ids]
@@ -217,12 +237,15 @@ class Runner:
 
     # ---- one step ----
     @torch.inference_mode()
-    def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False,
+                tail_logits: Sequence[int] | None = None) -> torch.Tensor:
         """Compute one step: every row's new tokens go through all layers and into the cache.
 
         Each row's sequence must have been added to the cache; its new tokens start at
         the sequence's current length. Returns the fp32 logits of each row's last token (B, V),
-        or with ``all_logits`` of every new token, rows one after another (N, V) (perplexity).
+        or with ``all_logits`` of every new token, rows one after another (N, V) (perplexity),
+        or with ``tail_logits`` of each row's last ``tail_logits[i]`` tokens, rows one after another
+        (speculative decoding verifies a row's draft tokens with them).
         """
         if not rows:
             raise ValueError("forward needs at least one row")
@@ -233,9 +256,12 @@ class Runner:
         n = [len(toks) for _, toks in rows]
         if min(n) < 1:
             raise ValueError(f"every row needs at least one token, got {n}")
+        if tail_logits is not None and (len(tail_logits) != len(n) or any(not 1 <= m <= k for m, k in zip(tail_logits, n))):
+            raise ValueError(f"tail_logits={list(tail_logits)}: one count per row, each in [1, its tokens {n}]")
         positions = [cache.seq_len(seq) for seq in seqs]
         slots = torch.cat([cache.reserve(seq, k) for seq, k in zip(seqs, n)])
-        cache.ensure_resident(seqs)
+        plan = cache.plan_reads(seqs, n)  # where every block is read from; all resident unless long context streams
+        streaming = plan.streaming
         # What attention will see: committed plus the new tokens, less any blocks evicted when every tier was full.
         kv_lens = [cache.num_tokens(seq) for seq in seqs]
         if bus.enabled:
@@ -245,10 +271,13 @@ class Runner:
         dev = self.device
         ids = torch.tensor([t for _, toks in rows for t in toks], dtype=torch.long, device=dev)
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
-        groups = self._groups(seqs, n, kv_lens)
+        groups = self._groups(seqs, n, kv_lens) if not streaming else []
         stats = self.stats_due()
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
         observe = self._observe and self._stats_step()
+        starts = [sum(n[:i]) for i in range(len(n))]
+        if streaming:
+            self._streamer.begin_step(plan, want_mass=observe)
         if self._sparse is not None:
             self._sparse.begin_step(seqs)
 
@@ -271,26 +300,37 @@ class Runner:
             cache.store(li, slots, k, v)
             if self._sparse is not None:
                 self._sparse.after_store(li, seqs)
-            out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
-                                      cache.score_hook(li))
+            if streaming:
+                out = self._streamer.attend(li, q, starts, a.scaling)
+            else:
+                out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
+                                          cache.score_hook(li))
             x = x + w.o(out)
             gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
         if all_logits:
             logits = self._lm_head(self._final_norm(x)).float()  # (N, V)
         else:
-            last = torch.tensor([sum(n[: i + 1]) - 1 for i in range(len(n))], device=dev)
-            logits = self._lm_head(self._final_norm(x[last])).float()  # (B, V)
+            tails = tail_logits if tail_logits is not None else [1] * len(n)
+            ends = [sum(n[: i + 1]) for i in range(len(n))]
+            last = torch.tensor([e - m + j for e, m in zip(ends, tails) for j in range(m)], device=dev)
+            logits = self._lm_head(self._final_norm(x[last])).float()  # (sum of tails, V)
 
+        if observe and streaming:
+            for seq, mass in self._streamer.step.mass.items():
+                cache.observe_attention(seq, None, mass)
         if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
                 if len(per_layer) == self.num_layers:
                     self._observe_attention([seqs[i] for i in g.rows], torch.stack(per_layer), g)
-        for seq, k in zip(seqs, n):
+        for (seq, toks), k in zip(rows, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
-            cache.commit(seq, k)
-            if bus.enabled:
+            cache.commit(seq, k, tokens=toks)
+            if bus.enabled and not streaming:
                 cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
+        if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks
+            st = self._streamer.step
+            cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self._sparse is not None)
         if self._sparse is not None:
             self._sparse.commit(seqs)
         if self._importance is not None:

@@ -23,7 +23,8 @@ import torch
 from ..events import SeqId
 from .config import Tier
 from .errors import ChecksumMismatch
-from .runner import Generation, Runner, SamplingParams, sample
+from .runner import Generation, Runner, SamplingParams
+from .speculative import Draft, Drafter, DraftRequest, verify
 
 __all__ = ["Request", "Scheduler", "StepResult"]
 
@@ -38,6 +39,7 @@ class Request:
     priority: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # run to max_new_tokens even past the model's end-of-sequence token (benchmarks)
+    adapter: str | None = None  # what it runs under besides the model (a LoRA's name): prefix-cache hits stay within it
     seq: SeqId | None = None  # the id in events; assigned by the scheduler when None
 
     def __post_init__(self) -> None:
@@ -73,7 +75,7 @@ class StepResult:
     step: int
     rows: list[SeqId]
     num_tokens: int
-    new_tokens: dict[SeqId, int]
+    new_tokens: dict[SeqId, int]  # the newest token of each row that produced any (speculation may yield several)
     finished: list[Generation]
     preempted: list[SeqId]
 
@@ -84,12 +86,23 @@ class Scheduler:
     ``max_batch``: rows per step. ``max_step_tokens``: tokens per step; a longer prompt is
     prefilled in chunks. ``keep_logits`` keeps each generated token's fp32 logits (tests).
     ``on_token(seq, token)`` is called for every generated token (streaming).
+    ``drafter``: speculative decoding (``engine.speculative``): each decode row also computes up to
+    ``num_draft`` draft tokens, verified in the same forward pass; rejected ones are rolled back.
     """
 
     def __init__(self, runner: Runner, *, max_batch: int = 8, max_step_tokens: int = 2048,
-                 keep_logits: bool = False, on_token: Callable[[SeqId, int], None] | None = None) -> None:
+                 keep_logits: bool = False, on_token: Callable[[SeqId, int], None] | None = None,
+                 drafter: Drafter | None = None, num_draft: int = 4) -> None:
         if max_batch < 1 or max_step_tokens < 1:
             raise ValueError(f"max_batch={max_batch}, max_step_tokens={max_step_tokens}: both must be >= 1")
+        if num_draft < 1:
+            raise ValueError(f"num_draft={num_draft}: must be >= 1")
+        self.drafter = drafter
+        self.num_draft = num_draft
+        self.num_forwards = 0  # rows of target forward passes that yielded tokens (a sequence's decode passes)
+        self.num_generated = 0
+        self.num_drafted = 0  # draft tokens proposed, and accepted
+        self.num_accepted = 0
         self.runner = runner
         self.cache = runner.cache
         self.max_batch = max_batch
@@ -102,6 +115,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._eos = frozenset(runner.eos_token_ids)
         self.capacity = self.cache.config.capacity(Tier.DEVICE)
+        # long context: a sequence may hold blocks in every tier
+        self.total_capacity = sum(self.cache.config.capacity(t) for t in self.cache.config.tiers)
 
     # ---- requests in and out ----
     def submit(self, request: Request) -> SeqId:
@@ -134,6 +149,8 @@ class Scheduler:
             # fewer than prompt + generated and drops exactly n.
             self.cache.rollback(seq, n)
         del live.generated[-n:]
+        if self.drafter is not None:
+            self.drafter.confirmed(seq, len(live.tokens) - 1)
         del live.logits[len(live.generated):]
 
     def state(self, seq: SeqId) -> str:
@@ -161,38 +178,106 @@ class Scheduler:
         budget = self.max_step_tokens
         for live in chosen:
             if live.state == "waiting":
-                cache.add_sequence(live.seq, prompt_len=len(live.request.prompt_ids), priority=live.request.priority)
+                cache.add_sequence(live.seq, prompt_len=len(live.request.prompt_ids), priority=live.request.priority,
+                                   adapter=live.request.adapter)
+            if live.state in ("waiting", "dropped") and not cache.seq_len(live.seq):
+                cache.reuse_prefix(live.seq, live.tokens)  # with a prefix cache: compute only what is not cached
             live.state = "running"
             done = cache.seq_len(live.seq)
-            todo = live.tokens[done:]
+            # (a cache holding more than the request's tokens, as after a rollback the spec-rollback-uncut
+            # fault did not cut, is still given the newest token)
+            todo = live.tokens[done:] or live.tokens[-1:]
             take = todo[: max(1, min(len(todo), budget))] if len(todo) > 1 else todo
+            limit = cache.max_step_tokens(live.seq)  # long context: a prompt longer than the device goes in chunks
+            if limit is not None:
+                take = take[:limit]
             budget -= len(take)
             rows.append((live.seq, take))
             ends.append(len(take) == len(todo))  # the row reaches the end of its tokens: sample after it
+        drafts = self._draft(chosen, rows, ends, budget)
+        rows = [(seq, take + d.tokens) if d is not None else (seq, take) for (seq, take), d in zip(rows, drafts)]
         new_tokens: dict[SeqId, int] = {}
         finished: list[Generation] = []
         if rows:
-            logits = self.runner.forward(rows)
-            greedy = logits.argmax(dim=-1).tolist()
-            for i, (live, end) in enumerate(zip(chosen, ends)):
-                if not end:
-                    continue
-                params = live.request.sampling
-                tok = greedy[i] if params.greedy else sample(logits[i], params, live.generator)
-                live.generated.append(tok)
-                if self.keep_logits:
-                    live.logits.append(logits[i].clone())
-                new_tokens[live.seq] = tok
-                if self.on_token is not None:
-                    self.on_token(live.seq, tok)
-                if (tok in self._eos and not live.request.ignore_eos) or tok in live.request.stop_token_ids:
-                    finished.append(self._finish(live, "stop"))
-                elif len(live.generated) >= live.request.max_new_tokens:
-                    finished.append(self._finish(live, "length"))
+            tails = [1 + len(d.tokens) if d is not None else 1 for d in drafts]
+            logits = self.runner.forward(rows, tail_logits=tails)  # (sum of tails, V)
+            self.num_forwards += sum(ends)
+            offset = 0
+            for live, end, d, m in zip(chosen, ends, drafts, tails):
+                row_logits, offset = logits[offset:offset + m], offset + m  # (m, V)
+                if end:
+                    toks = self._accept(live, row_logits, d)
+                    done = self._emit(live, toks, row_logits, new_tokens)
+                    if done is not None:
+                        finished.append(done)
         self._prefetch_next(chosen)
         num_tokens = sum(len(t) for _, t in rows)
         cache.end_step(num_tokens)
         return StepResult(step, [s for s, _ in rows], num_tokens, new_tokens, finished, preempted)
+
+    # ---- speculative decoding ----
+    def _draft(self, chosen: list[_Live], rows: list[tuple[SeqId, list[int]]], ends: list[bool], budget: int
+               ) -> list[Draft | None]:
+        """Draft tokens for each decode row (None for other rows), within the step's token budget and
+        each request's remaining tokens (the verified step yields up to one more than it drafts)."""
+        out: list[Draft | None] = [None] * len(rows)
+        if self.drafter is None:
+            return out
+        want: list[tuple[int, DraftRequest]] = []
+        for i, (live, (_, take), end) in enumerate(zip(chosen, rows, ends)):
+            k = min(self.num_draft, live.request.max_new_tokens - len(live.generated) - 1, budget)
+            if end and len(take) == 1 and live.generated and k > 0:
+                want.append((i, DraftRequest(live.seq, live.tokens, k, live.request.sampling, live.generator)))
+                budget -= k
+        if want:
+            for (i, _), d in zip(want, self.drafter.propose([r for _, r in want])):
+                if d.tokens:
+                    out[i] = d
+                    self.num_drafted += len(d.tokens)
+        return out
+
+    def _accept(self, live: _Live, logits: torch.Tensor, draft: Draft | None) -> list[int]:
+        """The tokens a row yields: its drafts the target accepts and one of the target's own; the rejected
+        drafts are rolled back out of the cache."""
+        params = live.request.sampling
+        if draft is None:
+            toks, _ = verify(logits, Draft([]), params, live.generator)
+            return toks
+        before = len(live.tokens)
+        toks, accepted = verify(logits, draft, params, live.generator)
+        self.num_accepted += accepted
+        rejected = len(draft.tokens) - accepted
+        if rejected:
+            self.cache.rollback(live.seq, rejected)  # the version advances: the rejected K/V reads as stale
+        self.drafter.confirmed(live.seq, before + accepted)
+        return toks
+
+    def _emit(self, live: _Live, toks: list[int], logits: torch.Tensor, new_tokens: dict[SeqId, int]
+              ) -> Generation | None:
+        """Append a row's new tokens, stopping at a stop token or the length limit; the finished request, if any."""
+        for j, tok in enumerate(toks):
+            live.generated.append(tok)
+            self.num_generated += 1
+            if self.keep_logits:
+                live.logits.append(logits[j].clone())
+            new_tokens[live.seq] = tok
+            if self.on_token is not None:
+                self.on_token(live.seq, tok)
+            if (tok in self._eos and not live.request.ignore_eos) or tok in live.request.stop_token_ids:
+                return self._finish(live, "stop")
+            if len(live.generated) >= live.request.max_new_tokens:
+                return self._finish(live, "length")
+        return None
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's figures: acceptance rate, and tokens a sequence got per target forward pass
+        that computed it (1 without speculation)."""
+        return {
+            "drafted": self.num_drafted, "accepted": self.num_accepted,
+            "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+            "target_forwards": self.num_forwards,
+            "tokens_per_forward": self.num_generated / self.num_forwards if self.num_forwards else 0.0,
+        }
 
     def _plan(self) -> tuple[list[_Live], list[_Live]]:
         """The requests to run this step (best rank first, as many as fit) and the resident ones left out."""
@@ -202,8 +287,9 @@ class Scheduler:
         tokens = self.max_step_tokens
         for live in sorted(self.live.values(), key=lambda lv: lv.rank):
             need = self._blocks_after_step(live)
-            if need > self.capacity:
-                # Longer than the whole device tier: it can never run.
+            whole = -(-len(live.tokens) // self.cache.block_size)
+            if whole > (self.total_capacity if self.cache.staging is not None else self.capacity):
+                # Longer than the whole device tier (every tier, with long context): it can never run.
                 self._finish(live, "aborted")
                 continue
             todo = len(live.tokens) - (self.cache.seq_len(live.seq) if live.seq in self.cache.seqs else 0)
@@ -235,8 +321,15 @@ class Scheduler:
             self.cache.prefetch(nxt.seq, max_blocks=room)
 
     def _blocks_after_step(self, live: _Live) -> int:
-        """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill)."""
-        return -(-len(live.tokens) // self.cache.block_size)
+        """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill),
+        draft tokens included. Long context: at most the device, which streams the rest (``_plan`` checks the
+        total against every tier)."""
+        drafts = self.num_draft if self.drafter is not None else 0
+        held = self.cache.seq_len(live.seq) + 1 if live.seq in self.cache.seqs else 0  # more than its tokens only
+        blocks = -(-(max(len(live.tokens), held) + drafts) // self.cache.block_size)  # after a rollback left uncut
+        if self.cache.staging is not None:
+            return min(blocks, self.capacity)
+        return blocks
 
     def _device_blocks(self, seq: SeqId) -> int:
         """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""
@@ -266,10 +359,13 @@ class Scheduler:
     def _make_room(self, chosen: list[_Live], left: list[_Live]) -> list[SeqId]:
         """Preempt the lowest-ranked resident requests left out until the chosen ones fit."""
         tiers = self.cache.stats()["tiers"]
+        for name, t in tiers.items():  # a prefix cache's blocks that no request holds make room when asked
+            t["free_blocks"] += self.cache.reclaimable(name)
         free = tiers[Tier.DEVICE]["free_blocks"]
         need = sum(self._blocks_after_step(lv) - self._device_blocks(lv.seq) for lv in chosen)
         if need > free:
-            free = self._reclaimable(chosen) + self.cache.pool.tiers[Tier.DEVICE].num_free
+            free = (self._reclaimable(chosen) + self.cache.pool.tiers[Tier.DEVICE].num_free
+                    + self.cache.reclaimable(Tier.DEVICE))
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
             if need <= free:
@@ -281,7 +377,8 @@ class Scheduler:
     def _preempt(self, live: _Live, tiers: dict[str, Any]) -> int:
         """Move ``live``'s blocks off the device: swap to host, else disk, else drop for recompute."""
         s = self.cache.seqs[live.seq]
-        on_device = [b.id for b in s.blocks if b.tier == Tier.DEVICE]
+        # (a block the prefix-freed-in-use fault dropped under the request is no longer the pool's to move)
+        on_device = [b.id for b in s.blocks if b.tier == Tier.DEVICE and self.cache.pool.blocks.get(b.id) is b]
         for dst in (Tier.HOST, Tier.DISK):
             t = tiers.get(dst)
             if t is not None and t["free_blocks"] >= len(on_device):
@@ -303,6 +400,8 @@ class Scheduler:
 
     def _finish(self, live: _Live, reason: str) -> Generation:
         del self.live[live.seq]
+        if self.drafter is not None:
+            self.drafter.finished(live.seq)
         if live.seq in self.cache.seqs:
             self.cache.remove_sequence(live.seq, reason="aborted" if reason == "aborted" else "finished")
         gen = Generation(live.seq, list(live.request.prompt_ids), list(live.generated), reason,

@@ -306,6 +306,24 @@ class BlockSparse:
             return out, None, scores
         return self._masked(layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores)
 
+    def choose(self, q: torch.Tensor, seq: Any, layer: int, num_blocks: int, kv_len: int) -> torch.Tensor | None:
+        """The blocks each query of ``q`` (H, S, D), the row's newest tokens, reads: (H_kv, S, num_blocks) bool,
+        the same choice ``attend`` makes (a decode query's top-k pages, a chunk's per-query pages); None when
+        every block is read. Long context (``engine.streaming``) reads these wherever they are."""
+        if self.covers_all(num_blocks):
+            return None
+        S, r = q.shape[1], self.blocks_per_page
+        score = self._page_score(q, seq, layer, num_blocks)  # (H_kv, S, np)
+        if S == 1:
+            sinks, local = self._fixed_pages(num_blocks)
+            pages = select_blocks(score[:, 0], self._num_pages(num_blocks), self.k, sinks, local)  # (H_kv, n)
+            sel = self._page_blocks(pages)  # (H_kv, n * r)
+            mask = torch.zeros(sel.shape[0], self._num_pages(num_blocks) * r, dtype=torch.bool, device=q.device)
+            return mask.scatter_(1, sel, True)[:, None, :num_blocks]
+        q_pos = torch.arange(kv_len - S, kv_len, device=q.device)
+        pages = chunk_block_mask(score, q_pos, self.cache.block_size, self.k, self.sink_blocks, self.local_blocks, r)
+        return pages.repeat_interleave(r, dim=-1)[..., :num_blocks]
+
     # ---- paths ----
     def _gather(self, layer: int, table: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         B, nb = table.shape

@@ -87,6 +87,23 @@ class Arena:
     def view(self, start: int, n: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def layer_rows(self, layer: int, slots: list[int]) -> torch.Tensor:
+        """``(n, H, R)``: one layer's rows of the blocks at local ``slots`` (long context reads a slower tier's
+        blocks a layer at a time into the device staging area), one gather per chunk of the arena."""
+        chunk = self.chunk
+        by_chunk: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            by_chunk.setdefault(s // chunk, []).append(i)
+        if len(by_chunk) == 1:
+            (c, idx), = by_chunk.items()
+            base = self.view(c * chunk, min(chunk, self.num_slots - c * chunk))[:, layer]  # (m, H, R)
+            return base.index_select(0, torch.tensor([slots[i] - c * chunk for i in idx]))
+        out = torch.empty((len(slots), *self.block_shape[1:]), dtype=self.dtype)
+        for c, idx in by_chunk.items():
+            base = self.view(c * chunk, min(chunk, self.num_slots - c * chunk))[:, layer]
+            out[torch.tensor(idx)] = base.index_select(0, torch.tensor([slots[i] - c * chunk for i in idx]))
+        return out
+
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.bytes_per_block

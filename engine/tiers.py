@@ -4,8 +4,10 @@ Swapping out (to a slower tier) takes the block's checksum if its bytes changed
 since the last one; swapping in (to a faster tier) checks the copy that arrived
 against it, and a mismatch is emitted as ``checksum_error`` and raised as
 ``ChecksumMismatch`` while the block stays where it was: the corrupt copy is never
-served. When the destination is full, the eviction policy picks victims there and
-they are demoted one tier further down; only the last tier evicts.
+served. When the destination is full, a prefix cache gives up its blocks that no request
+holds first (``reclaim``: moved down while there is free room below, else evicted); then the
+eviction policy picks victims there and they are demoted one tier further down; only the last
+tier evicts a request's blocks.
 
 Codecs: a block moving down to a tier with a lossier codec is re-encoded on the
 way (decoded from its codec, encoded in the tier's, per layer over the whole
@@ -159,12 +161,14 @@ class TierManager:
         distance: Callable[[Block], float],
         clock: Callable[[], int],
         digests: DigestBook,
+        reclaim: Callable[[str, int, set[int]], None] | None = None,
     ) -> None:
         self.config, self.pool, self.arenas, self.bus = config, pool, arenas, bus
         self.codecs = codecs  # codec name -> Codec, for re-encoding on the way down
         self.policy, self.faults = policy, faults
         self._protected, self._evictable, self._evict = protected, evictable, evict
         self._distance, self._clock = distance, clock
+        self._reclaim = reclaim  # frees room from a prefix cache before anything else is moved
         self.digests = digests
         self._worker: ThreadPoolExecutor | None = None
         self._stream = torch.cuda.Stream(device=config.device) if config.is_cuda else None
@@ -180,8 +184,9 @@ class TierManager:
         return tiers[i + 1] if i + 1 < len(tiers) else None
 
     def make_room(self, tier: str, n: int, exclude: set[int]) -> None:
-        """Free ``n`` slots in ``tier`` by demoting policy-chosen blocks one tier down (evicting
-        from the last tier); raises ``OutOfBlocks`` without moving anything if that cannot work."""
+        """Free ``n`` slots in ``tier``: a prefix cache's idle blocks first, then by demoting policy-chosen
+        blocks one tier down (evicting from the last tier); raises ``OutOfBlocks`` without demoting
+        anything if that cannot work (the prefix cache may have given up blocks by then)."""
         slots = self.pool.tiers[tier]
         need = n - slots.num_free
         if need <= 0:
@@ -194,6 +199,9 @@ class TierManager:
             except ChecksumMismatch:
                 pass  # the bad copy was discarded and its slot freed; the block stays where it was
         need = n - slots.num_free
+        if need > 0 and self._reclaim is not None:
+            self._reclaim(tier, need, exclude)
+            need = n - slots.num_free
         if need <= 0:
             return
         nxt = self.slower(tier)

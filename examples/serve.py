@@ -11,6 +11,10 @@ host fills, to disk) and brings them back later. Open the trace afterwards with
     .venv/bin/python examples/serve.py --fault leak-swapped --trace leak.kvtrace && kvdoctor check leak.kvtrace
 
 ``--tiny`` uses a small random Llama (no SmolLM2 load, token ids only) for a fast demo.
+``--shared-prefix`` switches the engine's prefix cache on and opens every request with the same
+chat system prompt (the demo's), so later requests are served those blocks from the cache::
+
+    .venv/bin/python examples/serve.py --shared-prefix --trace prefix.kvtrace && kvdoctor check prefix.kvtrace
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a small random Llama instead of SmolLM2 (fast)")
     ap.add_argument("--trace", help="trace file (default: $KVDOCTOR_TRACE if set, else serve.kvtrace)")
     ap.add_argument("--fault", help="one of the engine's deliberate faults")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="prefix cache on, and every request opens with one chat system prompt")
     ap.add_argument("--cancel-rate", type=float, default=0.05,
                     help="chance per step that a client waiting on a swapped-out request gives up (default 0.05)")
     ap.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (to watch live)")
@@ -57,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from kvdoctor.demo import SYSTEM_PROMPT
     from kvdoctor.engine.model import load_model, tiny_llama
     from kvdoctor.engine.runner import Runner, SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner.create(
         loaded.model, tokenizer=loaded.tokenizer, block_size=args.block_size, device_blocks=args.device_blocks,
         host_blocks=args.host_blocks, disk_blocks=args.disk_blocks, fault=args.fault, extra={"model": loaded.name},
+        prefix_cache=args.shared_prefix,
     )
     # With KVDOCTOR_TRACE set (kvdoctor watch), the engine already writes that trace itself.
     writer = None
@@ -79,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     # The workload: arrival step, prompt, output length, priority; all drawn up front from the seed.
     arrivals = []
     step = 0
+    system = [rng.randrange(3, loaded.config.vocab_size) for _ in range(4 * args.block_size)]  # --tiny --shared-prefix
     for i in range(args.requests):
         step += int(rng.expovariate(1 / args.mean_gap)) if i else 0
         if loaded.tokenizer is not None:
-            ids = runner.encode(rng.choice(PROMPTS), chat=True)
+            ids = runner.encode(rng.choice(PROMPTS), chat=True, system=SYSTEM_PROMPT if args.shared_prefix else None)
         else:
-            ids = [rng.randrange(3, loaded.config.vocab_size) for _ in range(rng.randint(4, 60))]
+            ids = (system if args.shared_prefix else []) + [
+                rng.randrange(3, loaded.config.vocab_size) for _ in range(rng.randint(4, 60))]
         sampling = SamplingParams(greedy=False, temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 30))
         arrivals.append((step, Request(ids, max_new_tokens=rng.randint(args.min_new, args.max_new),
                                        sampling=sampling, priority=rng.choice([0, 0, 1, 2]))))
@@ -117,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(g.token_ids) for g in sched.done.values())
     print(f"{len(sched.done)} requests, {tokens} tokens in {steps} steps, {elapsed:.1f} s; "
           f"{preempted} preemptions; moves {stats['swaps']}", file=sys.stderr)
+    if "prefix" in stats:
+        p = stats["prefix"]
+        print(f"prefix cache: {p['hit_tokens']} of {p['prompt_tokens']} prompt tokens served from it "
+              f"({p['token_hit_rate']:.0%}); {p['hit_blocks']} block hits, {p['miss_blocks']} misses", file=sys.stderr)
     return 0
 
 

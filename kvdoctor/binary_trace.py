@@ -66,8 +66,12 @@ def _decode_frame(path: Path, payload: bytes, number: int) -> list[Event | Unkno
         pass  # a kind this version does not know, or a nil statistic: take the frame apart event by event
     except msgspec.DecodeError as exc:
         raise TraceFormatError(str(path), number, f"malformed frame {number}: {exc}") from None
+    try:
+        raws = _loose.decode(payload)
+    except msgspec.DecodeError as exc:  # typed decoding failed on a value that is not even loose msgpack (bad UTF-8)
+        raise TraceFormatError(str(path), number, f"malformed frame {number}: {exc}") from None
     out: list[Event | Unknown] = []
-    for raw in _loose.decode(payload):
+    for raw in raws:
         try:
             out.append(from_dict(raw))
         except msgspec.ValidationError as exc:

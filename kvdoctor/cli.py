@@ -11,6 +11,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from typing import NoReturn
 
 from . import commands
 from .errors import EXIT_TRACE, EXIT_USAGE, KvdoctorError
@@ -18,8 +19,24 @@ from .errors import EXIT_TRACE, EXIT_USAGE, KvdoctorError
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvdoctor's error style: a bad option is one line on stderr and exit 2, not
+    the usage block (subcommands' parsers are of this class too); ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def one_line(message: str) -> str:
+    """``message`` as one printable line: a line break or control character from the user's input
+    (a file name, an option's value) is shown escaped, so an error never spans lines."""
+    if message.isprintable():
+        return message
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvdoctor",
         description="Memory diagnostics and debugging for the KV cache of LLM inference.",
         epilog="exit codes: 0 ok, 1 findings, 2 usage or configuration error, 3 unreadable trace",
@@ -41,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KvdoctorError as exc:
-        print(f"kvdoctor {args.command}: {exc}", file=sys.stderr)
+        print(f"kvdoctor {args.command}: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

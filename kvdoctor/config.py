@@ -183,6 +183,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets the decoding error through
+        raise UsageError(f"{path}: not valid TOML: not UTF-8 at byte {exc.start}") from None
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
 
@@ -195,8 +197,9 @@ def _severity(key: str, value: Any, source: str) -> str:
 
 def _rule_ids(key: str, ids: list[Any], source: str, *, rules_only: bool = False) -> list[str]:
     for rid in ids:
-        ok = rid in RULES or (not rules_only and rid in _CHECK_NAMES)
-        if not isinstance(rid, str) or not ok:
+        # a string first: a list or table in the list is no id (and cannot be looked up)
+        ok = isinstance(rid, str) and (rid in RULES or (not rules_only and rid in _CHECK_NAMES))
+        if not ok:
             what = "a check/rule id" if rules_only else "a check or a check/rule id"
             raise UsageError(f"{source}: {key}: {rid!r} is not {what} (see `kvdoctor check --list-rules`)")
     return list(ids)

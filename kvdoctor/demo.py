@@ -7,7 +7,18 @@ serving). With ``--fault NAME`` one of the engine's deliberate faults is switche
 its finding appears within seconds. Tracing is switched on by ``KVDOCTOR_TRACE``, like
 any workload; ``kvdoctor watch --demo`` sets it and follows the file.
 
-    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--seconds S] [--steps N]
+With ``--prefix-cache`` the engine caches full blocks by content and every request opens with the
+same chat system prompt, so from the second request on its blocks are served from the cache (hits
+show live); a quarter of the requests run under an adapter, whose requests share only among themselves.
+
+With ``--speculative`` each decode step also verifies up to 4 tokens drafted by prompt lookup, and
+rejected drafts are rolled back through the cache.
+
+    python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--prefix-cache] [--speculative]
+                            [--seconds S] [--steps N]
+
+It never serves on as an orphan: it stops when the process that started it is gone (its
+parent changes), and on SIGTERM or SIGHUP, in each case closing its trace first.
 """
 
 from __future__ import annotations
@@ -22,8 +33,18 @@ from dataclasses import dataclass
 from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
 from .engine.model import DTYPES
 from .errors import UsageError
+from .stop_signals import interrupt_on_stop_signals, reraise
 
-__all__ = ["DemoConfig", "run_demo", "main", "PROMPTS"]
+__all__ = ["DemoConfig", "run_demo", "main", "PROMPTS", "SYSTEM_PROMPT", "ADAPTER"]
+
+# Every request's opening with --prefix-cache: long enough to fill several blocks of 16 tokens.
+SYSTEM_PROMPT = (
+    "You are a patient assistant for engineers who run large language models in production. Answer in plain "
+    "words, give a short example where one helps, say when you are unsure, and keep every answer under a "
+    "hundred words. The people asking know Python and have deployed services before, but may be new to GPU "
+    "memory, attention kernels and request scheduling."
+)
+ADAPTER = "lora-support"  # the adapter a quarter of the demo's requests run under (--prefix-cache)
 
 PROMPTS = (
     "What is a KV cache?",
@@ -55,6 +76,9 @@ class DemoConfig:
     abort_rate: float = 0.1         # chance per step, per swapped-out request, that its client gives up
     seed: int = 0
     codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
+    prefix_cache: bool = False      # cache full blocks by content; every request opens with SYSTEM_PROMPT
+    speculative: bool = False       # prompt-lookup drafts verified each decode step (engine.speculative)
+    parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
     dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
 
 
@@ -64,32 +88,39 @@ def run_demo(cfg: DemoConfig) -> int:
     from .engine.runner import Runner, SamplingParams
     from .compression import engine_settings
     from .engine.scheduler import Request, Scheduler
+    from .engine.speculative import NgramDrafter
     from .probes import ENV_PROBES, attach_to_cache
 
+    parent = os.getppid() if cfg.parent is None else cfg.parent
     lm = (tiny_llama(num_layers=4, max_position_embeddings=2048, dtype=cfg.dtype) if cfg.model == "tiny"
           else load_model(cfg.model, dtype=cfg.dtype))
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
-        host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name},
+        host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name}, prefix_cache=cfg.prefix_cache,
         **engine_settings(cfg.codec, 0, lm),
     )
     if runner.bus.enabled and not os.environ.get(ENV_PROBES):
         # Memory readings when a trace is being written, unless the engine's probe hook attached them.
         attach_to_cache(runner.cache)
-    sched = Scheduler(runner, max_batch=cfg.concurrency)
+    sched = Scheduler(runner, max_batch=cfg.concurrency, drafter=NgramDrafter() if cfg.speculative else None)
     rng = random.Random(cfg.seed)
     vocab = lm.config.vocab_size
+    system = [rng.randrange(3, vocab) for _ in range(3 * cfg.block_size)] if cfg.prefix_cache else []
     deadline = None if cfg.seconds is None else time.monotonic() + cfg.seconds
     steps = 0
     try:
-        while (cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline):
+        while ((cfg.steps is None or steps < cfg.steps) and (deadline is None or time.monotonic() < deadline)
+               and os.getppid() == parent):  # an orphan's parent is init (or a subreaper): nobody is watching
             while len(sched.live) < cfg.concurrency:
                 if lm.tokenizer is not None:
-                    ids = runner.encode(rng.choice(PROMPTS), chat=True)
+                    ids = runner.encode(rng.choice(PROMPTS), chat=True,
+                                        system=SYSTEM_PROMPT if cfg.prefix_cache else None)
                 else:
-                    ids = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 6 * cfg.block_size))]
+                    ids = system + [rng.randrange(3, vocab) for _ in range(rng.randint(4, 6 * cfg.block_size))]
                 sampling = SamplingParams(greedy=False, temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 30))
-                sched.submit(Request(ids, max_new_tokens=rng.randint(16, cfg.max_new_tokens), sampling=sampling))
+                adapter = ADAPTER if cfg.prefix_cache and rng.random() < 0.25 else None
+                sched.submit(Request(ids, max_new_tokens=rng.randint(16, cfg.max_new_tokens), sampling=sampling,
+                                     adapter=adapter))
             sched.step()
             steps += 1
             swapped = [seq for seq, live in sched.live.items() if live.state == "swapped"]
@@ -111,15 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-blocks", type=int, default=DemoConfig.device_blocks)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="cache full blocks by content; every request opens with the same chat system prompt")
+    p.add_argument("--speculative", action="store_true", help="speculative decoding with prompt-lookup drafts")
     p.add_argument("--dtype", choices=DTYPES, default=DemoConfig.dtype, help="the model's and the cache's dtype")
     a = p.parse_args(argv)
-    cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps,
-                     device_blocks=a.device_blocks, seed=a.seed, codec=a.codec, dtype=a.dtype)
-    try:
-        run_demo(cfg)
-    except (ValueError, OSError, UsageError) as exc:
-        print(f"kvdoctor demo: {exc}", file=sys.stderr)
-        return 2
+    cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps, device_blocks=a.device_blocks,
+                     seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache, speculative=a.speculative,
+                     dtype=a.dtype, parent=os.getppid())
+    with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
+        try:
+            run_demo(cfg)
+        except (ValueError, OSError, UsageError) as exc:
+            print(f"kvdoctor demo: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            pass  # stopped before serving began: there was no trace to close yet
+    reraise(received)
     return 0
 
 

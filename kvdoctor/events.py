@@ -16,6 +16,7 @@ import msgspec
 __all__ = [
     "FORMAT",
     "VERSION",
+    "PREFIX_CACHE",
     "TIERS",
     "Tier",
     "SeqId",
@@ -42,6 +43,8 @@ __all__ = [
     "StepEnd",
     "ChecksumError",
     "Prefetch",
+    "Stage",
+    "PrefetchUse",
     "TraceEnd",
     "Unknown",
     "KNOWN_EVENTS",
@@ -56,6 +59,8 @@ __all__ = [
 _NAN = float("nan")
 
 FORMAT = "kvdoctor-trace"
+# The owner a prefix cache holds its registered blocks as (``share`` with ``hash``; docs/trace-format.md)
+PREFIX_CACHE = "prefix-cache"
 VERSION = "1.0"
 
 Tier = Literal["device", "host", "disk"]
@@ -149,6 +154,8 @@ class Read(Event, tag="read"):
     # and, where it differs from the producer's record, the first layer whose bytes differ
     digests: list[int | None] | None = None
     digest_layers: list[int | None] | None = None
+    # long context (v1.x): per block, the tier its copy was read from ("device", or the slower tier a staged copy came from)
+    tiers: list[Tier] | None = None
 
 
 class SwapOut(Event, tag="swap_out"):
@@ -239,6 +246,9 @@ class StepEnd(Event, tag="step_end"):
 
     num_tokens: int = 0
     duration_ns: int = 0
+    # a prefix cache's lookups this step, in full blocks of prompts: served from the cache, and computed
+    prefix_hits: int | None = None
+    prefix_misses: int | None = None
 
 
 class ChecksumError(Event, tag="checksum_error"):
@@ -258,6 +268,27 @@ class Prefetch(Event, tag="prefetch"):
     dst: Tier
 
 
+class Stage(Event, tag="stage"):
+    """Long context: copies of ``seq``'s blocks brought from a slower tier into the device staging area this step
+    for attention to read in place of a resident copy; ``versions[i]`` is the version of the copy staged, ``bytes``
+    what the step moved (every layer's rows)."""
+
+    seq: SeqId
+    blocks: list[int]
+    srcs: list[Tier]
+    versions: list[int]
+    bytes: int = 0
+
+
+class PrefetchUse(Event, tag="prefetch_use"):
+    """Long context: of the blocks ``seq``'s attention read this step that the engine predicted (prefetched
+    to the device), ``hits`` had arrived; ``misses`` were read from a slower tier through staging."""
+
+    seq: SeqId
+    hits: list[int]
+    misses: list[int]
+
+
 class TraceEnd(Event, tag="trace_end"):
     """The writer closed the trace on purpose; a follower stops here."""
 
@@ -275,7 +306,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
-    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, TraceEnd,
+    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, Stage, PrefetchUse, TraceEnd,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

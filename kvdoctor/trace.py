@@ -29,6 +29,7 @@ _BATCH_BYTES = 64 << 10  # lines decoded per msgspec call (a few hundred events)
 _READ = 64 << 10  # a reader's chunk: small enough that its bytes are still in cache when decoded
 _MAX_FRAME_EVENTS = 8192  # bounds a binary writer's memory when one step is very long
 _GZIP_MAGIC = b"\x1f\x8b"
+_PID_LIMIT = 1 << 22  # Linux's largest pid_max: a header's pid at or above it is no process
 _header_decoder = msgspec.json.Decoder(Header)
 
 
@@ -369,6 +370,10 @@ class TraceReader:
 
 
 def _pid_alive(pid: int) -> bool:
+    """A process ``pid`` runs. A trace's header is input: a pid no process can have (0 and -1 would
+    ask about whole groups, 2**70 overflows kill) is no writer."""
+    if not 0 < pid < _PID_LIMIT:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

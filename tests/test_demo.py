@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdoctor.checks import make_suite
 from kvdoctor.demo import DemoConfig, main, run_demo
-from kvdoctor.events import SwapOut
+from kvdoctor.events import PREFIX_CACHE, Share, StepEnd, SwapOut
 from kvdoctor.trace import TraceReader
 
 
@@ -31,3 +31,21 @@ def test_a_codec_that_needs_calibration_text_is_refused_for_a_model_without_toke
     assert main(["--model", "tiny", "--steps", "1", "--codec", "int8"]) == 2
     err = capsys.readouterr().err
     assert "calibrates on text" in err and len(err.strip().splitlines()) == 1
+
+
+def test_prefix_cache_demo_serves_the_shared_system_prompt_from_the_cache_and_stays_clean(tmp_path, monkeypatch):
+    # GIVEN the demo with its prefix cache, traced, on a device tier small enough to preempt and evict
+    path = tmp_path / "prefix.kvtrace"
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    # WHEN it serves for a while
+    run_demo(DemoConfig(model="tiny", steps=30, device_blocks=12, max_new_tokens=20, prefix_cache=True))
+    events = list(TraceReader(path))
+    # THEN the requests admitted after the first wave (which all start in step 0, before anything is cached)
+    # were served the system prompt's 3 blocks from the cache, the cache holds blocks, and the checks find nothing
+    ends = [e for e in events if isinstance(e, StepEnd) and e.prefix_hits is not None]
+    assert len(ends) == 30 and ends[0].prefix_hits == 0 and sum(e.prefix_hits for e in ends) >= 3
+    assert any(isinstance(e, Share) and e.seq == PREFIX_CACHE and e.hash for e in events)
+    suite = make_suite()
+    for e in events:
+        suite.observe(e)
+    assert suite.findings + suite.finish() == []

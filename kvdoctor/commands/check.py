@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --demo or a command: check the engine's K/V content digests on every read (full: CI), "
                    "a sample of reads (sample: the default; full with a content fault) or none (off) (KVDOCTOR_VERIFY)")
     p.add_argument("--model", metavar="tiny|PATH", help="with --demo: 'tiny' random model or a local checkpoint")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="with --demo: automatic prefix caching, every request opening with one chat system prompt "
+                   "(implied by a prefix-* fault)")
     p.add_argument("--steps", type=int, default=_DEMO_STEPS, help=f"with --demo: engine steps to run (default {_DEMO_STEPS})")
     p.add_argument("--fail-on", choices=("error", "warning", "info"),
                    help="lowest severity that fails the run (default: error, or fail_on in the config)")
@@ -68,6 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..stop_signals import interrupt_on_stop_signals, reraise
+
+    # SIGTERM/SIGHUP (a CI timeout, a closed terminal) act as Ctrl-C: the workload is stopped, the
+    # report printed; then kvdoctor dies of the signal, so the sender sees it did.
+    with interrupt_on_stop_signals() as received:
+        code = _check(args)
+    reraise(received)
+    return code
+
+
+def _check(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..errors import UsageError
     from ..findings import Finding
@@ -86,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                          + (f" (got {' and '.join(chosen)})" if chosen else ""))
     if args.fault and args.trace:
         raise UsageError("--fault applies to --demo or a command; a trace was recorded with whatever faults it had")
+    if args.prefix_cache and not args.demo:
+        raise UsageError("--prefix-cache applies to --demo only (a workload of your own switches it on in its engine)")
     if args.verify and args.trace:
         raise UsageError("--verify applies to --demo or a command; a trace holds the digests its engine emitted")
     content_fault = False
@@ -117,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--model", args.model]
         if args.fault == "wrong-scale":
             argv += ["--codec", "nf4"]  # the fault corrupts a dequantisation scale: the demo must store codes
+        if args.prefix_cache or (args.fault or "").startswith("prefix-"):
+            argv += ["--prefix-cache"]  # a prefix-cache fault needs the cache it breaks
+        if (args.fault or "").startswith("spec-"):
+            argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
         source = CommandSource(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
     elif args.vllm_events:

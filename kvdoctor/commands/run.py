@@ -20,8 +20,9 @@ NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
 
 # The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
-FAULT_NAMES = ("leak-swapped", "stale-version", "batch-misalign", "attention-nan", "overwrite-foreign", "stale-slot",
-               "wrong-scale", "bit-flip", "row-off-by-one")
+FAULT_NAMES = ("leak-swapped", "stale-version", "stale-staging", "batch-misalign", "attention-nan", "overwrite-foreign",
+               "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one", "prefix-unsalted", "prefix-overwritten",
+               "prefix-freed-in-use", "spec-rollback-uncut")
 # Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
 VERIFY_MODES = ("off", "sample", "full")
 
@@ -45,7 +46,9 @@ _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input), for long inputs")
     p.add_argument("--model", metavar="PATH", help="a local Hugging Face Llama-family checkpoint directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -63,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-every", type=_non_negative, default=1, metavar="N",
                    help="attention statistics every N steps (default 1; 0 never)")
     p.add_argument("--trace", metavar="FILE", help="write the engine's events to FILE (.kvtrace or .kvtrace.gz)")
+    p.add_argument("--no-probes", dest="probes", action="store_false",
+                   help="with --trace: record no memory readings (mem events; on by default, as KVDOCTOR_PROBES=0)")
     p.add_argument("--fault", choices=FAULT_NAMES, help="switch on one of the engine's deliberate faults")
     p.add_argument("--verify", choices=VERIFY_MODES, help="content digests of K/V blocks checked on every read (full), "
                    "a sample of reads (sample) or none (off); default $KVDOCTOR_VERIFY, else sample")
@@ -74,7 +79,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-block-size", type=_non_negative, default=0, metavar="N",
                    help="with --topk: choose pages of N tokens (a multiple of --block-size, e.g. 64 over blocks of "
                    "16) instead of single blocks (default 0: one block)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="automatic prefix caching: a request reuses the cached K/V blocks of its longest cached "
+                   "prefix and computes only the rest (see --repeat)")
+    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                   help="run the prompt N times, one request after another (default 1); with --prefix-cache the "
+                   "later ones are served the first one's blocks")
+    p.add_argument("--speculative", metavar="ngram|PATH",
+                   help="speculative decoding: draft tokens by prompt lookup (ngram) or with a smaller local checkpoint "
+                   "sharing the tokenizer (PATH), verified by the model in one forward pass")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="with --speculative: draft tokens per step (default 4)")
+    p.add_argument("--staging-blocks", type=_non_negative, default=0, metavar="N",
+                   help="long context: a sequence may outgrow the device tier, its host and disk blocks read through a "
+                        "device staging area of N blocks (dense: streamed and merged exactly; with --topk: only the "
+                        "chosen pages); 0 (default): the sequence must fit the device")
+    p.add_argument("--eviction", choices=("lru", "hybrid"), default="lru",
+                   help="which blocks leave a full tier first (long context: which stay on the device): lru (default), "
+                        "or hybrid (recency, position distance and attention importance)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt text: ``--prompt``, or ``--prompt-file`` (``-``: standard input)."""
+    from ..errors import UsageError
+
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        with open(args.prompt_file, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompt-file {args.prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
+    if args.num_draft < 1:
+        raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
     from ..engine.errors import EngineError
     from ..engine.model import ModelLoadError, load_model
     from ..engine.runner import Runner, SamplingParams, UnsupportedModel
@@ -93,40 +132,63 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner.create(
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-            disk_blocks=args.disk_blocks, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
+            disk_blocks=args.disk_blocks, staging_blocks=args.staging_blocks, eviction=args.eviction, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
             **engine_settings(args.codec, args.topk, loaded),
-            sparse_block_size=args.sparse_block_size,
+            sparse_block_size=args.sparse_block_size, prefix_cache=args.prefix_cache,
         )
     except (ModelLoadError, UnsupportedModel, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    try:
+        drafter = _drafter(args, runner)
+    except BaseException:
+        runner.close()
+        raise
     writer = None
     try:
         if runner.tokenizer is None:
             raise UsageError(f"{loaded.path} has no tokenizer, so a text prompt cannot be encoded")
-        prompt_ids = runner.encode(args.prompt, chat=args.chat)
+        prompt_ids = runner.encode(_prompt(args), chat=args.chat)
         need = -(-(len(prompt_ids) + args.max_new_tokens) // args.block_size)
-        if need > args.device_blocks:
+        total = args.device_blocks + args.host_blocks + args.disk_blocks
+        if args.staging_blocks and need > total:
+            raise UsageError(
+                f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} needs {need} blocks, "
+                f"and device + host + disk hold {total}: raise --host-blocks or --disk-blocks by {need - total}"
+            )
+        if not args.staging_blocks and need > args.device_blocks:
             raise UsageError(
                 f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} needs {need} blocks "
-                f"on the device tier, which holds {args.device_blocks}: raise --device-blocks or --block-size"
+                f"on the device tier, which holds {args.device_blocks}: raise --device-blocks or --block-size, or stream "
+                f"from host and disk with --staging-blocks N"
             )
         if args.trace:
             writer = TraceWriter(args.trace, runner.cache.header())
             runner.bus.subscribe(writer.write_many)
+            if args.probes:  # a recorded run shows memory like any traced workload (KVDOCTOR_PROBES=0: off)
+                from ..probes import from_env
+
+                from_env(runner.cache, default=True)
         sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        sched = Scheduler(runner)
-        seq = sched.submit(Request(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling))
-        t0 = time.perf_counter()
-        sched.step()
-        t1 = time.perf_counter()
-        sched.run()
-        t2 = time.perf_counter()
+        sched = Scheduler(runner, drafter=drafter, num_draft=args.num_draft)
+        prefills = []
+        for _ in range(args.repeat):  # the last request's tokens and decode speed are reported
+            seq = sched.submit(Request(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling))
+            t0 = time.perf_counter()
+            sched.step()
+            t1 = time.perf_counter()
+            sched.run()
+            t2 = time.perf_counter()
+            prefills.append(round(t1 - t0, 6))
         gen = sched.done[seq]
         stats = runner.cache.stats()
+        cache = runner.cache
+        reads = cache.rows_from_device + cache.rows_from_slower
     except EngineError as exc:
         raise UsageError(f"the engine failed: {exc}") from None
     finally:
         runner.close()
+        if drafter is not None:
+            drafter.close()
         if writer is not None:
             writer.close()
     decode_tokens = len(gen.token_ids) - 1
@@ -136,7 +198,12 @@ def run(args: argparse.Namespace) -> int:
         "token_ids": gen.token_ids,
         "text": gen.text,
         "finish_reason": gen.finish_reason,
-        "prefill_s": round(t1 - t0, 6),
+        "prefill_s": prefills[-1],
+        "prefill_s_each": prefills,  # per request, in order (--repeat)
+        "prefix": stats.get("prefix"),  # the prefix cache's hits and misses (--prefix-cache), else null
+        # --speculative: drafted and accepted tokens, acceptance rate, generated tokens per target forward pass
+        "speculative": {"drafter": args.speculative, "num_draft": args.num_draft, **sched.spec_stats()}
+        if drafter is not None else None,
         "decode_tokens_per_s": round(decode_tokens / (t2 - t1), 3) if decode_tokens > 0 and t2 > t1 else None,
         "swaps": stats["swaps"],
         "trace": args.trace,
@@ -148,7 +215,14 @@ def run(args: argparse.Namespace) -> int:
         "recodes": stats["recodes"],  # blocks mixed resolution demoted
         "topk": args.topk,
         "sparse_block_size": runner.cache.config.sparse_block_size,
+        "staging_blocks": args.staging_blocks,
     }
+    if args.staging_blocks:
+        moved = cache.bytes_staged + sum(n for n, _ in cache.tiers.moved.values()) * cache.config.bytes_per_block
+        tokens = len(prompt_ids) + len(gen.token_ids)
+        result["bytes_moved_per_token"] = round(moved / max(tokens, 1), 1)  # staged rows and whole-block swaps
+        result["device_hit_rate"] = round(cache.rows_from_device / reads, 4) if reads else None
+        result["prefetch_hit_rate"] = stats["prefetch_hit_rate"]
     if args.json:
         print(json.dumps(result))
     else:
@@ -160,3 +234,27 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _drafter(args: argparse.Namespace, runner):
+    """The drafter ``--speculative`` names (None without it); a bad one is a usage error."""
+    from ..engine.model import ModelLoadError, load_model
+    from ..engine.runner import Runner, UnsupportedModel
+    from ..engine.speculative import ModelDrafter, NgramDrafter
+    from ..errors import UsageError
+
+    if not args.speculative:
+        return None
+    if args.speculative == "ngram":
+        return NgramDrafter()
+    try:
+        draft = load_model(args.speculative)
+        draft_runner = Runner.create(draft.model, block_size=args.block_size, device_blocks=args.device_blocks,
+                                     host_blocks=0, stats_every=0)
+    except (ModelLoadError, UnsupportedModel, ValueError) as exc:
+        raise UsageError(f"--speculative {args.speculative}: {exc}") from None
+    try:
+        return ModelDrafter(draft_runner, runner.model.config.vocab_size)
+    except ValueError as exc:
+        draft_runner.close()
+        raise UsageError(f"--speculative {args.speculative}: {exc}") from None

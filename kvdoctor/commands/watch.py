@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR,
                    help="with --demo: " + CODEC_HELP + ". The block detail then shows each block's codec")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="with --demo: automatic prefix caching; every request opens with one chat system prompt, "
+                        "so the header shows the hit rate and the block map the cached blocks (implied by a prefix-* fault)")
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="how long to wait for the trace to appear (default 10 s; 300 s for a workload we start, "
                         "which stops waiting as soon as the workload exits)")
@@ -69,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--model applies to --demo only")
     if args.codec and not args.demo:
         raise UsageError("--codec applies to --demo only (a workload of your own sets its engine's codec itself)")
+    if args.prefix_cache and not args.demo:
+        raise UsageError("--prefix-cache applies to --demo only (a workload of your own switches it on in its engine)")
     if args.fault:
         from ..engine.faults import FAULTS
 
@@ -95,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
     workload = None
     if args.demo:
-        workload = Workload.demo(fault=args.fault, model=args.model, codec=args.codec)
+        workload = Workload.demo(fault=args.fault, model=args.model, codec=args.codec,
+                                 prefix_cache=args.prefix_cache or (args.fault or "").startswith("prefix-"))
     elif command:
         workload = Workload(command, fault=args.fault)
     path = str(workload.trace) if workload is not None else args.trace

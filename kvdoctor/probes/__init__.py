@@ -53,9 +53,9 @@ def attach_to_cache(cache: Any, interval_s: float = DEFAULT_INTERVAL_S, **option
     return attach_probes(cache.bus, cache_accounting(cache), interval_s, **options)
 
 
-def from_env(cache: Any) -> Prober | None:
-    """The engine hook: attach to ``cache`` when ``KVDOCTOR_PROBES`` is on, else do nothing."""
-    if not _flag(ENV_PROBES, default=False):
+def from_env(cache: Any, *, default: bool = False) -> Prober | None:
+    """The engine hook: attach to ``cache`` when ``KVDOCTOR_PROBES`` is on (unset: ``default``), else do nothing."""
+    if not _flag(ENV_PROBES, default=default):
         return None
     return attach_to_cache(cache, _interval(), heap=_flag(ENV_HEAP, default=False))
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from ..events import PREFIX_CACHE
+
 __all__ = [
-    "FREE", "TIER_CODES", "SHARED", "UNOWNED", "LEAKED", "STALE",
+    "FREE", "TIER_CODES", "SHARED", "UNOWNED", "LEAKED", "STALE", "CACHED",
     "BlockRecord", "BlockTable", "cell_tier", "cell_is_leaked",
 ]
 
@@ -25,6 +27,7 @@ SHARED = 4    # more than one owner (prefix sharing, fork, beam)
 UNOWNED = 8   # no owner left at the end of a step, yet not freed: unreachable
 LEAKED = 16   # a leak check named this block
 STALE = 32    # a stale-version finding or a checksum error named this block
+CACHED = 64   # held by a prefix cache (an owner ``prefix-cache``): kept for later requests to reuse
 
 _HISTORY = 24  # events kept per block for the detail pane (the alloc is kept apart)
 
@@ -59,7 +62,9 @@ class BlockRecord:
     def code(self) -> int:
         if self.tier == FREE:
             return FREE
-        return self.tier | self.flags | (SHARED if len(self.owners) > 1 else 0)
+        owners = self.owners
+        return (self.tier | self.flags | (SHARED if len(owners) > 1 else 0)
+                | (CACHED if PREFIX_CACHE in owners else 0))
 
 
 class BlockTable:

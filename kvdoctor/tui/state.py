@@ -107,6 +107,12 @@ class Snapshot:
     log: tuple[Any, ...]                   # the newest events, oldest first
     ended: str | None = None               # why the source stopped, once it has
     status: str = ""                       # a line from the feed: following, replaying step …, crashed …
+    prefix_hits: int = 0                   # a prefix cache's lookups so far (step_end), in prompt blocks: served
+    prefix_lookups: int = 0                # ... and served or computed; 0: no prefix cache seen
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.prefix_hits / self.prefix_lookups if self.prefix_lookups else None
 
 
 class _LayerAcc:
@@ -151,6 +157,7 @@ class Monitor:
         self._rate: deque[tuple[int, int, int]] = deque()  # (t, tokens, events) per closed step
         self._step_events = 0
         self._step_tokens = 0
+        self._prefix_hits = self._prefix_lookups = 0
         self._ids_cache: tuple[int, tuple[int, ...]] = (-1, ())
         self._handlers: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._share,
@@ -240,7 +247,8 @@ class Monitor:
             num_seqs=len(self.seqs) + len(self._ended), batch_rows=self.batch_rows, tiers=tuple(tiers),
             cells=bytes(table.cells), cell_ids=self._ids_cache[1], findings=tuple(self.findings),
             num_findings=dict(self.num_findings), layers=layers, memory=memory, log=tuple(self.log),
-            ended=ended or self.ended, status=status,
+            ended=ended or self.ended, status=status, prefix_hits=self._prefix_hits,
+            prefix_lookups=self._prefix_lookups,
         )
 
     def _rates(self) -> tuple[float, float]:
@@ -441,6 +449,9 @@ class Monitor:
                 self._mem_seen.add(name)
 
     def _step_end(self, ev: StepEnd) -> None:
+        if ev.prefix_hits is not None:
+            self._prefix_hits += ev.prefix_hits
+            self._prefix_lookups += ev.prefix_hits + (ev.prefix_misses or 0)
         self._note_rate(ev.t, ev.num_tokens)
         self._close_step(ev.step + 1)
 

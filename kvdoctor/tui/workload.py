@@ -2,8 +2,8 @@
 
 The terminal belongs to the TUI, so the child's output goes to a log file instead; when
 it exits or crashes, the last line of that log says why. The child runs in a session
-of its own, so a Ctrl-C in the TUI reaches the TUI first and the workload only when
-the TUI asks it to stop.
+of its own (see ``kvdoctor.child``), so a Ctrl-C in the TUI reaches the TUI first and the
+workload only when the TUI asks it to stop, and it never outlives the TUI.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Workload(TracedChild):
             env.setdefault("KVDOCTOR_PROBES", "1")
         self._log_file = open(self.log, "wb")
         try:
-            super().__init__(argv, str(self.trace), fault=fault, env=env, stdout=self._log_file, own_session=True,
+            super().__init__(argv, str(self.trace), fault=fault, env=env, stdout=self._log_file,
                              on_exit=self._log_file.close)
         except UsageError:
             self._log_file.close()
@@ -46,7 +46,7 @@ class Workload(TracedChild):
 
     @classmethod
     def demo(cls, *, fault: str | None = None, model: str | None = None, seconds: float | None = None,
-             workdir: str | None = None, codec: str | None = None) -> "Workload":
+             workdir: str | None = None, codec: str | None = None, prefix_cache: bool = False) -> "Workload":
         """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes."""
         argv = [sys.executable, "-m", "kvdoctor.demo"]
         if model:
@@ -55,6 +55,10 @@ class Workload(TracedChild):
             argv += ["--seconds", str(seconds)]
         if codec:
             argv += ["--codec", codec]
+        if prefix_cache:
+            argv += ["--prefix-cache"]
+        if (fault or "").startswith("spec-"):
+            argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
         what = "a tiny random model" if model == "tiny" else model or "SmolLM2-135M (the first run converts it, ~20 s)"
         return cls(argv, fault=fault, probes=False, workdir=workdir, title=f"the demo: {what} serving chat requests")
 

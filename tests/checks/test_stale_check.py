@@ -87,6 +87,20 @@ def test_rollback_must_advance_the_version(trace):
     assert rules(trace.run()) == ["stale/rollback-version"]
 
 
+def test_rollback_past_what_was_written_or_of_no_tokens_is_a_rollback_count_finding(trace):
+    # GIVEN two sequences of one full block each (block size 4 tokens in the builder)
+    trace.sequence_with_blocks("r1", 1)
+    trace.sequence_with_blocks("r2", 1)
+    size = trace.block_size
+    # WHEN one is cropped by more than it holds and the other to a longer length (a negative count)
+    trace.rollback("r1", size + 3)
+    trace.rollback("r2", -5)
+    findings = trace.run()
+    # THEN each is named with what it held
+    assert rules(findings) == ["stale/rollback-count", "stale/rollback-count"]
+    assert {f.seq: f.evidence["length"] for f in findings} == {"r1": size, "r2": size}
+
+
 def test_near_miss_speculative_rollbacks_and_forks_are_clean(trace):
     # GIVEN a sequence that drafts 3 tokens, rejects 2 (rollback), and a fork sharing it
     (b0,) = trace.sequence_with_blocks("r1", 1)

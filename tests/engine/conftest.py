@@ -13,6 +13,17 @@ from kvdoctor.engine.cache import PagedKVCache
 from engine_support import Recorder, tiny_config
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    # CI runners and shared machines are oversubscribed; with two OpenMP threads each small
+    # decode matmul can wait on a descheduled thread, making the run several times slower.
+    # One thread keeps a module's time predictable (SmolLM2 modules use it).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def make_cache(tmp_path) -> Callable[..., Recorder]:
     made: list[PagedKVCache] = []

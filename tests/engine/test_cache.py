@@ -87,6 +87,43 @@ def test_copy_on_write_of_a_shared_partial_block(make_cache):
     r.assert_intact("c")
 
 
+def test_adopt_moves_ownership_of_the_differing_blocks_only(make_cache):
+    # GIVEN two beams of one prompt: they share block 0 and each has its own tail
+    r = make_cache(device_blocks=8)
+    r.add("a", 5)  # blocks 0 (full) and 1 (1 of 4)
+    r.fork("a", "b")
+    r.write("b", 1)  # b copies block 1 before writing: blocks 0 and 2
+    r.write("a", 1)
+    r.cache.bus.flush()
+    before = len(r.events)
+    # WHEN b takes over a's hypothesis (beam search's reorder)
+    r.cache.adopt("b", "a")
+    r.kv["b"] = list(r.kv["a"])
+    # THEN b shares a's tail and lets go of its own, which is freed; the common block sees no event
+    r.cache.bus.flush()
+    moved = [(type(e).__struct_config__.tag, e.block, getattr(e, "seq", None)) for e in r.events[before:]]
+    assert moved == [("share", 1, "b"), ("release", 2, "b"), ("free", 2, None)]
+    assert r.cache.block_table("b") == r.cache.block_table("a") == [0, 1]
+    assert r.cache.pool.blocks[1].owners == ["a", "b"]
+    r.assert_intact("b")
+    # AND b's next token goes into its own copy of the shared tail, leaving a's intact
+    r.write("b", 1)
+    r.assert_intact("a")
+    r.assert_intact("b")
+    r.cache.pool.check()
+
+
+def test_adopt_needs_equal_committed_lengths(make_cache):
+    r = make_cache(device_blocks=8)
+    r.add("a", 5)
+    r.add("b", 3)
+    with pytest.raises(ValueError, match="lengths must match"):
+        r.cache.adopt("b", "a")
+    r.cache.reserve("a", 1)
+    with pytest.raises(ValueError, match="not committed"):
+        r.cache.adopt("b", "a")
+
+
 def test_rollback_drops_tail_blocks_and_advances_version(make_cache):
     r = make_cache()
     r.add("a", 9)  # three blocks

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
+from transformers import DynamicCache
 
+from engine_support import contrastive_search, kinds_of, traced
 from kvdoctor.engine.hf import ATTN_IMPLEMENTATION, EngineCache, use_kvdoctor_attention
 from kvdoctor.engine.model import tiny_llama
-from kvdoctor.events import Attn, Batch, Read, Rollback, SeqEnd, SwapIn, SwapOut, Write
+from kvdoctor.events import (Alloc, Attn, Batch, Free, Read, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn,
+                             SwapOut, Write)
 
 
 @pytest.fixture()
@@ -74,7 +78,7 @@ def test_crop_rolls_the_engine_back(model):
     cache.bus.subscribe(seen.extend)
     model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False, pad_token_id=0, cache=cache)
     length = cache.get_seq_length()
-    cache.crop(3)
+    cache.crop(-3)
     assert cache.get_seq_length() == length - 3
     cache.close()
     assert any(isinstance(e, Rollback) and e.n == 3 for e in seen)
@@ -83,3 +87,124 @@ def test_crop_rolls_the_engine_back(model):
 def test_engine_cache_needs_a_model_or_an_engine():
     with pytest.raises(ValueError, match="exactly one"):
         EngineCache()
+
+
+def test_crop_takes_transformers_negative_count(model):
+    # GIVEN a cache holding a prompt (transformers 5 crops with -n; a positive count was "crop to length")
+    with EngineCache(model, block_size=4, device_blocks=16, host_blocks=0) as cache:
+        model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
+        # WHEN crop is asked for a positive count THEN it is refused, as DynamicCache refuses it
+        with pytest.raises(ValueError, match="negative"):
+            cache.crop(2)
+        # AND crop(0) keeps everything
+        cache.crop(0)
+        assert cache.get_seq_length() == 5
+
+
+PADDED = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])  # two prompts, the first left-padded
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_beams=3, num_return_sequences=2),
+    dict(do_sample=True, num_return_sequences=3),
+], ids=["beam-search", "sampled-return-sequences"])
+def test_beam_search_and_return_sequences_match_the_default_cache(model, tmp_path, monkeypatch, options):
+    # GIVEN a left-padded batch of two prompts, and generate's result with its DynamicCache
+    def generate(cache=None):
+        torch.manual_seed(0)
+        return model.generate(PADDED, attention_mask=(PADDED != 0).long(), max_new_tokens=8, pad_token_id=0,
+                              cache=cache, output_scores=True, return_dict_in_generate=True, **options)
+
+    ref = generate()
+    # WHEN the same generate runs on an EngineCache that writes a trace
+    out, events, findings = traced(model, tmp_path, monkeypatch, generate)
+    # THEN the sequences and scores are identical
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), atol=1e-4, rtol=0)
+    if "num_beams" in options:
+        torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, atol=1e-4, rtol=0)
+        # AND the beams' reorders show as blocks shared and released, never as K/V written again
+        kinds = kinds_of(events)
+        assert kinds[Share] and kinds[Release]
+        assert sum(e.n for e in events if isinstance(e, Write)) == PADDED.numel() * options["num_beams"] + (
+            8 - 1) * 2 * options["num_beams"]  # each token of each row is written once: the prompts, then one a step
+    # AND every check finds nothing in the trace
+    assert findings == [], "\n".join(f.message for f in findings)
+
+
+def test_assisted_and_prompt_lookup_decoding_match_greedy(model, tmp_path, monkeypatch):
+    # GIVEN greedy decoding's tokens, and an assistant that disagrees with the model (another random init)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 3, 4, 5]])
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assistant = tiny_llama(seed=1).model
+    for name, options in [("assisted", dict(assistant_model=assistant)), ("lookup", dict(prompt_lookup_num_tokens=3))]:
+        # WHEN the model verifies drafts on an EngineCache (rejected drafts are cropped from it)
+        out, events, findings = traced(
+            model, tmp_path, monkeypatch, name=name,
+            run=lambda cache: model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, cache=cache,
+                                             **options))
+        # THEN the tokens are greedy decoding's, the crops were rollbacks, and the checks find nothing
+        assert out.tolist() == ref.tolist(), name
+        assert kinds_of(events)[Rollback], name
+        assert findings == [], "\n".join(f.message for f in findings)
+
+
+def test_contrastive_search_matches_the_default_cache(model, tmp_path, monkeypatch):
+    # GIVEN contrastive search's tokens on DynamicCache for two prompts
+    ids = torch.tensor([[5, 6, 7, 8, 9], [3, 4, 5, 6, 7]])
+    ref_ids, ref_logits = contrastive_search(model, ids, DynamicCache(config=model.config))
+    # WHEN it runs on an EngineCache: every step forks each row twice and keeps one of three
+    (got_ids, got_logits), events, findings = traced(
+        model, tmp_path, monkeypatch, lambda cache: contrastive_search(model, ids, cache))
+    # THEN the tokens, and the logits after the final crop, are DynamicCache's
+    assert got_ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(got_logits, ref_logits, atol=1e-4, rtol=0)
+    # AND the candidates were forks that shared their row's blocks, the losers ended as aborted
+    kinds = kinds_of(events)
+    assert kinds[SeqStart] == 2 + 6 * 2 * 2 and kinds[Share]
+    assert sum(e.reason == "aborted" for e in events if isinstance(e, SeqEnd)) == 6 * 2 * 2
+    assert findings == [], "\n".join(f.message for f in findings)
+
+
+@pytest.mark.parametrize("ops", [
+    [("reorder", [2, 2, 0])],
+    [("select", [True, False, True]), ("repeat", 2), ("reorder", [3, 0, 0, 1])],
+    [("repeat", 3), ("select", [8, 0, 4, 4])],
+], ids=["reorder", "select-repeat-reorder", "repeat-select-duplicates"])
+def test_row_operations_move_ownership_and_match_the_default_cache(model, ops):
+    # GIVEN three rows of five tokens (a partial tail block each) in a DynamicCache and an EngineCache
+    ids = torch.tensor([[5, 6, 7, 8, 9], [3, 4, 5, 6, 7], [9, 8, 7, 6, 5]])
+    dyn = DynamicCache(config=model.config)
+    with EngineCache(model, block_size=4, device_blocks=64, host_blocks=0) as eng:
+        for cache in (dyn, eng):
+            model(ids, cache=cache)
+        seen: list[Any] = []
+        eng.bus.subscribe(seen.extend)
+        # WHEN both get the same row operations
+        for cache in (dyn, eng):
+            for op, arg in ops:
+                if op == "reorder":
+                    cache.reorder_cache(torch.tensor(arg))
+                elif op == "select":
+                    cache.batch_select_indices(torch.tensor(arg))
+                else:
+                    cache.batch_repeat_interleave(arg)
+        eng.bus.flush()
+        moved = kinds_of(seen)
+        # THEN the rows changed owners only: no block allocated, no token written
+        assert not moved[Alloc] and not moved[Write] and moved[Share]
+        assert moved[Free] <= moved[Release] + 8 * moved[SeqEnd]  # frees come only from letting go
+        # AND the next step computes the same logits on both, each row on its own copy of shared tails
+        nxt = torch.arange(10, 10 + len(eng.seqs))[:, None]
+        want, got = model(nxt, cache=dyn).logits, model(nxt, cache=eng).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert len(set(eng.seqs)) == len(eng.seqs) == dyn.layers[0].keys.shape[0]
+
+
+def test_row_operations_check_their_arguments(model):
+    with EngineCache(model, block_size=4, device_blocks=16, host_blocks=0) as cache:
+        model(torch.tensor([[5, 6, 7], [3, 4, 5]]), cache=cache)
+        with pytest.raises(IndexError, match="2 rows"):
+            cache.reorder_cache(torch.tensor([0, 2]))
+        with pytest.raises(ValueError, match="repeats"):
+            cache.batch_repeat_interleave(0)

@@ -21,7 +21,7 @@ from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.events import Attn, SwapIn, SwapOut
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 NEW = 128
 TEXTS = [
@@ -31,17 +31,6 @@ TEXTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who had never "
     "left the harbour. Every morning he mended his nets and watched the boats go out, and one day",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # CI runners and shared machines are oversubscribed; with two OpenMP threads each small
-    # decode matmul can wait on a descheduled thread, making the run several times slower.
-    # One thread keeps this module's time predictable.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

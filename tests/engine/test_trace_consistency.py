@@ -13,12 +13,10 @@ import random
 
 import pytest
 
-from kvdoctor.checks import make_suite
 from kvdoctor.engine.cache import PagedKVCache
 from kvdoctor.engine.errors import OutOfBlocks
-from kvdoctor.trace import TraceReader
 
-from engine_support import Recorder, tiny_config
+from engine_support import Recorder, findings_of, tiny_config
 
 
 def run_workload(tmp_path, monkeypatch, fault=None, steps=300, seed=0):
@@ -69,16 +67,6 @@ def run_workload(tmp_path, monkeypatch, fault=None, steps=300, seed=0):
     cache.end_step()
     cache.close()
     return path
-
-
-def findings_of(path):
-    reader = TraceReader(path)
-    suite = make_suite()
-    events = []
-    for e in reader:
-        events.append(e)
-        suite.observe(e)
-    return reader, events, suite.findings + suite.finish()
 
 
 def test_clean_trace_swaps_through_every_tier_and_has_no_findings(tmp_path, monkeypatch):

@@ -28,7 +28,8 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.Free: dict(block=ints),
         E.Evict: dict(block=ints, tier=tiers, reason=st.text(max_size=10)),
         E.Write: dict(block=ints, seq=seq_ids, pos=ints, n=ints, version=ints),
-        E.Read: dict(seq=seq_ids, blocks=int_lists, versions=int_lists, layer=st.none() | ints),
+        E.Read: dict(seq=seq_ids, blocks=int_lists, versions=int_lists, layer=st.none() | ints,
+                     tiers=st.none() | st.lists(tiers, max_size=8)),
         E.SwapOut: dict(block=ints, src=tiers, dst=tiers, version=ints, codec=st.none() | codecs),
         E.SwapIn: dict(block=ints, src=tiers, dst=tiers, version=ints, codec=st.none() | codecs),
         E.Recode: dict(block=ints, tier=tiers, src_codec=codecs, dst_codec=codecs, version=ints),
@@ -42,6 +43,8 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.StepEnd: dict(num_tokens=ints, duration_ns=ints),
         E.ChecksumError: dict(block=ints, tier=tiers, expected=ints, actual=ints),
         E.Prefetch: dict(blocks=int_lists, src=tiers, dst=tiers),
+        E.Stage: dict(seq=seq_ids, blocks=int_lists, srcs=st.lists(tiers, max_size=8), versions=int_lists, bytes=ints),
+        E.PrefetchUse: dict(seq=seq_ids, hits=int_lists, misses=int_lists),
         E.TraceEnd: dict(reason=st.text(max_size=10)),
     }[cls]
     return st.builds(cls, **fields, **common)

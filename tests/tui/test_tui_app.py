@@ -9,7 +9,9 @@ import pytest
 from textual.widgets import Input, TabbedContent
 
 from kvdoctor.engine.bus import Bus
-from kvdoctor.events import StepEnd, TraceEnd
+from kvdoctor.events import (
+    PREFIX_CACHE, Alloc, Free, Header, SeqEnd, SeqStart, Share, StepEnd, TierSpec, TraceEnd,
+)
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.app import bus_app
 from kvdoctor.tui.screens import DetailScreen, HelpScreen
@@ -284,3 +286,22 @@ async def test_clicking_a_tab_switches_screens(leak_trace: Path):
         await pilot.pause()
         assert app.query_one(TabbedContent).active == "attention-tab"
         assert "entropy" in screen_text(app)
+
+
+@sync
+async def test_a_prefix_cached_trace_shows_its_hit_rate_and_the_cached_blocks(tmp_path: Path):
+    # GIVEN a trace where a prefix cache keeps a request's first block and a later request hits it
+    path = tmp_path / "prefix.kvtrace"
+    events = [SeqStart(seq=1, prompt_len=20), Alloc(block=0, tier="device", seq=1), Alloc(block=1, tier="device", seq=1),
+              Share(block=0, seq=PREFIX_CACHE, hash="k0"), StepEnd(prefix_hits=0, prefix_misses=1),
+              SeqEnd(seq=1, step=1), Free(block=1, step=1), SeqStart(seq=2, prompt_len=20, step=1),
+              Share(block=0, seq=2, hash="k0", step=1), StepEnd(step=1, prefix_hits=1, prefix_misses=0),
+              TraceEnd(step=2)]
+    header = Header(block_size=16, num_layers=2, tiers=[TierSpec(name="device", capacity_blocks=8)])
+    with TraceWriter(path, header) as w:
+        w.write_many(events)
+    # WHEN it is replayed THEN the header gives the hit rate and the block map's legend names cached blocks
+    async with replayed(path, size=(120, 30)) as (app, pilot):
+        text = screen_text(app)
+        assert "prefix hit 50%" in text
+        assert "cached" in str(app.query_one(BlockMap).border_subtitle)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 from kvdoctor.events import (
-    Alloc, Attn, Free, Header, Mem, Recode, Release, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TierSpec,
+    PREFIX_CACHE, Alloc, Attn, Free, Header, Mem, Recode, Release, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TierSpec,
     TraceEnd, Usage, Write,
 )
 from kvdoctor.findings import Finding
-from kvdoctor.tui.blocks import LEAKED, SHARED, TIER_CODES, UNOWNED
+from kvdoctor.tui.blocks import CACHED, LEAKED, SHARED, TIER_CODES, UNOWNED
 from kvdoctor.tui.details import describe_block
 from kvdoctor.tui.state import Monitor
 from kvdoctor.tui.synthetic import SyntheticWorkload
@@ -158,3 +158,22 @@ def test_block_detail_shows_the_codec_its_bytes_are_held_in_and_its_recodes():
     text = describe_block(m, 3).plain
     assert text.startswith("block 3  device nf4")
     assert "recode" in text
+
+
+def test_prefix_cache_blocks_are_marked_cached_and_the_hit_rate_counts_served_prompt_blocks():
+    # GIVEN a request whose first block the prefix cache registers, then a second request that hits it
+    m = fold(
+        SeqStart(seq=1, prompt_len=20), Alloc(block=0, tier="device", seq=1), Alloc(block=1, tier="device", seq=1),
+        Share(block=0, seq=PREFIX_CACHE, hash="k0"), StepEnd(prefix_hits=0, prefix_misses=1),
+        SeqEnd(seq=1, step=1), Free(block=1, step=1), SeqStart(seq=2, prompt_len=20, step=1),
+        Share(block=0, seq=2, hash="k0", step=1), StepEnd(step=1, prefix_hits=1, prefix_misses=0),
+    )
+    s = m.snapshot()
+    # THEN the cached block's cell says so, and one of two looked-up prompt blocks was served
+    assert s.cells[0] & CACHED and not s.cells[1]
+    assert (s.prefix_hits, s.prefix_lookups, s.prefix_hit_rate) == (1, 2, 0.5)
+
+
+def test_without_a_prefix_cache_there_is_no_hit_rate():
+    s = fold(SeqStart(seq=1, prompt_len=4), Alloc(block=0, tier="device", seq=1), StepEnd()).snapshot()
+    assert s.prefix_hit_rate is None and not s.cells[0] & CACHED

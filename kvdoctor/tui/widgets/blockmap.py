@@ -16,7 +16,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ..blocks import LEAKED, SHARED, STALE, UNOWNED
+from ..blocks import CACHED, LEAKED, SHARED, STALE, UNOWNED
 from ..state import Snapshot
 
 __all__ = ["BlockMap", "LEGEND"]
@@ -24,6 +24,7 @@ __all__ = ["BlockMap", "LEGEND"]
 _TIER = {1: ("█", "green"), 2: ("▓", "dodger_blue1"), 3: ("▒", "magenta")}
 LEGEND = "[green]█[/]dev [dodger_blue1]▓[/]host [magenta]▒[/]disk [bold]▞[/]shared " \
          "[bold white on red]L[/]leak [bold black on yellow]S[/]stale"
+CACHED_LEGEND = LEGEND + " [bold]▚[/]cached"  # once the trace shows a prefix cache
 
 
 def _segment(code: int) -> Segment:
@@ -35,6 +36,8 @@ def _segment(code: int) -> Segment:
         return Segment("L", Style(color="white", bgcolor="red", bold=True))
     if code & STALE:
         return Segment("S", Style(color="black", bgcolor="yellow", bold=True))
+    if code & CACHED:
+        return Segment("▚", Style(color=color, bold=True, underline=True))
     if code & SHARED:
         return Segment("▞", Style(color=color, bold=True))
     return Segment(glyph, Style(color=color))
@@ -42,7 +45,7 @@ def _segment(code: int) -> Segment:
 
 _SEGMENTS = [_segment(code) for code in range(256)]
 _WIDE = 3  # characters per cell when there is room: the glyph twice and a gap
-_WIDE_SEGMENTS = [Segment(seg.text * 2 if seg.text in "█▓▒▞" else seg.text + " ", seg.style) for seg in _SEGMENTS]
+_WIDE_SEGMENTS = [Segment(seg.text * 2 if seg.text in "█▓▒▞▚" else seg.text + " ", seg.style) for seg in _SEGMENTS]
 _GAP = Segment(" ")
 
 
@@ -74,6 +77,8 @@ class BlockMap(ScrollView, can_focus=True):
         return 1, width
 
     def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        if snapshot is not None and snapshot.prefix_lookups:
+            self.border_subtitle = CACHED_LEGEND
         self._resize()
 
     def watch_selected(self) -> None:

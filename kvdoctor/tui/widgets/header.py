@@ -45,6 +45,9 @@ class StatusHeader(Widget):
             parts.append((h.model.rsplit("/", 1)[-1], "bold cyan"))
         parts += [(f"step {s.step}", ""), (f"{human_rate(s.tokens_per_s)} tok/s", ""),
                   (f"{human_rate(s.events_per_s)} ev/s", ""), (f"{s.active_seqs}/{s.num_seqs} seqs", "")]
+        rate = s.prefix_hit_rate
+        if rate is not None:  # prompt blocks served from a prefix cache, of those looked up
+            parts.append((f"prefix hit {rate:.0%}", "bold green" if rate >= 0.5 else ""))
         for text, style in parts:
             line.append(" │ ", "dim")
             line.append(text, style)

@@ -1,0 +1,396 @@
+"""kvdoctor on transformers' own caches: ``with kvdoctor.observe(model, trace="run.kvtrace"): model.generate(...)``.
+
+Nothing is replaced. For the block's duration the observer
+- hooks the model's forward (before: the inputs, the cache and its length; after: the events),
+- wraps ``prepare_inputs_for_generation`` on the model instance, to see the whole token ids
+  ``generate`` holds for each row (so it can tell which sequence a cache row really continues),
+- shadows, on the first attention layer of each cache it meets (an instance attribute), the
+  methods transformers changes rows with: ``reorder_cache``, ``batch_select_indices``,
+  ``batch_repeat_interleave``, ``crop``, ``reset`` (per layer, so an op applied twice is seen twice),
+- registers a wrapper around the model's current attention function with ``AttentionInterface``
+  and switches the model to it, for statistics of each row's newest query every step.
+On exit everything is put back and every sequence still in a cache ends with its blocks freed.
+
+The row bookkeeping and the events are ``transformers_rows``'s; the statistics ``transformers_attention``'s.
+Without ``trace=`` the observer writes to ``KVDOCTOR_TRACE`` (one trace per process, shared by every
+observe block and closed at exit), so ``kvdoctor check -- python script.py`` works; with neither, it
+records nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+import weakref
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from ..events import Attn, Batch, Event, Header, StepEnd, TierSpec
+from ..trace import TraceWriter
+from .transformers_attention import AttentionTap, tap_name
+from .transformers_rows import CacheRows, Row, Versions
+
+__all__ = ["observe", "Observer", "BLOCK_SIZE", "TRACE_ENV"]
+
+TRACE_ENV = "KVDOCTOR_TRACE"
+BLOCK_SIZE = 16  # tokens per logical block in the trace (transformers' caches have no blocks)
+_LAYER_OPS = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave", "crop", "reset")
+
+
+class _Trace:
+    """A trace being written: the writer, its clock, its step and the ids already handed out."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+        self.t0 = time.perf_counter_ns()
+        self.step = 0
+        self.ids = Versions()
+        self.buf: list[Event] = []
+
+    def emit(self, cls: type, **fields: Any) -> None:
+        self.buf.append(cls(t=time.perf_counter_ns() - self.t0, step=self.step, **fields))
+
+    def flush(self) -> None:
+        if self.buf and not self.writer.closed:
+            self.writer.write_many(self.buf)
+        self.buf = []
+
+    def close(self, reason: str = "closed") -> None:
+        self.flush()
+        self.writer.close(reason)
+
+
+_shared: dict[str, _Trace] = {}  # KVDOCTOR_TRACE path -> the process's one trace there
+
+
+def _header(model: Any) -> Header:
+    import transformers
+
+    config = model.config
+    return Header(block_size=BLOCK_SIZE, num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+                  tiers=[TierSpec(name="device", capacity_blocks=0)],  # 0: transformers grows its caches as it goes
+                  model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
+                  engine=f"transformers {transformers.__version__}",
+                  created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid())
+
+
+def _shared_trace(path: str, model: Any) -> _Trace:
+    trace = _shared.get(path)
+    if trace is None or trace.writer.closed:
+        trace = _shared[path] = _Trace(TraceWriter(path, _header(model)))
+        atexit.register(trace.close)
+    return trace
+
+
+def observe(model: Any, trace: str | os.PathLike[str] | None = None, *, stats: bool = True) -> "Observer":
+    """A context manager that records what ``model`` does to transformers' own caches as a kvdoctor trace.
+
+    ``trace``: the file to write (closed when the block ends); None follows ``KVDOCTOR_TRACE``.
+    ``stats``: attention statistics of each row's newest query at every layer and step.
+    """
+    if not hasattr(model, "register_forward_pre_hook") or not hasattr(model, "config"):
+        raise TypeError(f"kvdoctor.observe needs a transformers model, not {type(model).__name__}")
+    if trace is not None:
+        return Observer(model, _Trace(TraceWriter(trace, _header(model))), owns_trace=True, stats=stats)
+    path = os.environ.get(TRACE_ENV)
+    return Observer(model, _shared_trace(path, model) if path else None, owns_trace=False, stats=stats)
+
+
+class _Seen:
+    """A cache the observer has met: its rows, and the layer whose methods it shadows."""
+
+    def __init__(self, cache: Any, rows: CacheRows) -> None:
+        self.ref = weakref.ref(cache)
+        self.rows = rows
+        self.layer: Any = None
+        self.dirty = False  # rows were moved or cut since the last pass: check what each row continues
+        self.broken = False  # a pass the cache could not take (batch size changed): start it over
+
+
+class Observer:
+    """Hooks one model for the duration of a ``with`` block; see the module docstring."""
+
+    def __init__(self, model: Any, trace: _Trace | None, *, owns_trace: bool, stats: bool) -> None:
+        self.model = model
+        self.trace = trace
+        self.owns_trace = owns_trace
+        self.tap = AttentionTap(BLOCK_SIZE)
+        self.tap.stats = stats
+        self._caches: dict[int, _Seen] = {}
+        self._handles: list[Any] = []
+        self._original_attn: str | None = None
+        self._pending: tuple | None = None  # (cache, full ids, 2D mask, first iteration) from generate
+        self._ctx: tuple | None = None  # what the pre-hook saw for the pass under way
+        self._num_caches = 0
+
+    # ---- installing -----------------------------------------------------------------
+
+    def __enter__(self) -> "Observer":
+        if self.trace is None:
+            return self
+        model = self.model
+        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         model.register_forward_hook(self._after, with_kwargs=True)]
+        if hasattr(model, "prepare_inputs_for_generation"):
+            model.prepare_inputs_for_generation = self._wrap_prepare(model.prepare_inputs_for_generation)
+        self._install_tap()
+        return self
+
+    def _install_tap(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        original = getattr(self.model.config, "_attn_implementation", None)
+        if not original or original not in ALL_MASK_ATTENTION_FUNCTIONS:
+            sys.stderr.write(f"kvdoctor: no attention statistics for attention implementation {original!r}\n")
+            return
+        name = tap_name(original)
+        AttentionInterface.register(name, self.tap.wrap(original))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+        try:
+            self.model.set_attn_implementation(name)
+        except (ValueError, KeyError, AttributeError) as exc:
+            sys.stderr.write(f"kvdoctor: no attention statistics: {exc}\n")
+            return
+        self._original_attn = original
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if self.trace is None:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if "prepare_inputs_for_generation" in vars(self.model):
+            del self.model.prepare_inputs_for_generation
+        if self._original_attn is not None:
+            self.model.set_attn_implementation(self._original_attn)
+            self._original_attn = None
+        self.tap.active = False
+        for seen in self._caches.values():
+            self._unshadow(seen)
+            seen.rows.end_all("finished")
+        self._caches.clear()
+        self.trace.emit(StepEnd)
+        self.trace.step += 1
+        if self.owns_trace:
+            self.trace.close("closed" if kind is None else "error")
+        else:
+            self.trace.flush()
+
+    def _wrap_prepare(self, original: Callable) -> Callable:
+        def prepare_inputs_for_generation(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            mask = kwargs.get("attention_mask")
+            self._pending = (cache, input_ids, mask if mask is not None and mask.dim() == 2 else None,
+                             bool(kwargs.get("is_first_iteration")))
+            return original(input_ids, *args, **kwargs)
+        return prepare_inputs_for_generation
+
+    # ---- the caches -----------------------------------------------------------------
+
+    def _seen(self, cache: Any) -> _Seen:
+        seen = self._caches.get(id(cache))
+        if seen is not None and seen.ref() is cache:
+            return seen
+        for key, other in list(self._caches.items()):  # caches dropped since: their sequences are over
+            if other.ref() is None:
+                other.rows.end_all("finished")
+                del self._caches[key]
+        self._num_caches += 1
+        seen = _Seen(cache, CacheRows(f"c{self._num_caches}", BLOCK_SIZE, self.trace.ids, self.trace.emit))
+        self._caches[id(cache)] = seen
+        return seen
+
+    def _shadow(self, seen: _Seen, cache: Any) -> None:
+        """Shadow the row-changing methods of the cache's first attention layer (once per op, per call)."""
+        layer = next((l for l in getattr(cache, "layers", ()) if hasattr(l, "keys") and hasattr(l, "crop")), None)
+        if layer is None or seen.layer is layer:
+            return
+        self._unshadow(seen)
+        seen.layer = layer
+        for name in _LAYER_OPS:
+            if hasattr(layer, name):
+                setattr(layer, name, self._layer_op(seen, name, getattr(layer, name)))
+
+    @staticmethod
+    def _unshadow(seen: _Seen) -> None:
+        if seen.layer is not None:
+            for name in _LAYER_OPS:
+                vars(seen.layer).pop(name, None)
+            seen.layer = None
+
+    def _layer_op(self, seen: _Seen, name: str, original: Callable) -> Callable:
+        rows = seen.rows
+
+        def op(arg: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if name == "crop":
+                return self._crop(seen, original, int(arg), *args, **kwargs)
+            result = original(*([] if arg is None else [arg]), *args, **kwargs)
+            if name == "reset":
+                rows.end_all("finished")
+            elif rows.num_slots:
+                if name == "batch_repeat_interleave":
+                    sources = [i for i in range(len(rows.rows)) for _ in range(int(arg))]
+                else:
+                    sources = _row_indices(arg)
+                rows.remap(sources)
+                seen.dirty = True
+            return result
+        return op
+
+    def _crop(self, seen: _Seen, original: Callable, tokens_to_remove: int, *args: Any, **kwargs: Any) -> Any:
+        rows = seen.rows
+        if tokens_to_remove > 0:  # the old form, crop(max_length): a length longer than written cannot be honoured
+            if tokens_to_remove > rows.num_slots:
+                for row in rows.rows:
+                    rows.rollback(row, -(tokens_to_remove - rows.num_slots))
+            return original(tokens_to_remove, *args, **kwargs)
+        result = original(tokens_to_remove, *args, **kwargs)
+        if tokens_to_remove < 0 and rows.rows:
+            rows.crop(-tokens_to_remove)
+            seen.dirty = True
+        return result
+
+    # ---- a forward pass -------------------------------------------------------------
+
+    def _before(self, module: Any, args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        first = ids if ids is not None else kwargs.get("inputs_embeds")
+        if first is None:
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is not cache:
+            pending = None
+        past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        self._ctx = (cache, past, ids, first.shape[0], first.shape[1], kwargs.get("attention_mask"),
+                     kwargs.get("position_ids"), pending)
+        self.tap.begin()
+        if cache is not None and past:
+            seen = self._seen(cache)
+            if seen.rows.rows and first.shape[0] != len(seen.rows.rows):
+                self._batch_mismatch(seen, cache)
+
+    def _batch_mismatch(self, seen: _Seen, cache: Any) -> None:
+        """The pass computes another number of rows than the cache holds (transformers fails in ``torch.cat``
+        next): a batch whose rows cannot fit the cache's K shape, written now, before the exception."""
+        _, past, ids, batch, new, mask, positions, pending = self._ctx
+        rows = seen.rows
+        writers, firsts = [], []
+        for b in range(batch):
+            held = self._continues(rows, pending, b, past) if pending is not None else None
+            if held is None:
+                held = rows.rows[b].holder if b < len(rows.rows) else rows.start_seq(new)
+            writers.append(held)
+            firsts.append(int(positions[min(b, positions.shape[0] - 1), 0]) if positions is not None else past)
+        keys = seen.layer.keys if seen.layer is not None else None
+        shape = list(keys.shape) if keys is not None and keys.dim() == 4 else [len(rows.rows), 0, past + new, 0]
+        shape[2] = past + new
+        self.trace.emit(Batch, rows=writers, positions=firsts, n=[new] * batch, shape=shape)
+        seen.broken = True
+        self.trace.flush()
+
+    @staticmethod
+    def _continues(rows: CacheRows, pending: tuple, b: int, past: int) -> Any | None:
+        """The holder of the row whose tokens are the first ``past`` ids generate holds for row ``b``."""
+        return rows.find_holder(pending[1][b, :past].tolist())
+
+    def _after(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None) or ctx[0]
+        if cache is None or not hasattr(cache, "get_seq_length"):
+            self.tap.finish()
+            return
+        _, past, ids, batch, new, mask, positions, pending = ctx
+        trace = self.trace
+        seen = self._seen(cache)
+        self._shadow(seen, cache)
+        rows = seen.rows
+        if seen.broken or (rows.rows and (len(rows.rows) != batch or rows.num_slots != past)):
+            rows.end_all("aborted")  # changed where the observer could not see it: start it over
+            seen.broken = False
+        full_ids = pending[1] if pending is not None else None
+        mask2d = pending[2] if pending is not None else (mask if mask is not None and mask.dim() == 2 else None)
+        real = (mask2d[:, -new:] != 0).tolist() if mask2d is not None and mask2d.shape[-1] >= new else [[True] * new] * batch
+        tokens = ids.tolist() if ids is not None else [[None] * new] * batch
+        if positions is not None:
+            pos = positions.tolist()
+            pos = pos * batch if len(pos) == 1 else pos
+        else:
+            pos = [list(range(past, past + new))] * batch
+        if not rows.rows:
+            self._start(rows, pending, mask2d, batch, past, real)
+        elif pending is not None and (pending[3] or seen.dirty):
+            for b, row in enumerate(rows.rows):
+                self._assign(rows, row, full_ids, b, past, real)
+        seen.dirty = False
+        firsts, counts = [], []
+        for b, row in enumerate(rows.rows):
+            n = sum(real[b])
+            counts.append(n)
+            firsts.append(pos[b][real[b].index(True)] if n else row.num_real)
+        rows.batch(firsts, counts, self.tap.shape)
+        for b, row in enumerate(rows.rows):
+            rows.write(row, tokens[b], real[b], pos[b])
+        rows.num_slots = past + new
+        self._reads(rows, cache)
+        if self.tap.stats:
+            for layer, per_row in self.tap.finish():
+                for row, (max_logit, entropy, sink, nonfinite) in zip(rows.rows, per_row):
+                    trace.emit(Attn, seq=row.writer, layer=layer, max_logit=max_logit, entropy=entropy, sink=sink,
+                               nonfinite=int(nonfinite))
+        else:
+            self.tap.finish()
+        trace.emit(StepEnd, num_tokens=sum(counts))
+        trace.flush()
+        trace.step += 1
+
+    def _start(self, rows: CacheRows, pending: tuple | None, mask2d: Any, batch: int, past: int,
+               real: list[list[bool]]) -> None:
+        """A cache seen for the first time (or again after a reset): one sequence per row; what it already
+        held from before the observer (``past`` slots) is written by that sequence first."""
+        if past:
+            before = (mask2d[:, :past] != 0).tolist() if mask2d is not None and mask2d.shape[-1] >= past + len(real[0]) \
+                else [[True] * past] * batch
+            rows.new_rows([sum(r) + sum(n) for r, n in zip(before, real)])
+            held = pending[1][:, :past].tolist() if pending is not None else [[None] * past] * batch
+            for b, row in enumerate(rows.rows):
+                real_before = [sum(before[b][:s]) for s in range(past)]  # a real slot's position: the real tokens before it
+                rows.write(row, held[b], before[b], real_before)
+            rows.num_slots = past
+        else:
+            rows.new_rows([sum(r) for r in real])
+
+    def _assign(self, rows: CacheRows, row: Row, full_ids: Any, b: int, past: int, real: list[list[bool]]) -> None:
+        """Which sequence row ``b`` computes now: its holder when its slots hold the ids generate has for the
+        row; else the holder of the row that does hold them (rows swapped, a reorder applied twice); else a
+        new sequence (an unrelated prompt on a used cache). The last two write and read blocks they do not own."""
+        prefix = full_ids[b, :past].tolist()
+        if row.tokens == prefix or None in row.tokens:
+            row.writer = row.holder
+            return
+        held = rows.find_holder(prefix)
+        row.writer = held if held is not None else rows.start_seq(len(full_ids[b]))
+
+    def _reads(self, rows: CacheRows, cache: Any) -> None:
+        """One read per row and per kind of layer (full, or each sliding window), named by its first layer."""
+        kinds: dict[Any, int] = {}
+        for i, layer in enumerate(getattr(cache, "layers", ())):
+            if hasattr(layer, "keys"):
+                kinds.setdefault((bool(getattr(layer, "is_sliding", False)), getattr(layer, "sliding_window", None)), i)
+        for first in sorted(kinds.values()) or [0]:
+            seen_len = self.tap.kv_len.get(first)
+            rows.read(first, max(0, rows.num_slots - seen_len) if seen_len is not None else 0)
+
+
+def _row_indices(index: Any) -> list[int]:
+    """The rows a reorder or select keeps, in their new order (indices, or a mask of rows to keep)."""
+    import torch
+
+    if isinstance(index, torch.Tensor):
+        return (index.nonzero().flatten() if index.dtype == torch.bool else index).tolist()
+    return [int(i) for i in index]
