@@ -27,7 +27,8 @@ batch (off, on, on, off, …) and reports the median extra time of a listened st
 neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
-        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--json]
+        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--dtype bfloat16]
+        [--profile N] [--bound-repeats 7] [--json]
 """
 
 from __future__ import annotations
@@ -224,6 +225,48 @@ def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list
             for clock, v in out.items()}
 
 
+def _rss_mb() -> float:
+    """This process's resident set now (MB), from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return round(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except OSError:
+        return 0.0
+
+
+def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
+    """The batch-1 ceiling the weights set: the time one row takes through every projection of a step
+    (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
+    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
+    projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
+    nbytes = sum(p.weight.numel() * p.weight.element_size() for p in projections)
+    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype) for p in projections]
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            for p, x in zip(projections, xs):
+                p(x)
+            times.append(time.perf_counter() - t)
+    s = _median(times[1:])  # the first pass warms caches and kernels
+    return {"weight_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * s, 3), "gb_s": round(nbytes / s / 1e9, 2),
+            "tok_s": round(1 / s, 1)}
+
+
+def profile_batch8(runner: Any, prompts: list[list[int]], new_tokens: int) -> int:
+    """Where the runner's decode time goes: torch.profiler's ops by self CPU time over one continuous batch
+    (the Python side is best seen with ``py-spy record`` on the same command)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner_decode(runner, prompts, [4] * len(prompts))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall, _ = runner_decode(runner, prompts, [new_tokens] * len(prompts))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print(f"decode {wall:.2f} tok/s (wall, under the profiler), threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    return 0
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -272,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-outputs", action="store_true",
                     help="also run batch 8 with different output budgets per request (continuous batching's case)")
     ap.add_argument("--no-pack", action="store_true", help="runner without oneDNN-prepacked weights")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights, activations and KV cache of both sides (default float32)")
+    ap.add_argument("--bound-repeats", type=int, default=7,
+                    help="timed passes over every projection at one row for the bandwidth bound (0 skips it)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="only profile the runner on the batch-8 prompts for N new tokens (torch.profiler, ops by self CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -281,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvdoctor.engine.runner import Runner
     from kvdoctor.trace import TraceWriter
 
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype)
+    rss_loaded = _rss_mb()
     model, tok = lm.model, lm.tokenizer
     lengths = [int(x) for x in args.batch_lengths.split(",")]
     batch8 = _prompts(tok, lengths)
@@ -291,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0, pack_weights=not args.no_pack)
     trace_path = os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "decode.kvtrace")
 
+    if args.profile:
+        return profile_batch8(runner, batch8, args.profile)
     N = args.new_tokens
     # The mixed case gives the eight requests different output budgets (N/4 … N), as a server sees them:
     # the runner's batch shrinks as requests finish, a static batch keeps computing finished rows.
@@ -304,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     runner_decode(runner, batch8, [4] * len(batch8))
     results: dict[str, Any] = {"model": lm.name, "new_tokens": N, "threads": torch.get_num_threads(),
                                "repeats": args.repeats, "batch8_prompt_lengths": lengths,
-                               "packed_weights": not args.no_pack, "load_before": os.getloadavg()[0]}
+                               "packed_weights": not args.no_pack, "dtype": args.dtype,
+                               "rss_after_load_mb": rss_loaded, "load_before": os.getloadavg()[0]}
+    if args.bound_repeats:
+        results["bound"] = weight_bound(runner, args.bound_repeats)
     for name, prompts, budgets in scenarios if not args.only_events else ():
         r = paired(lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
@@ -335,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     results["event_tokens"] = E
     results["trace_bytes"] = os.path.getsize(trace_path)
     results["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    results["rss_end_mb"] = _rss_mb()
     results["load_after"] = os.getloadavg()[0]
     runner.close()
     if args.json:
@@ -364,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r[mode + '_tok_s']:.2f} tok/s, overhead {100 * r['overhead']:+.1f}% (median of "
                       f"{args.digest_pairs} whole-run pairs; quartiles {100 * r['overhead_q1']:+.1f}% to "
                       f"{100 * r['overhead_q3']:+.1f}%)")
-    print(f"peak RSS {results['peak_rss_mb']} MB, threads {results['threads']}, new tokens {N}, "
+    if args.bound_repeats:
+        b = results["bound"]
+        print(f"bandwidth bound ({args.dtype}): one row through every projection reads {b['weight_mb']:.0f} MB in "
+              f"{b['ms']:.2f} ms (median of {args.bound_repeats}): {b['gb_s']:.1f} GB/s, so batch 1 <= "
+              f"{b['tok_s']:.1f} tok/s")
+    print(f"peak RSS {results['peak_rss_mb']} MB (after loading {results['rss_after_load_mb']} MB, at the end "
+          f"{results['rss_end_mb']} MB), dtype {args.dtype}, threads {results['threads']}, new tokens {N}, "
           f"trace {results['trace_bytes']} bytes, load average {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0
 

@@ -31,6 +31,7 @@ __all__ = [
     "convert_embedded",
     "load_model",
     "tiny_llama",
+    "DTYPES",
 ]
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -38,6 +39,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MANIFEST = "kvdoctor-manifest.json"
 _MANIFEST_VERSION = 1
 _CHUNK = 1 << 22
+# The dtypes the runner computes in (weights and KV): fp32, and bf16, which halves the weights every
+# decode step reads (the step is bound by reading them) and the cache.
+DTYPES = ("float32", "bfloat16")
 
 
 class ModelLoadError(Exception):

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
+from .engine.model import DTYPES
 from .errors import UsageError
 from .stop_signals import interrupt_on_stop_signals, reraise
 
@@ -78,6 +79,7 @@ class DemoConfig:
     prefix_cache: bool = False      # cache full blocks by content; every request opens with SYSTEM_PROMPT
     speculative: bool = False       # prompt-lookup drafts verified each decode step (engine.speculative)
     parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
+    dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -90,7 +92,8 @@ def run_demo(cfg: DemoConfig) -> int:
     from .probes import ENV_PROBES, attach_to_cache
 
     parent = os.getppid() if cfg.parent is None else cfg.parent
-    lm = tiny_llama(num_layers=4, max_position_embeddings=2048) if cfg.model == "tiny" else load_model(cfg.model)
+    lm = (tiny_llama(num_layers=4, max_position_embeddings=2048, dtype=cfg.dtype) if cfg.model == "tiny"
+          else load_model(cfg.model, dtype=cfg.dtype))
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
         host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name}, prefix_cache=cfg.prefix_cache,
@@ -142,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-cache", action="store_true",
                    help="cache full blocks by content; every request opens with the same chat system prompt")
     p.add_argument("--speculative", action="store_true", help="speculative decoding with prompt-lookup drafts")
+    p.add_argument("--dtype", choices=DTYPES, default=DemoConfig.dtype, help="the model's and the cache's dtype")
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps, device_blocks=a.device_blocks,
                      seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache, speculative=a.speculative,
-                     parent=os.getppid())
+                     dtype=a.dtype, parent=os.getppid())
     with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
         try:
             run_demo(cfg)

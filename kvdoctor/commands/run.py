@@ -14,6 +14,7 @@ import sys
 import time
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting, engine_settings
+from ..engine.model import DTYPES
 
 NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
@@ -50,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input), for long inputs")
     p.add_argument("--model", metavar="PATH", help="a local Hugging Face Llama-family checkpoint directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights, activations and KV cache in this dtype (default float32)")
     p.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="tokens to generate (default 64)")
     p.add_argument("--greedy", action="store_true", help="take the most likely token (default: sample)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from ..trace import TraceWriter
 
     try:
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, dtype=args.dtype)
         runner = Runner.create(
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
@@ -205,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "swaps": stats["swaps"],
         "trace": args.trace,
         "fault": args.fault,
+        "dtype": runner.cache.config.dtype,  # the model's compute dtype, and the cache's unless --codec says otherwise
         "codec": runner.cache.config.codec,  # as given: one name, "mixed", or {tier: codec}
         "tier_codecs": runner.cache.config.tier_codecs,
         "peak_kv_bytes": stats["peak_kv_bytes"],  # the most resident at a step's end, each block in its codec's bytes

@@ -104,6 +104,25 @@ def test_verify_choices_are_the_engines_modes():
     assert run_cmd.VERIFY_MODES == VERIFY_MODES
 
 
+def test_run_in_bfloat16_computes_and_caches_in_bfloat16(checkpoint, capsys):
+    # GIVEN the fp32 checkpoint run greedily in each dtype
+    args = ["--model", str(checkpoint), "--prompt", "w5 w6 w7", "--greedy", "--max-new-tokens", "4", "--json"]
+    fp32 = json.loads(_run(capsys, *args)[1])
+    code, out, _ = _run(capsys, *args, "--dtype", "bfloat16")
+    # THEN the bf16 run works and says the cache holds bf16, where the default stays fp32
+    assert code == 0
+    bf16 = json.loads(out)
+    assert fp32["dtype"] == "float32" and bf16["dtype"] == "bfloat16"
+    assert len(bf16["token_ids"]) == 4
+
+
+def test_an_unknown_dtype_is_a_usage_error(checkpoint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--model", str(checkpoint), "--prompt", "w5", "--dtype", "float8"])
+    assert exc.value.code == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
 def test_prefix_cache_serves_a_repeated_prompt_from_the_first_requests_blocks(checkpoint, tmp_path, capsys):
     # GIVEN a 10-token prompt in blocks of 4, run twice one after another
     prompt = " ".join(f"w{i}" for i in range(5, 15))

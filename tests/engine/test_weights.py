@@ -87,3 +87,24 @@ def test_runner_tokens_do_not_depend_on_packing(model):
     # AND the Hugging Face model still generates with its (now fused) weights
     out = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, len(PROMPTS[0]) + 4)
+
+
+def _near_tie(logits: torch.Tensor) -> bool:
+    """The two largest logits within a few bf16 roundings of each other (bf16 keeps 8 significant bits)."""
+    top = logits.float().topk(2).values
+    return bool(top[0] - top[1] <= 4 * 2.0 ** -8 * top[0].abs().clamp(min=1.0))
+
+
+def test_bf16_runner_tokens_match_transformers_bf16_generate():
+    # GIVEN a model in bf16: the runner's weights, activations and cache are bf16 like transformers' own
+    model = tiny_llama(hidden_size=128, intermediate_size=256, dtype="bfloat16").model
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        assert runner.cache.config.dtype == "bfloat16" and runner.dtype == torch.bfloat16
+        outs = runner.generate(PROMPTS, max_new_tokens=12, keep_logits=True)
+    # WHEN transformers' generate decodes the same prompts greedily in bf16
+    for prompt, ours in zip(PROMPTS, outs):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        ref = ref[0, len(prompt):].tolist()
+        # THEN the tokens are the same, or they part first where the runner's top two logits nearly tie
+        first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b), None)
+        assert first is None or _near_tie(ours.logits[first]), (first, ours.token_ids, ref)
