@@ -14,15 +14,13 @@ import sys
 import time
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting, engine_settings
+from ..engine.faults import FAULTS
 from ..engine.model import DTYPES
 
 NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
 
-# The fault names, kept here so --help needs no engine import; kept equal to engine.faults.FAULTS by a test.
-FAULT_NAMES = ("leak-swapped", "stale-version", "stale-staging", "batch-misalign", "attention-nan", "overwrite-foreign",
-               "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one", "prefix-unsalted", "prefix-overwritten",
-               "prefix-freed-in-use", "spec-rollback-uncut")
+FAULT_NAMES = tuple(FAULTS)  # engine.faults is light (no torch), so --help stays fast
 # Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
 VERIFY_MODES = ("off", "sample", "full")
 
