@@ -14,6 +14,14 @@ from engine_support import Recorder, tiny_config
 
 
 @pytest.fixture(scope="module")
+def smol():
+    """The embedded SmolLM2, loaded once per module that asks for it (the slow modules)."""
+    from kvdoctor.engine.model import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     # CI runners and shared machines are oversubscribed; with two OpenMP threads each small
     # decode matmul can wait on a descheduled thread, making the run several times slower.

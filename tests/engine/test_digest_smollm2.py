@@ -8,26 +8,16 @@ fourth takes slots the first left behind (what stale-slot needs), every read ver
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvdoctor.checks import make_suite
 from kvdoctor.engine.faults import CONTENT_FAULTS
-from kvdoctor.engine.model import load_model
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
          "Caches are a good example of"]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # predictable time on a shared machine (see test_runner_smollm2)
-    yield load_model()
-    torch.set_num_threads(before)
 
 
 def run(smol, fault):

@@ -6,17 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor.demo import PROMPTS, SYSTEM_PROMPT
-from kvdoctor.engine.model import load_model
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.session import Session
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model()
 
 
 def serve(smol, prefix_cache: bool):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvdoctor.engine.hf import EngineCache, use_kvdoctor_attention
-from kvdoctor.engine.model import convert_embedded, converted_dir, load_model, verify_copy
+from kvdoctor.engine.model import convert_embedded, converted_dir, verify_copy
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.events import Attn, SwapIn, SwapOut
@@ -31,11 +31,6 @@ TEXTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who had never "
     "left the harbour. Every morning he mended his nets and watched the boats go out, and one day",
 ]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvdoctor.engine.model import load_model
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
 from kvdoctor.engine.speculative import NgramDrafter
@@ -19,11 +18,6 @@ TEXTS = [
     "fixed-size blocks, and swaps them to host memory when the device is full.",
     "Write a short poem about the sea.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model()
 
 
 def serve(smol, speculative: bool):
