@@ -17,8 +17,10 @@ from typing import Any
 from .faults import FAULTS
 
 VERIFY_MODES = ("off", "sample", "full")  # content digests: see engine.digest
+DISK_IO_MODES = ("auto", "direct", "buffered")  # disk arena I/O: see engine.storage.DiskArena
 
-__all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED", "VERIFY_MODES"]
+__all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED", "VERIFY_MODES",
+           "DISK_IO_MODES"]
 
 
 class Tier(StrEnum):
@@ -93,6 +95,9 @@ class EngineConfig:
     importance_weight: float = 1.0
     prefetch_depth: int = 4  # blocks brought up ahead per prefetch request; 0 switches prefetch off
     disk_dir: str | None = None  # parent of the private spill directory; None -> the system temp dir
+    # Disk arena I/O: "direct" (O_DIRECT, bypassing the page cache), "buffered", or "auto": direct where the
+    # spill directory's filesystem takes it, else buffered (engine.storage.DiskArena; the trace header says which)
+    disk_io: str = "auto"
     checksums: bool = True
     fault: str | None = None
     # Content digests (engine.digest): verify "full" (every read), "sample" (one block of every
@@ -157,6 +162,8 @@ class EngineConfig:
         _int_in("prefetch_depth", self.prefetch_depth, 0, 1 << 16)
         if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
             raise _bad("disk_dir", self.disk_dir, "a directory path or None")
+        if self.disk_io not in DISK_IO_MODES:
+            raise _bad("disk_io", self.disk_io, f"one of {', '.join(DISK_IO_MODES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise _bad("fault", self.fault, f"None or one of {', '.join(FAULTS)}")
         if self.verify is not None and self.verify not in VERIFY_MODES:

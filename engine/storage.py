@@ -23,21 +23,27 @@ that only ever holds its own codec has exactly the slots it would have alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import mmap
 import os
 import shutil
 import tempfile
+import threading
 import weakref
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from .checksum import copy_sum, sum64_rows
 from .config import EngineConfig, Tier
 from .errors import StorageError
 
-__all__ = ["Arena", "TensorArena", "DiskArena", "TierArenas", "make_arena", "runs"]
+__all__ = ["Arena", "TensorArena", "DiskArena", "TierArenas", "make_arena", "runs", "DISK_ALIGN", "IO_PIECE"]
+
+DISK_ALIGN = 4096  # O_DIRECT wants file offsets, lengths and buffer addresses aligned to the device's block
+IO_PIECE = 8 << 20  # bytes per disk call: large sequential transfers, yet a piece's checksum reads from cache
 
 
 def runs(src: list[int], dst: list[int], src_chunk: int, dst_chunk: int) -> Iterator[tuple[int, int, int]]:
@@ -162,16 +168,36 @@ class TensorArena(Arena):
 
 
 class DiskArena(Arena):
-    """Memory-mapped spill files, one per chunk, in a private directory (0700, files 0600).
+    """Spill files, one per chunk, in a private directory (0700, files 0600), written and read with
+    ``O_DIRECT`` where the filesystem takes it.
 
-    Each chunk file is preallocated with ``posix_fallocate`` so that a full disk is
-    reported as ``StorageError`` when the arena grows, never as a fault while a swap
-    writes through the mapping. ``close`` unmaps and deletes the directory.
+    *Layout.* Slot ``s`` of a chunk starts at byte ``s * stride`` of its file, ``stride`` being the
+    block's bytes rounded up to ``DISK_ALIGN`` (4 KiB), so every block can be moved by direct I/O.
+
+    *I/O.* ``write`` and ``read`` move a run of neighbouring slots in calls of up to ``IO_PIECE`` bytes:
+    a swap of many blocks becomes a few large sequential transfers. With ``O_DIRECT`` (``io ==
+    "direct"``) the kernel moves the bytes between the device and an aligned bounce buffer (one per
+    thread: the prefetch worker and the caller may move at once) without the page cache, and the one CPU
+    pass, bounce to arena or back, takes the checksum on the way (``checksum.copy_sum``). Where the
+    filesystem refuses ``O_DIRECT`` (some overlay and network filesystems, older tmpfs) the arena finds
+    out by trying once, at creation, in its directory, and falls back to buffered ``pread``/``pwrite``
+    straight into the caller's rows; ``config.disk_io`` forces either mode.
+
+    *Views.* ``view`` maps the files, for the few accesses that are not bulk moves (content digests, the
+    long-context staging area's per-layer reads, faults and tests). Those go through the page cache;
+    Linux keeps them coherent with direct I/O (a direct write drops the cached pages of its range,
+    mapped ones included; a direct read first writes back dirty ones), and distinct slots never share a
+    page, so a move on one thread never races a view of another slot.
+
+    Each chunk file is preallocated with ``posix_fallocate`` so that a full disk is reported as
+    ``StorageError`` when the arena grows, never as a fault (``SIGBUS`` through the mapping, ``ENOSPC``
+    from a write) in the middle of a swap. ``close`` closes, unmaps and deletes the directory.
     """
 
     def __init__(self, tier: str, config: EngineConfig, codec: str | None = None) -> None:
         super().__init__(tier, config, codec)
         self.device = torch.device("cpu")
+        self.stride = -(-self.bytes_per_block // DISK_ALIGN) * DISK_ALIGN  # file bytes per slot
         try:
             self.dir = tempfile.mkdtemp(prefix="kvdoctor-spill-", dir=config.disk_dir)  # mode 0700
         except OSError as exc:
@@ -179,8 +205,35 @@ class DiskArena(Arena):
                                exc.strerror or str(exc)) from exc
         self._maps: list[mmap.mmap] = []
         self._chunks: list[torch.Tensor] = []
+        self._fds: list[int] = []  # one per chunk, opened in ``io`` mode
+        self._local = threading.local()  # per-thread bounce buffer (direct I/O)
         # spill files must not outlive the process even if nobody calls close()
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
+        self._cleanup = weakref.finalize(self, _remove, self.dir, self._fds)
+        self.io = self._choose_io(config.disk_io)
+
+    def _choose_io(self, wanted: str) -> str:
+        """``"direct"`` if the spill directory takes an aligned ``O_DIRECT`` read (tried on a sparse probe file,
+        so a full disk does not decide it), else ``"buffered"``; ``wanted="direct"`` makes a refusal an error."""
+        if wanted == "buffered":
+            return "buffered"
+        probe = os.path.join(self.dir, "probe.direct")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+            try:
+                if not getattr(os, "O_DIRECT", 0):
+                    raise OSError(_errno.EOPNOTSUPP, "O_DIRECT is not available on this platform")
+                os.ftruncate(fd, DISK_ALIGN)
+                os.preadv(fd, [_aligned(DISK_ALIGN)], 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if wanted == "direct" or exc.errno not in _NO_DIRECT:
+                raise StorageError(self.tier, "use O_DIRECT", exc.errno, self.dir, exc.strerror or str(exc)) from exc
+            return "buffered"
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        return "direct"
 
     def path(self, chunk: int) -> str:
         return os.path.join(self.dir, f"chunk-{chunk:05d}.kv")
@@ -191,7 +244,7 @@ class DiskArena(Arena):
         if n <= 0:
             return range(old, old)
         path = self.path(len(self._chunks))
-        size = n * self.bytes_per_block
+        size = n * self.stride
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -199,20 +252,91 @@ class DiskArena(Arena):
         try:
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size)
+            if self.io == "direct":
+                io_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                os.close(fd)
+            else:
+                io_fd = fd
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
             raise StorageError(self.tier, f"reserve {size} bytes", exc.errno, path, exc.strerror or str(exc)) from exc
-        os.close(fd)  # the mapping keeps the file open
-        raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+        raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)).view(n, self.stride)[:, : self.bytes_per_block]
         self._maps.append(mm)
-        self._chunks.append(raw.view(self.dtype).view(n, *self.block_shape))
+        self._fds.append(io_fd)
+        self._chunks.append(raw.view(self.dtype).view(n, *self.block_shape))  # (n, L, H, R), rows ``stride`` apart
         self.num_slots = old + n
         return range(old, old + n)
 
     def view(self, start: int, n: int) -> torch.Tensor:
         c, off = divmod(start, self.chunk)
         return self._chunks[c][off : off + n]
+
+    def write(self, start: int, rows: np.ndarray, *, checksum: bool = False) -> list[int] | None:
+        """Store ``rows`` (``(n, bytes_per_block)`` uint8, whole blocks) in slots ``start … start+n-1`` (one
+        chunk); with ``checksum``, each block's checksum, taken in the same pass."""
+        return self._move(start, rows, checksum, write=True)
+
+    def read(self, start: int, rows: np.ndarray, *, checksum: bool = False) -> list[int] | None:
+        """Load slots ``start … start+n-1`` (one chunk) into ``rows`` (``(n, bytes_per_block)`` uint8); with
+        ``checksum``, each block's checksum, taken in the same pass."""
+        return self._move(start, rows, checksum, write=False)
+
+    def _move(self, start: int, rows: np.ndarray, checksum: bool, *, write: bool) -> list[int] | None:
+        c, off = divmod(start, self.chunk)
+        n, bpb = rows.shape[0], self.bytes_per_block
+        assert rows.shape == (n, bpb) and rows.dtype == np.uint8 and off + n <= self._chunk_len(c), (
+            f"{rows.shape} {rows.dtype} at slot {start}: chunk {c} holds {self._chunk_len(c)} slots of {bpb} bytes")
+        fd, per = self._fds[c], max(1, min(IO_PIECE // self.stride, _IOV_MAX // 2))
+        sums: list[int] = []
+        for i in range(0, n, per):
+            part = rows[i : i + per]
+            pos = (off + i) * self.stride
+            try:
+                if self.io == "direct":  # through the aligned bounce buffer, the checksum taken in the copy
+                    bounce = self._bounce(per)[: len(part)]  # (m, stride)
+                    if write:
+                        sums += copy_sum(bounce[:, :bpb], part) if checksum else _copy(bounce[:, :bpb], part)
+                        _transfer(os.pwritev, fd, [bounce], pos)
+                    else:
+                        _transfer(os.preadv, fd, [bounce], pos)
+                        sums += copy_sum(part, bounce[:, :bpb]) if checksum else _copy(part, bounce[:, :bpb])
+                else:  # the kernel copies through the page cache; the sum reads the piece from cache
+                    buffers = self._iovecs(part)
+                    if write:
+                        sums += sum64_rows(part) if checksum else []
+                        _transfer(os.pwritev, fd, buffers, pos)
+                    else:
+                        _transfer(os.preadv, fd, buffers, pos)
+                        sums += sum64_rows(part) if checksum else []
+            except OSError as exc:
+                op = f"{'write' if write else 'read'} {len(part) * self.stride} bytes at offset {pos}"
+                raise StorageError(self.tier, op, exc.errno, self.path(c), exc.strerror or str(exc)) from exc
+        return sums if checksum else None
+
+    def _chunk_len(self, c: int) -> int:
+        return self._chunks[c].shape[0]
+
+    def _iovecs(self, part: np.ndarray) -> list[Any]:
+        """Buffers for one vectored call over ``part``'s slots: the rows, and a pad after each where the
+        stride is longer than a block (buffered I/O needs no alignment, so no bounce copy either)."""
+        if self.stride == self.bytes_per_block and part.flags.c_contiguous:
+            return [part]
+        pad = self._pad()
+        return [x for row in part for x in (row, pad)]
+
+    def _pad(self) -> np.ndarray:
+        pad = getattr(self._local, "pad", None)
+        if pad is None:  # what reads of the padding land in, and what writes of it store (zeros)
+            pad = self._local.pad = np.zeros(self.stride - self.bytes_per_block, dtype=np.uint8)
+        return pad
+
+    def _bounce(self, n: int) -> np.ndarray:
+        """``(n, stride)`` uint8 on a 4 KiB boundary, kept per thread."""
+        b = getattr(self._local, "bounce", None)
+        if b is None or b.shape[0] < n:
+            b = self._local.bounce = _aligned(n * self.stride).reshape(n, self.stride)
+        return b
 
     def close(self) -> None:
         self._chunks.clear()
@@ -224,6 +348,37 @@ class DiskArena(Arena):
         self._maps.clear()
         self.num_slots = 0
         self._cleanup()
+
+
+_IOV_MAX = 1024  # buffers per vectored call (Linux's limit): a padded slot takes two
+_NO_DIRECT = (_errno.EINVAL, _errno.EOPNOTSUPP, _errno.ENOTSUP)  # how a filesystem says it has no O_DIRECT
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` of zeroed uint8 starting on a page (4 KiB) boundary: an anonymous mapping."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> list[int]:
+    np.copyto(dst, src)
+    return []
+
+
+def _transfer(call: Any, fd: int, buffers: list[Any], pos: int) -> None:
+    """One vectored ``pwritev``/``preadv`` of ``buffers`` at ``pos``. On a preallocated regular file it moves
+    every byte or fails; anything less (the file shorter than the arena thinks) is reported as EIO."""
+    want = sum(memoryview(b).nbytes for b in buffers)
+    done = call(fd, buffers, pos)
+    if done != want:
+        raise OSError(_errno.EIO, f"moved {done} of {want} bytes")
+
+
+def _remove(path: str, fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def make_arena(tier: str, config: EngineConfig, codec: str | None = None) -> Arena:

@@ -36,79 +36,69 @@ import torch
 from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
 from .bus import Bus
 from .codecs import Codec, lossier
-from .digest import MASK64, DigestBook
+from .checksum import copy_sum, prepare as prepare_checksums, sum64 as _sum64
+from .digest import DigestBook
 from .config import TIER_NAMES, EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks
 from .faults import Faults
 from .policy import EvictionPolicy
 from .pool import Block, BlockPool
-from .storage import Arena, TierArenas, runs
+from .storage import Arena, DiskArena, TierArenas, runs
 
 __all__ = ["TierManager", "copy_slots"]
 
 _RANK = {t: i for i, t in enumerate(TIER_NAMES)}
 
 
-_PIECE_BYTES = 1 << 20  # copy and checksum in pieces this size, so the checksum reads from cache
-
-
 def copy_slots(
     src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], *, checksum: bool = False,
     non_blocking: bool = False,
 ) -> list[int | None]:
-    """Copy blocks slot by slot, one slice copy per run of neighbouring slots.
+    """Copy blocks slot by slot, one transfer per run of neighbouring slots.
 
-    With ``checksum``, returns each copied block's checksum (in the order given), taken
-    from the destination piece by piece right after it is written, while it is still in
-    cache: the check then costs a fraction of the copy instead of a second trip to memory.
+    With ``checksum``, returns each copied block's checksum (in the order given), taken in the
+    same pass as the copy wherever the bytes pass through the CPU (``checksum.copy_sum``): between
+    arenas in host memory, and to or from the disk, where a run is a few large reads or writes
+    (``DiskArena.read``/``write``). On a GPU the sum is taken where the copy landed.
     """
     order = sorted(range(len(src_slots)), key=src_slots.__getitem__)
     s = [src_slots[i] for i in order]
     d = [dst_slots[i] for i in order]
     sums: dict[int, int] = {}
-    piece = max(1, _PIECE_BYTES // src.bytes_per_block) if checksum else max(len(s), 1)
-    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     for s0, d0, n in runs(s, d, src.chunk, dst.chunk):
-        if on_cpu:
-            # numpy views of the whole run, sliced per piece: a torch view and conversion per piece cost
-            # more than the checksum itself (~50 us each, hundreds of pieces a batch)
-            src_np = src.view(s0, n).view(torch.uint8).numpy().reshape(n, -1)
-            dst_np = dst.view(d0, n).view(torch.uint8).numpy().reshape(n, -1)
-        for off in range(0, n, piece):
-            m = min(piece, n - off)
-            if on_cpu:  # one memcpy: torch's parallel copy stalls on a busy machine for pieces this size
-                out = dst_np[off : off + m]
-                np.copyto(out, src_np[off : off + m])
-                if checksum:
-                    block_sums = _sum64_rows(out)
-            else:
-                out = dst.view(d0 + off, m)
-                out.copy_(src.view(s0 + off, m), non_blocking=non_blocking)
-                if checksum:
-                    block_sums = _sum64(out)
-            if checksum:
-                for i, v in enumerate(block_sums):
-                    sums[d0 + off + i] = v
+        got = _copy_run(src, s0, dst, d0, n, checksum, non_blocking)
+        if got is not None:
+            sums.update(zip(range(d0, d0 + n), got))
     return [sums.get(x) for x in dst_slots]
 
 
-def _sum64(blocks: torch.Tensor) -> list[int]:
-    """64-bit additive checksum of each block of an ``(n, L, H, R)`` tensor, padding included.
+def _copy_run(src: Arena, s0: int, dst: Arena, d0: int, n: int, checksum: bool, non_blocking: bool
+              ) -> list[int] | None:
+    """Slots ``s0 … s0+n-1`` of ``src`` to ``d0 …`` of ``dst`` (one chunk each); their checksums with ``checksum``."""
+    if isinstance(dst, DiskArena):  # a GPU's blocks are fetched to host memory first
+        return dst.write(d0, _rows(src.view(s0, n).cpu()), checksum=checksum)
+    out = dst.view(d0, n)
+    if isinstance(src, DiskArena):
+        if out.device.type == "cpu":
+            return src.read(s0, _rows(out), checksum=checksum)
+        staged = torch.empty(out.shape, dtype=out.dtype)  # (n, L, H, R) in host memory, then up to the GPU
+        got = src.read(s0, _rows(staged), checksum=checksum)
+        out.copy_(staged)
+        return got
+    inp = src.view(s0, n)
+    if out.device.type == "cpu" and inp.device.type == "cpu":
+        # one memcpy-speed pass; torch's parallel copy stalls on a busy machine for batches this size
+        if checksum:
+            return copy_sum(_rows(out), _rows(inp))
+        np.copyto(_rows(out), _rows(inp))
+        return None
+    out.copy_(inp, non_blocking=non_blocking)
+    return _sum64(out) if checksum else None
 
-    A wrapping sum of 64-bit words: any change of one word, a block's bytes landing in
-    another slot, a zeroed or truncated page all change it, and it runs at memory speed,
-    which a cryptographic hash would not. On the CPU numpy's integer reduction is several
-    times faster than torch's.
-    """
-    words = blocks.view(torch.int64).reshape(blocks.shape[0], -1)
-    if words.is_cuda:
-        return [v & MASK64 for v in words.sum(dim=1).tolist()]
-    return _sum64_rows(words.numpy())
 
-
-def _sum64_rows(rows: np.ndarray) -> list[int]:
-    """``_sum64`` of each row of a 2-D numpy array of whole blocks (any dtype, 8-byte multiple rows)."""
-    return [v & MASK64 for v in np.add.reduce(rows.view(np.int64), axis=1).tolist()]
+def _rows(blocks: torch.Tensor) -> np.ndarray:
+    """``(n, bytes_per_block)`` uint8 numpy view of ``n`` whole blocks in host memory (no copy)."""
+    return blocks.view(torch.uint8).numpy().reshape(blocks.shape[0], -1)
 
 
 def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
@@ -125,6 +115,10 @@ def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, ds
         layers = torch.full((n,), layer, dtype=torch.long, device=src.device)
         k, v = src_codec.read(staged[:, layer], layer)  # (n, H, bs, D) each
         out[:, layer] = dst_codec.encode_rows(k, v, layers, dst.block_shape[-1])
+    if isinstance(dst, DiskArena):
+        rows = _rows(out.cpu())
+        got = [dst.write(d, rows[i : i + 1], checksum=checksum) for i, d in enumerate(dst_slots)]
+        return [g[0] if g else None for g in got]
     sums: list[int | None] = []
     for i, d in enumerate(dst_slots):
         view = dst.view(d, 1)
@@ -176,6 +170,8 @@ class TierManager:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.moved: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [blocks, seconds]
+        if config.checksums and len(config.tiers) > 1:
+            prepare_checksums()  # a second's set-up at start, not inside the first swap of a decode step
 
     # ---- room ----
     def slower(self, tier: str) -> str | None:

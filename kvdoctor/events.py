@@ -72,6 +72,7 @@ class TierSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     capacity_blocks: int
     codec: str | None = None  # how the tier stores new blocks ("fp16", "int8", "nf4"; "mixed" for a mixed device)
+    io: str | None = None  # disk tier: "direct" (O_DIRECT, no page cache) or "buffered" (through the page cache)
 
 
 class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="header"):

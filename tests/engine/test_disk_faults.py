@@ -78,7 +78,7 @@ def test_corrupted_spill_file_surfaces_a_checksum_error(make_cache):
     # WHEN someone scribbles over that block in the spill file
     chunk, local = divmod(blk.slot, disk.chunk)
     with open(disk.path(chunk), "r+b") as fh:
-        fh.seek(local * r.cache.config.bytes_per_block + 100)
+        fh.seek(local * disk.stride + 100)
         fh.write(b"\xde\xad\xbe\xef")
     # THEN bringing the sequence back raises, with the numbers, and emits checksum_error
     with pytest.raises(ChecksumMismatch) as exc:
