@@ -170,8 +170,8 @@ class TierManager:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.moved: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [blocks, seconds]
-        if config.checksums and len(config.tiers) > 1:
-            prepare_checksums()  # a second's set-up at start, not inside the first swap of a decode step
+        if config.checksums and (Tier.DISK in config.tiers or (not config.is_cuda and len(config.tiers) > 1)):
+            prepare_checksums()  # the kernel for copies through host memory: set up at start, not in a decode step
 
     # ---- room ----
     def slower(self, tier: str) -> str | None:
