@@ -44,6 +44,7 @@ __all__ = ["Arena", "TensorArena", "DiskArena", "TierArenas", "make_arena", "run
 
 DISK_ALIGN = 4096  # O_DIRECT wants file offsets, lengths and buffer addresses aligned to the device's block
 IO_PIECE = 8 << 20  # bytes per disk call: large sequential transfers, yet a piece's checksum reads from cache
+Blocks = np.ndarray | list[np.ndarray]  # whole blocks as uint8: (n, bytes_per_block), or n rows from anywhere
 
 
 def runs(src: list[int], dst: list[int], src_chunk: int, dst_chunk: int) -> Iterator[tuple[int, int, int]]:
@@ -272,21 +273,22 @@ class DiskArena(Arena):
         c, off = divmod(start, self.chunk)
         return self._chunks[c][off : off + n]
 
-    def write(self, start: int, rows: np.ndarray, *, checksum: bool = False) -> list[int] | None:
-        """Store ``rows`` (``(n, bytes_per_block)`` uint8, whole blocks) in slots ``start … start+n-1`` (one
-        chunk); with ``checksum``, each block's checksum, taken in the same pass."""
+    def write(self, start: int, rows: Blocks, *, checksum: bool = False) -> list[int] | None:
+        """Store ``rows`` (whole blocks as uint8: an ``(n, bytes_per_block)`` array, or a list of ``n`` block rows
+        gathered from anywhere) in slots ``start … start+n-1`` (one chunk); with ``checksum``, each block's
+        checksum, taken in the same pass."""
         return self._move(start, rows, checksum, write=True)
 
-    def read(self, start: int, rows: np.ndarray, *, checksum: bool = False) -> list[int] | None:
-        """Load slots ``start … start+n-1`` (one chunk) into ``rows`` (``(n, bytes_per_block)`` uint8); with
-        ``checksum``, each block's checksum, taken in the same pass."""
+    def read(self, start: int, rows: Blocks, *, checksum: bool = False) -> list[int] | None:
+        """Load slots ``start … start+n-1`` (one chunk) into ``rows`` (as for ``write``: an array, or a list of
+        block rows to scatter into); with ``checksum``, each block's checksum, taken in the same pass."""
         return self._move(start, rows, checksum, write=False)
 
-    def _move(self, start: int, rows: np.ndarray, checksum: bool, *, write: bool) -> list[int] | None:
+    def _move(self, start: int, rows: Blocks, checksum: bool, *, write: bool) -> list[int] | None:
         c, off = divmod(start, self.chunk)
-        n, bpb = rows.shape[0], self.bytes_per_block
-        assert rows.shape == (n, bpb) and rows.dtype == np.uint8 and off + n <= self._chunk_len(c), (
-            f"{rows.shape} {rows.dtype} at slot {start}: chunk {c} holds {self._chunk_len(c)} slots of {bpb} bytes")
+        n, bpb = len(rows), self.bytes_per_block
+        assert all(r.shape == (bpb,) and r.dtype == np.uint8 for r in rows) and off + n <= self._chunk_len(c), (
+            f"{n} rows at slot {start}: chunk {c} holds {self._chunk_len(c)} slots of {bpb} uint8")
         fd, per = self._fds[c], max(1, min(IO_PIECE // self.stride, _IOV_MAX // 2))
         sums: list[int] = []
         for i in range(0, n, per):
@@ -296,19 +298,19 @@ class DiskArena(Arena):
                 if self.io == "direct":  # through the aligned bounce buffer, the checksum taken in the copy
                     bounce = self._bounce(per)[: len(part)]  # (m, stride)
                     if write:
-                        sums += copy_sum(bounce[:, :bpb], part) if checksum else _copy(bounce[:, :bpb], part)
+                        sums += _copy_rows(bounce[:, :bpb], part, checksum)
                         _transfer(os.pwritev, fd, [bounce], pos)
                     else:
                         _transfer(os.preadv, fd, [bounce], pos)
-                        sums += copy_sum(part, bounce[:, :bpb]) if checksum else _copy(part, bounce[:, :bpb])
+                        sums += _copy_rows(part, bounce[:, :bpb], checksum)
                 else:  # the kernel copies through the page cache; the sum reads the piece from cache
                     buffers = self._iovecs(part)
                     if write:
-                        sums += sum64_rows(part) if checksum else []
+                        sums += _sum_rows(part) if checksum else []
                         _transfer(os.pwritev, fd, buffers, pos)
                     else:
                         _transfer(os.preadv, fd, buffers, pos)
-                        sums += sum64_rows(part) if checksum else []
+                        sums += _sum_rows(part) if checksum else []
             except OSError as exc:
                 op = f"{'write' if write else 'read'} {len(part) * self.stride} bytes at offset {pos}"
                 raise StorageError(self.tier, op, exc.errno, self.path(c), exc.strerror or str(exc)) from exc
@@ -317,11 +319,11 @@ class DiskArena(Arena):
     def _chunk_len(self, c: int) -> int:
         return self._chunks[c].shape[0]
 
-    def _iovecs(self, part: np.ndarray) -> list[Any]:
+    def _iovecs(self, part: Blocks) -> list[Any]:
         """Buffers for one vectored call over ``part``'s slots: the rows, and a pad after each where the
         stride is longer than a block (buffered I/O needs no alignment, so no bounce copy either)."""
-        if self.stride == self.bytes_per_block and part.flags.c_contiguous:
-            return [part]
+        if self.stride == self.bytes_per_block:
+            return [part] if isinstance(part, np.ndarray) and part.flags.c_contiguous else list(part)
         pad = self._pad()
         return [x for row in part for x in (row, pad)]
 
@@ -359,9 +361,21 @@ def _aligned(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
-def _copy(dst: np.ndarray, src: np.ndarray) -> list[int]:
-    np.copyto(dst, src)
-    return []
+def _copy_rows(dst: Blocks, src: Blocks, checksum: bool) -> list[int]:
+    """Copy whole blocks (arrays: one call; lists of rows: one per block); their checksums with ``checksum``."""
+    pairs = ([(dst, src)] if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
+             else [(d[None], s_[None]) for d, s_ in zip(dst, src)])
+    sums: list[int] = []
+    for d, s_ in pairs:
+        if checksum:
+            sums += copy_sum(d, s_)
+        else:
+            np.copyto(d, s_)
+    return sums
+
+
+def _sum_rows(rows: Blocks) -> list[int]:
+    return sum64_rows(rows) if isinstance(rows, np.ndarray) else [sum64_rows(r[None])[0] for r in rows]
 
 
 def _transfer(call: Any, fd: int, buffers: list[Any], pos: int) -> None:

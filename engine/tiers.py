@@ -54,46 +54,68 @@ def copy_slots(
     src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], *, checksum: bool = False,
     non_blocking: bool = False,
 ) -> list[int | None]:
-    """Copy blocks slot by slot, one transfer per run of neighbouring slots.
+    """Copy blocks slot by slot: between memory arenas one slice copy per run of slots neighbouring on both
+    sides; to or from the disk one transfer per run of neighbouring *disk* slots (``_disk_copy``).
 
     With ``checksum``, returns each copied block's checksum (in the order given), taken in the
-    same pass as the copy wherever the bytes pass through the CPU (``checksum.copy_sum``): between
-    arenas in host memory, and to or from the disk, where a run is a few large reads or writes
-    (``DiskArena.read``/``write``). On a GPU the sum is taken where the copy landed.
+    same pass as the copy wherever the bytes pass through the CPU (``checksum.copy_sum``). On a
+    GPU the sum is taken where the copy landed.
     """
+    if isinstance(dst, DiskArena) or isinstance(src, DiskArena):
+        return _disk_copy(src, src_slots, dst, dst_slots, checksum)
     order = sorted(range(len(src_slots)), key=src_slots.__getitem__)
     s = [src_slots[i] for i in order]
     d = [dst_slots[i] for i in order]
     sums: dict[int, int] = {}
     for s0, d0, n in runs(s, d, src.chunk, dst.chunk):
-        got = _copy_run(src, s0, dst, d0, n, checksum, non_blocking)
-        if got is not None:
-            sums.update(zip(range(d0, d0 + n), got))
+        out, inp = dst.view(d0, n), src.view(s0, n)
+        if out.device.type == "cpu" and inp.device.type == "cpu":
+            # one memcpy-speed pass; torch's parallel copy stalls on a busy machine for batches this size
+            if checksum:
+                sums.update(zip(range(d0, d0 + n), copy_sum(_rows(out), _rows(inp))))
+            else:
+                np.copyto(_rows(out), _rows(inp))
+        else:
+            out.copy_(inp, non_blocking=non_blocking)
+            if checksum:
+                sums.update(zip(range(d0, d0 + n), _sum64(out)))
     return [sums.get(x) for x in dst_slots]
 
 
-def _copy_run(src: Arena, s0: int, dst: Arena, d0: int, n: int, checksum: bool, non_blocking: bool
-              ) -> list[int] | None:
-    """Slots ``s0 … s0+n-1`` of ``src`` to ``d0 …`` of ``dst`` (one chunk each); their checksums with ``checksum``."""
-    if isinstance(dst, DiskArena):  # a GPU's blocks are fetched to host memory first
-        return dst.write(d0, _rows(src.view(s0, n).cpu()), checksum=checksum)
-    out = dst.view(d0, n)
-    if isinstance(src, DiskArena):
-        if out.device.type == "cpu":
-            return src.read(s0, _rows(out), checksum=checksum)
-        staged = torch.empty(out.shape, dtype=out.dtype)  # (n, L, H, R) in host memory, then up to the GPU
-        got = src.read(s0, _rows(staged), checksum=checksum)
-        out.copy_(staged)
-        return got
-    inp = src.view(s0, n)
-    if out.device.type == "cpu" and inp.device.type == "cpu":
-        # one memcpy-speed pass; torch's parallel copy stalls on a busy machine for batches this size
-        if checksum:
-            return copy_sum(_rows(out), _rows(inp))
-        np.copyto(_rows(out), _rows(inp))
-        return None
-    out.copy_(inp, non_blocking=non_blocking)
-    return _sum64(out) if checksum else None
+def _disk_copy(src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], checksum: bool
+               ) -> list[int | None]:
+    """``copy_slots`` to or from the disk: runs follow the disk's slots alone, so blocks scattered in memory
+    still make one large transfer, gathered into (or scattered from) it in the pass that takes the checksum.
+    A GPU's blocks go through host memory."""
+    write = isinstance(dst, DiskArena)
+    disk, mem = (dst, src) if write else (src, dst)
+    assert not isinstance(mem, DiskArena), "disk to disk is no tier move"
+    disk_slots, mem_slots = (dst_slots, src_slots) if write else (src_slots, dst_slots)
+    order = sorted(range(len(disk_slots)), key=disk_slots.__getitem__)
+    ks = [disk_slots[i] for i in order]
+    whole = mem.view(0, mem.num_slots)  # a memory arena is one tensor: (num_slots, L, H, R)
+    host = _rows(whole) if whole.device.type == "cpu" else None
+    out: list[int | None] = [None] * len(order)
+    i = 0
+    for k0, _, n in runs(ks, ks, disk.chunk, disk.chunk):
+        slots = [mem_slots[j] for j in order[i : i + n]]
+        if host is not None:  # a 2-D slice where the memory slots neighbour too, else the blocks' rows
+            rows = host[slots[0] : slots[0] + n] if slots == list(range(slots[0], slots[0] + n)) \
+                else [host[m] for m in slots]
+            got = disk.write(k0, rows, checksum=checksum) if write else disk.read(k0, rows, checksum=checksum)
+        else:
+            idx = torch.tensor(slots, device=whole.device)
+            if write:
+                got = disk.write(k0, _rows(whole.index_select(0, idx).cpu()), checksum=checksum)
+            else:
+                staged = torch.empty((n, *whole.shape[1:]), dtype=whole.dtype)  # (n, L, H, R) in host memory
+                got = disk.read(k0, _rows(staged), checksum=checksum)
+                whole[idx] = staged.to(whole.device)
+        if got is not None:
+            for j, c in zip(order[i : i + n], got):
+                out[j] = c
+        i += n
+    return out
 
 
 def _rows(blocks: torch.Tensor) -> np.ndarray:

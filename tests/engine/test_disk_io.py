@@ -111,9 +111,12 @@ def test_write_then_read_round_trips_with_checksums_and_views_agree(tmp_path_fac
         a.close()
 
 
-def test_a_swap_of_neighbouring_slots_is_a_few_large_transfers(tmp_path, monkeypatch):
-    # GIVEN 12 host blocks and a disk arena, counted at the system call
-    c = cfg(tmp_path, head_dim=64, block_size=16, disk_blocks=64, host_blocks=64, chunk_blocks=64)
+@pytest.mark.parametrize("mode, head_dim, block_size", [("auto", 64, 16), ("buffered", 64, 16), ("auto", 8, 4),
+                                                       ("buffered", 8, 4)])  # 32 KiB blocks, and 1 KiB ones padded
+def test_a_swap_to_neighbouring_disk_slots_is_a_few_large_transfers(tmp_path, monkeypatch, mode, head_dim, block_size):
+    # GIVEN host blocks and a disk arena, counted at the system call
+    c = cfg(tmp_path, head_dim=head_dim, block_size=block_size, disk_blocks=64, host_blocks=64, chunk_blocks=64,
+            disk_io=mode)
     host, disk = TensorArena("host", c, "cpu"), DiskArena("disk", c)
     host.grow()
     disk.grow()
@@ -123,15 +126,15 @@ def test_a_swap_of_neighbouring_slots_is_a_few_large_transfers(tmp_path, monkeyp
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda fd, bufs, pos, _real=real, _name=name: calls.append(_name) or _real(fd, bufs, pos))
     try:
-        # WHEN 40 blocks in two runs of neighbouring slots go to disk and come back
-        src = list(range(0, 20)) + list(range(30, 50))
+        # WHEN 40 blocks scattered in host memory go to two runs of neighbouring disk slots, and come back
+        src = list(range(0, 40, 2)) + list(range(63, 43, -1))
         dst = list(range(10, 30)) + list(range(40, 60))
         sums_out = copy_slots(host, src, disk, dst, checksum=True)
         back = list(range(0, 40))
         host.view(0, 64).zero_()
         sums_in = copy_slots(disk, dst, host, back, checksum=True)
-        # THEN each run is moved in calls of up to IO_PIECE bytes, not one call per block
-        per_run = -(-20 * disk.stride // IO_PIECE)
+        # THEN each disk run is moved in calls of up to IO_PIECE bytes, not one call per block
+        per_run = -(-20 * disk.stride // IO_PIECE)  # (and never more than 512 blocks a call)
         assert calls.count("pwritev") == calls.count("preadv") == 2 * per_run < 40
         # AND the checksums taken leaving and arriving match (the bytes survived the round trip)
         assert sums_out == sums_in and None not in sums_out
