@@ -4,14 +4,15 @@ Layout, the same in every arena: slot ``s`` holds one block as ``(L, H, R)``
 elements, where row ``(l, h)`` is that head's K (``block_size x head_dim``) then
 its V, padded to 128 bytes (``EngineConfig.row_elems``). Keeping a head's K and V
 together makes a block one contiguous run of bytes, so a tier move is a slice
-copy and a checksum is one reduction.
+copy (or one disk transfer) and its checksum is taken in the same pass.
 
 Arenas grow by ``chunk_blocks`` up to their capacity and never shrink; freed slots
 are reused by the pool. The device and host arenas are a single tensor (growth
 copies it, a rare event, so paged attention can index one tensor); the disk arena
-is one memory-mapped file per chunk in a private directory, so it grows without
-copying and a full disk fails at growth (the file is preallocated) rather than
-with a SIGBUS in the middle of a swap.
+is one preallocated spill file per chunk in a private directory, read and written
+with O_DIRECT where the filesystem allows (``DiskArena``), so it grows without
+copying and a full disk fails at growth rather than with a SIGBUS or ENOSPC in the
+middle of a swap.
 
 A tier holds blocks of several codecs when its blocks may arrive lossier than its
 own codec (a block that went to disk as nf4 comes back to the device as nf4), so
