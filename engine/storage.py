@@ -193,7 +193,9 @@ class DiskArena(Arena):
 
     Each chunk file is preallocated with ``posix_fallocate`` so that a full disk is reported as
     ``StorageError`` when the arena grows, never as a fault (``SIGBUS`` through the mapping, ``ENOSPC``
-    from a write) in the middle of a swap. ``close`` closes, unmaps and deletes the directory.
+    from a write) in the middle of a swap. Each chunk keeps its file open (one descriptor next to its one
+    mapping), so a spill file deleted under the engine keeps working, as a mapping alone did. ``close``
+    closes, unmaps and deletes the directory.
     """
 
     def __init__(self, tier: str, config: EngineConfig, codec: str | None = None) -> None:
