@@ -32,7 +32,7 @@ __all__ = ["prepare", "copy_sum", "sum64", "sum64_rows"]
 
 @functools.cache
 def _copy_sum_kernel() -> Any:
-    import numba  # imported here: numba's import and the compilation cost a second, paid at the first swap
+    import numba  # imported here: numba's import and the compilation cost a second, paid in prepare()
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def copy_sum_rows(dst: np.ndarray, src: np.ndarray, sums: np.ndarray) -> None:  # pragma: no cover - compiled
