@@ -1,7 +1,7 @@
 """Attention over a step's ``ReadPlan``: device blocks in place, slower tiers' blocks through the staging area.
 
-Each row's keys come in parts (its device-resident blocks, then chunks of streamed blocks no larger than
-the staging area). Attention over each part gives an output normalised within the part and the part's
+Each row's keys come in parts (chunks of streamed blocks no larger than the staging area, the first one read
+together with the row's device-resident blocks). Attention over each part gives an output normalised within the part and the part's
 log-sum-exp of scores; ``merge`` weighs the parts by ``exp(lse_i - lse)`` (the share of the softmax's
 denominator each part holds), which is the softmax over all keys exactly, up to rounding: dense attention
 streamed this way gives the tokens attention over fully resident blocks gives.
@@ -102,22 +102,29 @@ class StreamedAttention:
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         lasts: list[tuple[tuple[BlockLoc, ...], torch.Tensor]] = []
         resident = tuple(b for b in row.resident if wanted is None or wanted[b.pos])
-        if resident:
-            slots = torch.tensor([b.slot for b in resident], dtype=torch.long, device=self.cache.device)
-            k, v = self.cache.read_blocks(layer, slots)  # (n, H_kv, bs, D) each
-            self._part(q, k, v, resident, q_pos, row.kv_len, choice, scale, parts, lasts)
-            for b in resident:
-                self._note(reads, b, "device", b.version)
-            self.step.device_rows += len(resident)
         streamed = tuple(b for b in row.streamed if wanted is None or wanted[b.pos])
         cap = self.staging.capacity
-        for i in range(0, len(streamed), cap):
+        # The resident blocks ride with the first staged chunk: one part fewer to attend over and merge, and the
+        # device holds no more than it does anyway (the resident rows gathered, and the staging area's).
+        for i in range(0, max(len(streamed), 1), cap):
             chunk = streamed[i : i + cap]
-            k, v, versions = self.staging.load(layer, row.seq, chunk)
-            self._part(q, k, v, chunk, q_pos, row.kv_len, choice, scale, parts, lasts)
-            for b, ver in zip(chunk, versions):
-                self._note(reads, b, b.tier, ver)
-            self.step.staged_rows += len(chunk)
+            locs, ks, vs = [], [], []
+            if i == 0 and resident:
+                slots = torch.tensor([b.slot for b in resident], dtype=torch.long, device=self.cache.device)
+                k, v = self.cache.read_blocks(layer, slots)  # (n, H_kv, bs, D) each
+                locs.extend(resident), ks.append(k), vs.append(v)
+                for b in resident:
+                    self._note(reads, b, "device", b.version)
+                self.step.device_rows += len(resident)
+            if chunk:
+                k, v, versions = self.staging.load(layer, row.seq, chunk)
+                locs.extend(chunk), ks.append(k), vs.append(v)
+                for b, ver in zip(chunk, versions):
+                    self._note(reads, b, b.tier, ver)
+                self.step.staged_rows += len(chunk)
+            if locs:
+                k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
+                self._part(q, k, v, tuple(locs), q_pos, row.kv_len, choice, scale, parts, lasts)
         out, lse = merge(parts)
         if self._want_mass:
             self._add_mass(row, parts, lasts, lse)
