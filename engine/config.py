@@ -109,6 +109,9 @@ class EngineConfig:
     sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
     local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
     sparse_block_size: int = 0  # tokens per page top-k selects (a multiple of block_size); 0: block_size
+    # top-k for decode only: a chunk of several queries (prefill) attends to every block, as Quest does, so the keys
+    # and values it stores are the dense model's; False: each query of a chunk reads its own top-k pages too
+    dense_prefill: bool = False
     # Long context (engine.readplan, engine.staging): a running sequence's blocks may live in any tier, and attention
     # reads slower tiers' blocks through a device staging area of this many blocks; 0: every block read is resident
     staging_blocks: int = 0
