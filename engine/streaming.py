@@ -103,7 +103,6 @@ class StreamedAttention:
             choice = self.sparse.choose(q, row.seq, layer, row.num_blocks, row.kv_len)  # (H_kv, S, nb)
         wanted = None if choice is None else choice.any(dim=1).any(dim=0).tolist()  # (nb,) read by some head
         reads = self.step.reads.setdefault(row.seq, {})
-        q_pos = torch.arange(row.kv_len - row.q_len, row.kv_len, device=q.device)
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         lasts: list[tuple[tuple[BlockLoc, ...], torch.Tensor]] = []
         resident = tuple(b for b in row.resident if wanted is None or wanted[b.pos])
@@ -129,7 +128,7 @@ class StreamedAttention:
                 self.step.staged_rows += len(chunk)
             if locs:
                 k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
-                self._part(q, k, v, tuple(locs), q_pos, row.kv_len, choice, scale, parts, lasts)
+                self._part(q, k, v, tuple(locs), row, choice, scale, parts, lasts)
         out, lse = merge(parts)
         if self._want_mass:
             self._add_mass(row, lasts, lse)
@@ -143,17 +142,19 @@ class StreamedAttention:
         if seen is None or version < seen[1]:
             reads[b.block] = (tier, version, b.pos)
 
-    def _part(self, q, k, v, locs, q_pos, kv_len, choice, scale, parts, lasts) -> None:
+    def _part(self, q, k, v, locs, row: RowPlan, choice, scale, parts, lasts) -> None:
         """Attention over one part's blocks ``k``, ``v`` (n, H_kv, bs, D), appended to ``parts``."""
         n, H_kv, bs, D = k.shape
         keys = k.transpose(0, 1).reshape(H_kv, n * bs, D)
         vals = v.transpose(0, 1).reshape(H_kv, n * bs, D)
-        key = (kv_len, len(q_pos), tuple(b.index for b in locs))
+        kv_len = row.kv_len
+        key = (kv_len, row.q_len, tuple(b.index for b in locs))
         if key in self._masks:
             allowed = self._masks[key]
         else:
             index = torch.tensor(key[2], device=q.device)
             pos = (index[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)  # (n*bs,) key positions
+            q_pos = torch.arange(kv_len - row.q_len, kv_len, device=q.device)  # the row's queries are its newest
             allowed = ((pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len))[None]  # (1, S, T)
             self._masks[key] = allowed = None if bool(allowed.all()) else allowed  # older keys: no mask to apply
         if choice is not None:

@@ -227,19 +227,3 @@ def test_streamed_decode_steps_emit_the_resident_attention_statistics(model, tmp
     for (la, *a), (lb, *b) in zip(resident[-tail:], streamed[-tail:]):
         assert la == lb and a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
-
-def test_dense_prefill_gives_the_dense_prompt_and_top_k_only_when_decoding(model):
-    # GIVEN top-1 attention with dense_prefill, and dense attention
-    def run(**config):
-        runner = Runner.create(model, block_size=8, device_blocks=64, **config)
-        runner.cache.add_sequence("a", prompt_len=len(PROMPT))
-        prompt = runner.forward([("a", PROMPT)], all_logits=True)
-        decode = runner.forward([("a", [5])])
-        runner.close()
-        return prompt, decode
-
-    dense_prompt, dense_decode = run()
-    topk_prompt, topk_decode = run(topk=1, dense_prefill=True)
-    # THEN the prompt's logits are the dense ones exactly, and the decode step reads only its picks
-    assert torch.equal(topk_prompt, dense_prompt)
-    assert not torch.allclose(topk_decode, dense_decode)
