@@ -155,7 +155,7 @@ def main() -> int:
     p.add_argument("--topk", type=lambda s: [int(x) for x in s.split(",")], default=[16],
                    help="top-k pages (blocks), comma-separated: one streamed runner each, the first also resident "
                         "(default 16)")
-    p.add_argument("--dense-layers", type=int, default=2, help="first layers read densely under top-k (default 2)")
+    p.add_argument("--dense-layers", type=int, default=0, help="first layers read densely under top-k (default 0)")
     p.add_argument("--eviction", default="hybrid", help="placement policy of the streamed runs (default hybrid)")
     p.add_argument("--texts", default="pydoc,GPL-3", help="texts (default pydoc,GPL-3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
