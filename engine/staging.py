@@ -83,12 +83,6 @@ class StagingArea:
     def _key(self, loc: BlockLoc) -> tuple:
         return (loc.block,) if self.by_id else (loc.block, loc.index, loc.tier, loc.slot)
 
-    def holds(self, layer: int, loc: BlockLoc) -> bool:
-        """A valid copy of ``loc`` at ``layer`` is staged: reading it moves no byte."""
-        buf = self._buffers.get(loc.codec)
-        ent = None if buf is None else buf.held[layer].get(self._key(loc))
-        return ent is not None and (self.by_id or ent[1] == loc.version)
-
     def load(self, layer: int, seq: Any, locs: tuple[BlockLoc, ...]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """K and V of ``locs`` (at most ``capacity`` blocks) at ``layer``, each ``(n, H_kv, bs, D)`` in the compute
         dtype, and the version of the copy each was read from."""

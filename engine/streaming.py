@@ -1,10 +1,10 @@
 """Attention over a step's ``ReadPlan``: device blocks in place, slower tiers' blocks through the staging area.
 
-Each row's keys come in parts (chunks of streamed blocks no larger than the staging area, the first one read
-together with the row's device-resident blocks). Attention over each part gives an output normalised within the part and the part's
-log-sum-exp of scores; ``merge`` weighs the parts by ``exp(lse_i - lse)`` (the share of the softmax's
-denominator each part holds), which is the softmax over all keys exactly, up to rounding: dense attention
-streamed this way gives the tokens attention over fully resident blocks gives.
+Each row's keys come in parts (chunks of streamed blocks no larger than the staging area, the first one
+read together with the row's device-resident blocks). Attention over each part gives an output normalised
+within the part and the part's log-sum-exp of scores; ``merge`` weighs the parts by ``exp(lse_i - lse)``
+(the share of the softmax's denominator each part holds), which is the softmax over all keys exactly, up to
+rounding: dense attention streamed this way gives the tokens attention over fully resident blocks gives.
 
 With block-sparse top-k the selector (``BlockSparse.choose``) names the blocks each query reads, and only
 those are read: the chosen device blocks in place, the chosen slower-tier blocks through staging.
