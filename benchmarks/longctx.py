@@ -1,9 +1,9 @@
 """Long context: SmolLM2-135M with a context 4x the device tier, streamed from host and disk, against fully resident.
 
-Four runners over the same model and text, side by side in one run:
+Runners over the same model and text, side by side in one run:
 
 - ``resident``: dense attention, every block on the device (the reference);
-- ``resident-topk``: block-sparse top-k, every block on the device;
+- ``resident-topkK``: block-sparse top-k at the first ``--topk`` value, every block on the device;
 - ``streamed``: dense attention, a device tier of a quarter of the context, the rest on host and disk,
   read through the staging area and merged by log-sum-exp;
 - ``streamed-topkK``: top-k over the same tiers, one runner per ``--topk`` value (the tradeoff curve): only the
