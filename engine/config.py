@@ -114,6 +114,12 @@ class EngineConfig:
     sink_blocks: int = 1  # first blocks always read (sparse) and never evicted (importance)
     local_blocks: int = 1  # newest blocks always read (sparse) and never evicted (importance)
     sparse_block_size: int = 0  # tokens per page top-k selects (a multiple of block_size); 0: block_size
+    # top-k for decode only: a chunk of several queries (prefill) attends to every block, as Quest does, so the keys
+    # and values it stores are the dense model's; False: each query of a chunk reads its own top-k pages too
+    dense_prefill: bool = False
+    # the first this many layers attend densely under top-k (Quest leaves its first two layers dense: their attention
+    # is spread too evenly for a few pages to hold it)
+    dense_layers: int = 0
     # Long context (engine.readplan, engine.staging): a running sequence's blocks may live in any tier, and attention
     # reads slower tiers' blocks through a device staging area of this many blocks; 0: every block read is resident
     staging_blocks: int = 0
@@ -232,6 +238,7 @@ class EngineConfig:
         _int_in("sink_blocks", self.sink_blocks, 0, 1 << 10)
         _int_in("local_blocks", self.local_blocks, 1, 1 << 10)
         _int_in("sparse_block_size", self.sparse_block_size, 0, 1 << 16)
+        _int_in("dense_layers", self.dense_layers, 0, 1 << 10)
         self.sparse_block_size = self.sparse_block_size or self.block_size
         if self.sparse_block_size % self.block_size:
             raise _bad("sparse_block_size", self.sparse_block_size, f"a multiple of block_size ({self.block_size})")

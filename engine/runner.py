@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..events import Attn, Batch, SeqId
-from .attention import AttnLayout, attend, attention_stats, hidden_keys
+from .attention import AttnLayout, AttnStats, attend, attention_stats, hidden_keys
 from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
@@ -277,7 +277,7 @@ class Runner:
         observe = self._observe and self._stats_step()
         starts = [sum(n[:i]) for i in range(len(n))]
         if streaming:
-            self._streamer.begin_step(plan, want_mass=observe)
+            self._streamer.begin_step(plan, want_mass=observe, want_scores=stats)
         if self._sparse is not None:
             self._sparse.begin_step(seqs)
 
@@ -339,6 +339,10 @@ class Runner:
             self._window.enforce(cache, seqs)
         if stats:
             self._emit_stats(seqs, groups, scores)
+            if streaming:  # each row's statistics from the scores of the parts its keys were streamed in
+                for seq, per_layer in self._streamer.step.scores.items():
+                    self._emit_attn([seq], attention_stats(torch.stack(per_layer)[:, None], None,
+                                                           sink_tokens=self.block_size, per_head=self.per_head))
         return logits
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
@@ -468,17 +472,21 @@ class Runner:
                 continue  # a path without scores (block-sparse attention) has no statistics
             st = attention_stats(torch.stack(per_layer), self._keep(g), sink_tokens=self.block_size,
                                  per_head=self.per_head)
-            summary = st.summary.tolist()  # (L, B, 4)
-            he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
-            hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
-            t, step = self.bus.now(), self.bus.step  # one instant for the step's statistics
-            self.bus.extend([
-                Attn(t=t, step=step, seq=seqs[row], layer=li, max_logit=max_logit, entropy=entropy, sink=sink,
-                     nonfinite=int(nonfinite), heads_entropy=he[li][j] if he else None,
-                     heads_max_logit=hm[li][j] if hm else None)
-                for li, per_row in enumerate(summary)
-                for j, (row, (max_logit, entropy, sink, nonfinite)) in enumerate(zip(g.rows, per_row))
-            ])
+            self._emit_attn([seqs[row] for row in g.rows], st)
+
+    def _emit_attn(self, rows: list[SeqId], st: AttnStats) -> None:
+        """The ``attn`` events of ``rows`` from their statistics (L, B, ...)."""
+        summary = st.summary.tolist()  # (L, B, 4)
+        he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
+        hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
+        t, step = self.bus.now(), self.bus.step  # one instant for the step's statistics
+        self.bus.extend([
+            Attn(t=t, step=step, seq=seq, layer=li, max_logit=max_logit, entropy=entropy, sink=sink,
+                 nonfinite=int(nonfinite), heads_entropy=he[li][j] if he else None,
+                 heads_max_logit=hm[li][j] if hm else None)
+            for li, per_row in enumerate(summary)
+            for j, (seq, (max_logit, entropy, sink, nonfinite)) in enumerate(zip(rows, per_row))
+        ])
 
     def _observe_attention(self, rows: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
         """Feed the hybrid eviction policy and mixed resolution each row's attention mass per block: the

@@ -203,12 +203,14 @@ class BlockSparse:
     """
 
     def __init__(self, cache: Any, *, k: int, sink_blocks: int = 1, local_blocks: int = 1,
-                 blocks_per_page: int = 1) -> None:
+                 blocks_per_page: int = 1, dense_prefill: bool = False, dense_layers: int = 0) -> None:
         if blocks_per_page < 1:
             raise ValueError(f"blocks_per_page={blocks_per_page}: must be >= 1")
         self.cache = cache
         self.k, self.sink_blocks, self.local_blocks = k, sink_blocks, local_blocks
         self.blocks_per_page = blocks_per_page
+        self.dense_prefill = dense_prefill  # a chunk of several queries reads every block (Quest's dense prefill)
+        self.dense_layers = dense_layers  # layers below this read every block (Quest's dense first layers)
         self.summaries = KeySummaries(cache)
         self.read = SparseRead()
 
@@ -220,7 +222,8 @@ class BlockSparse:
             return None
         page = getattr(c, "sparse_block_size", 0) or c.block_size
         return cls(cache, k=c.topk or 1 << 30, sink_blocks=c.sink_blocks, local_blocks=c.local_blocks,
-                   blocks_per_page=page // c.block_size)
+                   blocks_per_page=page // c.block_size, dense_prefill=bool(getattr(c, "dense_prefill", False)),
+                   dense_layers=getattr(c, "dense_layers", 0))
 
     def read_ids(self, seq: Any) -> list[int]:
         """Ids of the blocks of ``seq`` this step's attention read (any layer or head), in position order."""
@@ -265,6 +268,10 @@ class BlockSparse:
         sinks, local = self._fixed_pages(num_blocks)
         return self.k >= self._num_pages(num_blocks) - sinks - local
 
+    def _reads_all(self, layer: int, num_queries: int) -> bool:
+        """Every block is read: one of the ``dense_layers``, or a chunk of several queries with ``dense_prefill``."""
+        return layer < self.dense_layers or (self.dense_prefill and num_queries > 1)
+
     def _page_score(self, q: torch.Tensor, seq: Any, layer: int, num_blocks: int) -> torch.Tensor:
         """Selection scores (H_kv, S, np) of queries ``q`` (H, S, D) against each page's key summary."""
         H, S, D = q.shape
@@ -298,7 +305,7 @@ class BlockSparse:
         H_kv = self.cache.config.num_kv_heads
         for r, seq in enumerate(seqs):
             self.read.rows_dense += nbs[r] * H_kv
-        if not want_mass and all(self.covers_all(nb) for nb in nbs):
+        if not want_mass and (self._reads_all(layer, S) or all(self.covers_all(nb) for nb in nbs)):
             out, scores = self._dense(layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores)
             return out, None, scores
         if S == 1 and not want_mass:
@@ -310,9 +317,9 @@ class BlockSparse:
         """The blocks each query of ``q`` (H, S, D), the row's newest tokens, reads: (H_kv, S, num_blocks) bool,
         the same choice ``attend`` makes (a decode query's top-k pages, a chunk's per-query pages); None when
         every block is read. Long context (``engine.streaming``) reads these wherever they are."""
-        if self.covers_all(num_blocks):
-            return None
         S, r = q.shape[1], self.blocks_per_page
+        if self._reads_all(layer, S) or self.covers_all(num_blocks):
+            return None
         score = self._page_score(q, seq, layer, num_blocks)  # (H_kv, S, np)
         if S == 1:
             sinks, local = self._fixed_pages(num_blocks)
@@ -399,7 +406,7 @@ class BlockSparse:
             nb, t = nbs[r], kv_lens[r]
             q_pos = torch.arange(t - S, t, device=q.device)  # the row's queries are its newest tokens
             causal = torch.arange(T, device=q.device)[None] <= q_pos[:, None]  # (S, T)
-            if self.covers_all(nb):
+            if self._reads_all(layer, S) or self.covers_all(nb):
                 blocks = torch.ones(H_kv, S, nb, dtype=torch.bool, device=q.device)
             else:
                 score = self._page_score(q[r], seq, layer, nb)  # (H_kv, S, np)

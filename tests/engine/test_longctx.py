@@ -204,3 +204,26 @@ def test_staging_serves_a_copy_until_its_block_changes_unless_found_by_id(tmp_pa
     else:
         assert versions == [b.version] and torch.equal(k[0].reshape(2, 4, 8), r.expected("a", 1)[0])
     cache.close()
+
+
+def _attn(model, path, monkeypatch, **config) -> list[tuple[int, float, float, float]]:
+    """(layer, max_logit, entropy, sink) of every ``attn`` event of a short generation, in order."""
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    runner = Runner.create(model, block_size=8, stats_every=1, **config)
+    monkeypatch.delenv("KVDOCTOR_TRACE")
+    runner.generate([PROMPT], max_new_tokens=4)
+    runner.close()
+    return [(e.layer, e.max_logit, e.entropy, e.sink) for e in TraceReader(path)
+            if type(e).__struct_config__.tag == "attn"]
+
+
+def test_streamed_decode_steps_emit_the_resident_attention_statistics(model, tmp_path, monkeypatch):
+    # GIVEN dense attention fully resident, and streamed from the host through a 4-block staging area
+    resident = _attn(model, tmp_path / "r.kvtrace", monkeypatch, device_blocks=64, host_blocks=0)
+    streamed = _attn(model, tmp_path / "s.kvtrace", monkeypatch, device_blocks=6, host_blocks=40, staging_blocks=4)
+    # THEN the decode steps' statistics (the last three steps, every layer) are there and are the resident ones
+    tail = 3 * model.config.num_hidden_layers
+    assert len(streamed) >= tail
+    for (la, *a), (lb, *b) in zip(resident[-tail:], streamed[-tail:]):
+        assert la == lb and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+

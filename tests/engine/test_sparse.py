@@ -135,6 +135,18 @@ def test_topk_covering_every_block_equals_dense_exactly(model):
     r2.close()
 
 
+def test_dense_prefill_and_dense_layers_read_every_block_there(model):
+    # GIVEN top-1 attention that prefills densely, and top-1 attention with every layer dense
+    dense, r1, _ = _run(model)
+    prefill, r2, _ = _run(model, topk=1, dense_prefill=True)
+    layers, r3, _ = _run(model, topk=1, dense_layers=model.config.num_hidden_layers)
+    # THEN the prompt's logits are the dense ones exactly while decoding reads only the picks; every layer dense is dense
+    assert torch.equal(prefill[0], dense[0]) and not torch.allclose(prefill[-1], dense[-1])
+    assert all(torch.equal(a, b) for a, b in zip(dense, layers))
+    for r in (r1, r2, r3):
+        r.close()
+
+
 def test_topk_covering_every_page_equals_dense_exactly(model):
     # GIVEN cache blocks of 4 tokens and pages of 16 (4 blocks), k covering all 3 pages
     dense, r1, _ = _run(model)
