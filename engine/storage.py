@@ -214,6 +214,31 @@ class DiskArena(Arena):
         c, off = divmod(start, self.chunk)
         return self._chunks[c][off : off + n]
 
+    def cut_short(self, slots: list[int]) -> list[int]:
+        """Slots whose bytes are gone because a spill file holding one of ``slots`` was cut short under the
+        engine (every slot past the new end of that file, not only those asked about); the file is extended
+        back to its size, so the mapping never faults (SIGBUS) on those pages again: they read as zeros.
+
+        An fstat per chunk asked about, so it is called before a move touches the disk, not per read. An
+        unlinked file is no loss: the mapping keeps its inode and bytes until ``close``."""
+        lost: list[int] = []
+        for c in sorted({s // self.chunk for s in slots}):
+            mm = self._maps[c]
+            size = mm.size()  # fstat on the mapping's own descriptor
+            if size >= len(mm):
+                continue
+            try:
+                os.truncate(self.path(c), len(mm))
+            except OSError as exc:
+                raise StorageError(self.tier, "restore a spill file cut short", exc.errno, self.path(c),
+                                   exc.strerror or str(exc)) from exc
+            if mm.size() < len(mm):  # the name now points elsewhere: the mapped file cannot be reached
+                raise StorageError(self.tier, "restore a spill file cut short", None, self.path(c),
+                                   "the file was replaced")
+            start = c * self.chunk
+            lost.extend(range(start + size // self.bytes_per_block, start + len(mm) // self.bytes_per_block))
+        return lost
+
     def close(self) -> None:
         self._chunks.clear()
         for mm in self._maps:
