@@ -286,12 +286,12 @@ class TierManager:
     # ---- when storage fails ----
     def _failed(self, exc: BaseException, tier: str, op: str) -> StorageError:
         """``exc`` (an arena's ``StorageError``, or the ``OSError`` of a copy) as the typed error, recorded as
-        an ``io_error`` event."""
+        an ``io_error`` event whose ``op`` is what the tier could not do: ``grow``, ``read`` or ``write``."""
         if not isinstance(exc, StorageError):
             exc = StorageError(tier, op, getattr(exc, "errno", None), getattr(exc, "filename", None),
                                getattr(exc, "strerror", None) or str(exc))
         if self.bus.enabled:
-            self.bus.emit(IoError, tier=exc.tier, op=exc.op, message=str(exc), errno=exc.errno, path=exc.path,
+            self.bus.emit(IoError, tier=exc.tier, op=op, message=str(exc), errno=exc.errno, path=exc.path,
                           blocks=list(exc.blocks))
         return exc
 
@@ -314,7 +314,7 @@ class TierManager:
             try:
                 cut = {ta.slot(index, x) for x in arena.cut_short(local)}
             except StorageError as exc:
-                raise self._failed(exc, tier, exc.op) from None
+                raise self._failed(exc, tier, "read") from None
             if cut:
                 self.lost[tier] |= cut
                 gone = self._lost_blocks(tier)
@@ -425,7 +425,7 @@ class TierManager:
             for s in taken:
                 ts.give(s)
             if isinstance(exc, StorageError):  # an arena could not grow (a full disk)
-                raise self._failed(exc, tier, exc.op) from None
+                raise self._failed(exc, tier, "grow") from None
             raise
         return taken
 

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from kvdoctor.engine.errors import StorageError
+from kvdoctor.engine.errors import ChecksumMismatch, StorageError
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
@@ -150,7 +150,7 @@ def test_a_disk_that_fills_mid_swap_undoes_the_swap_and_the_caller_fails_only_th
     assert exc.value.errno == errno.ENOSPC and exc.value.blocks == ()
     assert {b.id: (b.tier, b.slot) for b in r.cache.pool.blocks.values()} == before
     (ev,) = r.kinds("io_error")
-    assert (ev.tier, ev.errno, ev.blocks) == ("disk", errno.ENOSPC, [])
+    assert (ev.tier, ev.op, ev.errno, ev.blocks) == ("disk", "grow", errno.ENOSPC, [])
     r.cache.pool.check()
     # AND when the caller fails that sequence, the other one is intact and the disk still takes what fits
     r.cache.remove_sequence("a", reason="aborted", error=type(exc.value).__name__)
@@ -200,7 +200,7 @@ def test_a_full_disk_under_a_serving_scheduler_falls_back_to_recompute(model, tm
     events, findings = eng.check()
     # THEN the full disk was met and recorded, and the preempted requests were recomputed instead
     full = _of(events, IoError)
-    assert full and all(e.errno == errno.ENOSPC and e.blocks == [] for e in full)
+    assert full and all((e.op, e.errno, e.blocks) == ("grow", errno.ENOSPC, []) for e in full)
     assert _of(events, Rollback)
     # AND every request was served with its own tokens; the checks find nothing
     assert all(done[s].finish_reason in ("length", "stop") for s in seqs)
@@ -301,6 +301,29 @@ def test_a_spill_file_cut_short_fails_only_the_requests_whose_blocks_it_held(mod
         assert _same_as_alone(model, eng.prompts[s], done[s].token_ids)
     # ... and the checks find nothing: the lost blocks were released and freed, not leaked
     assert findings == []
+
+
+def test_a_corrupt_spill_block_fails_only_its_request_and_is_the_only_finding(model, tmp_path, monkeypatch):
+    # GIVEN requests swapped out to disk
+    eng = Engine(model, tmp_path, monkeypatch, device_blocks=8, host_blocks=0, disk_blocks=32)
+    seqs = [eng.submit(p, priority=i % 2) for i, p in enumerate(_prompts(6, seed=3))]
+    (victim, *_) = _until_on_disk(eng)
+    cache = eng.runner.cache
+    blk = next(b for b in cache.seqs[victim].blocks if b.tier == "disk")
+    # WHEN someone scribbles over one of its blocks in the spill file
+    chunk, local = divmod(blk.slot, eng.disk.chunk)
+    with open(eng.disk.path(chunk), "r+b") as fh:
+        fh.seek(local * cache.config.bytes_per_block + 64)
+        fh.write(b"\xde\xad\xbe\xef")
+    done = eng.sched.run()
+    events, findings = eng.check()
+    # THEN that request fails with the typed error, the corrupt copy is never served, the others run on
+    assert [s for s in seqs if done[s].finish_reason == "error"] == [victim]
+    assert isinstance(done[victim].error, ChecksumMismatch) and done[victim].error.block == blk.id
+    for s in set(seqs) - {victim}:
+        assert _same_as_alone(model, eng.prompts[s], done[s].token_ids)
+    # AND the only finding is the checksum mismatch itself: no leak of the failed request's blocks
+    assert [(f.check, f.rule, f.block) for f in findings] == [("accounting", "checksum-mismatch", blk.id)]
 
 
 # ---- (d) a slow disk ----
