@@ -304,13 +304,13 @@ class TierManager:
         """Before a move touches ``slots`` of ``tier``: if a spill file holding them was cut short under the
         engine, remember every slot it lost (an ``io_error`` names the blocks that lived there)."""
         ta = self.arenas[tier]
+        if not isinstance(ta.primary, DiskArena):
+            return  # memory is not cut short under the engine (a tier's arenas are all of one kind)
         by_arena: dict[int, list[int]] = {}
         for s in slots:
             by_arena.setdefault(s >> ta.shift, []).append(s & ta.mask)
         for index, local in by_arena.items():
             arena = ta.get(index)
-            if not isinstance(arena, DiskArena):
-                return  # a tier's arenas are all of one kind
             try:
                 cut = {ta.slot(index, x) for x in arena.cut_short(local)}
             except StorageError as exc:
@@ -361,6 +361,7 @@ class TierManager:
         except (OutOfBlocks, StorageError):
             for i, b, src in good:  # nothing moved: put the staged copies back where they came from
                 b.slot = self.pool.tiers[src].take(self.arenas[src].index(b.codec))
+                self.lost[src].discard(b.slot)  # (a slot a cut file lost holds these good bytes now)
                 self._at(src, b.slot).copy_(staged[i])
             raise
         for (i, b, src), slot in zip(good, self._take(dst, [self._arena_index(b, dst) for _, b, _ in good])):
