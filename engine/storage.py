@@ -214,10 +214,11 @@ class DiskArena(Arena):
         c, off = divmod(start, self.chunk)
         return self._chunks[c][off : off + n]
 
-    def cut_short(self, slots: list[int]) -> list[int]:
+    def cut_short(self, slots: list[int], restore: bool = True) -> list[int]:
         """Slots whose bytes are gone because a spill file holding one of ``slots`` was cut short under the
-        engine (every slot past the new end of that file, not only those asked about); the file is extended
-        back to its size, so the mapping never faults (SIGBUS) on those pages again: they read as zeros.
+        engine (every slot past the new end of that file, not only those asked about); with ``restore`` the
+        file is extended back to its size, so the mapping never faults (SIGBUS) on those pages again: they
+        read as zeros. (Without, it only looks: a prefetch thread must not hide a cut from the bookkeeping.)
 
         An fstat per chunk asked about, so it is called before a move touches the disk, not per read. An
         unlinked file is no loss: the mapping keeps its inode and bytes until ``close``."""
@@ -227,6 +228,10 @@ class DiskArena(Arena):
             size = mm.size()  # fstat on the mapping's own descriptor
             if size >= len(mm):
                 continue
+            start = c * self.chunk
+            lost.extend(range(start + size // self.bytes_per_block, start + len(mm) // self.bytes_per_block))
+            if not restore:
+                continue
             try:
                 os.truncate(self.path(c), len(mm))
             except OSError as exc:
@@ -235,8 +240,6 @@ class DiskArena(Arena):
             if mm.size() < len(mm):  # the name now points elsewhere: the mapped file cannot be reached
                 raise StorageError(self.tier, "restore a spill file cut short", None, self.path(c),
                                    "the file was replaced")
-            start = c * self.chunk
-            lost.extend(range(start + size // self.bytes_per_block, start + len(mm) // self.bytes_per_block))
         return lost
 
     def close(self) -> None:

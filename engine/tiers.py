@@ -584,6 +584,9 @@ class TierManager:
         """Runs on the worker thread: bytes only, no bookkeeping."""
         check = self.config.checksums
         out: list[int | None] = [None] * n
+        for sa, s_, _, _, _ in pairs:  # a spill file cut since the prefetch was queued would fault the copy
+            if isinstance(sa, DiskArena) and set(sa.cut_short(s_, restore=False)).intersection(s_):
+                raise StorageError(sa.tier, "read", None, sa.dir, "a spill file was cut short under the engine")
 
         def copy(non_blocking: bool) -> None:
             for sa, s_, da, d_, idx in pairs:

@@ -311,6 +311,44 @@ def test_a_spill_file_cut_short_fails_only_the_requests_whose_blocks_it_held(mod
     assert findings == []
 
 
+def test_a_spill_file_cut_while_a_prefetch_waits_is_not_read(make_cache, monkeypatch):
+    # GIVEN two sequences on disk, one per spill file, and a prefetch thread busy with the first one
+    r = make_cache(device_blocks=8, host_blocks=0, disk_blocks=8, chunk_blocks=2, prefetch_depth=4)
+    r.add("a", 8)
+    r.add("b", 8)
+    r.cache.end_step()
+    r.cache.swap_out(r.cache.block_table("a"), "disk")
+    r.cache.swap_out(r.cache.block_table("b"), "disk")
+    disk = r.cache.arenas["disk"]
+    b_blocks = [r.cache.pool.blocks[i] for i in r.cache.block_table("b")]
+    assert {b.slot // disk.chunk for b in b_blocks} == {1}
+    busy, real_view = threading.Event(), DiskArena.view
+
+    def held_view(self, start, n):
+        if threading.current_thread().name.startswith("kvdoctor-prefetch"):
+            busy.wait(10)
+        return real_view(self, start, n)
+
+    monkeypatch.setattr(DiskArena, "view", held_view)
+    assert r.cache.prefetch("a") == 2 and r.cache.prefetch("b") == 2
+    # WHEN b's spill file is cut to nothing while b's prefetch is still queued
+    os.truncate(disk.path(1), 0)
+    busy.set()
+    r.cache.tiers.drain()
+    r.cache.end_step()
+    # THEN the prefetch did not read it (no SIGBUS): it failed, and b's blocks stayed on disk
+    assert all(b.tier == "disk" for b in b_blocks)
+    assert [e.op for e in r.kinds("io_error")] == ["read", "read"]
+    # AND the swap-in that needs them finds the cut and names exactly b's blocks; a is intact
+    with pytest.raises(StorageError) as exc:
+        r.cache.ensure_resident(["b"])
+    assert sorted(exc.value.blocks) == sorted(b.id for b in b_blocks)
+    r.cache.remove_sequence("b", reason="aborted", error="StorageError")
+    r.cache.end_step()
+    r.assert_intact("a")
+    r.cache.pool.check()
+
+
 def test_a_corrupt_spill_block_fails_only_its_request_and_is_the_only_finding(model, tmp_path, monkeypatch):
     # GIVEN requests swapped out to disk
     eng = Engine(model, tmp_path, monkeypatch, device_blocks=8, host_blocks=0, disk_blocks=32)
