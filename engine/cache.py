@@ -43,7 +43,7 @@ from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
 from .digest import DigestBook
-from .errors import ChecksumMismatch, OutOfBlocks, UnknownSequence
+from .errors import ChecksumMismatch, OutOfBlocks, StorageError, UnknownSequence
 from .faults import Faults, resolve_fault
 from .policy import IMPORTANCE_DECAY, make_policy
 from .pool import Block, BlockPool, Sequence
@@ -225,7 +225,7 @@ class PagedKVCache:
         if b.inflight is not None:
             try:
                 self.tiers.settle(b)
-            except ChecksumMismatch:
+            except (ChecksumMismatch, StorageError):
                 pass  # the block is being dropped anyway; its corrupt copy was discarded
         if self.pool.release(b, seq, emit=emit_release):
             self.pool.free(b)
@@ -309,13 +309,14 @@ class PagedKVCache:
         if self.prefix is not None:
             self.prefix.begin(seq, adapter)
 
-    def remove_sequence(self, seq: Any, reason: str = "finished") -> None:
-        """The sequence leaves: every block it owns is released, and freed when no one else owns it."""
+    def remove_sequence(self, seq: Any, reason: str = "finished", error: str | None = None) -> None:
+        """The sequence leaves: every block it owns is released, and freed when no one else owns it.
+        ``error``: the name of the typed error the engine failed it with (``reason`` is then "aborted")."""
         s = self._seq(seq)
         del self.seqs[seq]
         self._pinned.discard(seq)
         if self.bus.enabled:
-            self.bus.emit(SeqEnd, seq=seq, reason=reason)
+            self.bus.emit(SeqEnd, seq=seq, reason=reason, error=error)
         if self.prefix is not None:
             if self.faults.prefix_freed_in_use:
                 self._drop_cached_under_readers(s)
@@ -758,7 +759,7 @@ class PagedKVCache:
                 if b.inflight is not None:
                     try:
                         self.tiers.settle(b)
-                    except ChecksumMismatch:
+                    except (ChecksumMismatch, StorageError):
                         pass  # the corrupt copy was dropped; the block is read where it was
                 locs.append(BlockLoc(pos, b.index, b.id, b.tier, b.slot, b.version, b.codec))
             rows.append((seq, self.num_tokens(seq), q, locs))
@@ -981,7 +982,7 @@ class PagedKVCache:
             if b.inflight is not None:
                 try:
                     self.tiers.settle(b)
-                except ChecksumMismatch:
+                except (ChecksumMismatch, StorageError):
                     pass  # the block is being dropped anyway; its corrupt copy was discarded
             self._evict([b], b.tier, reason)
 

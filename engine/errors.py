@@ -41,15 +41,20 @@ class ChecksumMismatch(EngineError):
 
 
 class StorageError(EngineError):
-    """An arena could not get or use its memory (disk full, permission denied, ...).
+    """An arena could not get or use its memory (disk full, permission denied, a spill file cut short, ...).
 
-    Carries the OS ``errno`` and the path involved, so the message can say what to fix.
+    Carries the OS ``errno`` (None when no call failed, as for a file cut short under the engine) and the
+    path involved, so the message can say what to fix; ``blocks``: the blocks whose bytes were lost
+    (empty when nothing was lost and only a move failed), so a scheduler fails exactly their requests.
     """
 
-    def __init__(self, tier: str, op: str, errno: int | None, path: str | None, reason: str) -> None:
+    def __init__(self, tier: str, op: str, errno: int | None, path: str | None, reason: str,
+                 blocks: tuple[int, ...] = ()) -> None:
+        tier = str(tier)
         where = f" at {path}" if path else ""
         super().__init__(f"{tier} arena could not {op}{where}: {reason}")
         self.tier, self.op, self.errno, self.path, self.reason = tier, op, errno, path, reason
+        self.blocks = tuple(blocks)
 
 
 class UnknownSequence(EngineError, KeyError):

@@ -99,9 +99,10 @@ class Generation:
     seq: SeqId
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "aborted"
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens), "aborted" or "error"
     text: str | None = None
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when kept
+    error: Exception | None = None  # with "error": the engine's typed error (a StorageError, ChecksumMismatch)
 
 
 @dataclass

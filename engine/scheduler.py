@@ -8,6 +8,11 @@ are swapped out to host (or disk when host is full), or, when no slower tier has
 room, dropped and recomputed from its tokens later. A preempted request resumes,
 its blocks swapped back in, as soon as it ranks among those that fit again.
 
+Under storage failures it keeps serving: a preemption whose swap-out fails (a full disk) falls
+back to dropping the K/V for recompute, and a request whose blocks a slower tier lost or cannot
+give back (a spill file cut short, a corrupt copy) finishes as "error" with the engine's typed
+error, as do the other requests owning the lost blocks; the rest of the step runs on.
+
 Everything is recorded by the cache and runner: ``batch``, ``write``, ``read``,
 ``attn``, ``swap_out``/``swap_in``, ``rollback`` and the lifecycle events.
 """
@@ -22,7 +27,7 @@ import torch
 
 from ..events import SeqId
 from .config import Tier
-from .errors import ChecksumMismatch
+from .errors import ChecksumMismatch, EngineError, StorageError
 from .runner import Generation, Runner, SamplingParams
 from .speculative import Draft, Drafter, DraftRequest, verify
 
@@ -174,6 +179,7 @@ class Scheduler:
         step = cache.bus.step
         chosen, preempt = self._plan()
         preempted = self._make_room(chosen, preempt)
+        chosen = self._resume(chosen)
         rows, ends = [], []
         budget = self.max_step_tokens
         for live in chosen:
@@ -302,6 +308,31 @@ class Scheduler:
                 left.append(live)
         return chosen, left
 
+    def _resume(self, chosen: list[_Live]) -> list[_Live]:
+        """Bring the chosen requests' blocks back to the device one request at a time, before the forward
+        pass, so a slower tier that lets one down fails only the requests whose blocks it lost (and the
+        one it could not bring back); returns those still to run. (Long context reads blocks where they
+        are, through staging: there a failure still reaches the caller of ``step``.)"""
+        if self.cache.staging is not None:
+            return chosen
+        for live in chosen:
+            s = self.cache.seqs.get(live.seq)
+            if live.seq not in self.live or s is None:
+                continue
+            if any(b.tier != Tier.DEVICE or b.inflight is not None for b in s.blocks):
+                try:
+                    self.cache.ensure_resident([live.seq])
+                except (StorageError, ChecksumMismatch) as exc:
+                    self._fail(live, exc)
+        return [lv for lv in chosen if lv.seq in self.live]
+
+    def _fail(self, live: _Live, exc: StorageError | ChecksumMismatch) -> None:
+        """Finish ``live``, and every request owning a block ``exc`` says was lost, as "error" with ``exc``."""
+        lost = exc.blocks if isinstance(exc, StorageError) else (exc.block,)
+        owners = {o for b in lost if (blk := self.cache.pool.blocks.get(b)) is not None for o in blk.owners}
+        for lv in [live] + [lv for lv in self.live.values() if lv.seq in owners and lv is not live]:
+            self._finish(lv, "error", exc)
+
     def _prefetch_next(self, chosen: list[_Live]) -> None:
         """Start bringing the next request to resume, when it is a swapped-out one, back up in the
         background: up to ``prefetch_depth`` blocks per step, into device room that the requests
@@ -351,7 +382,7 @@ class Scheduler:
                 if b.inflight is not None:
                     try:
                         self.cache.tiers.settle(b)
-                    except ChecksumMismatch:
+                    except (ChecksumMismatch, StorageError):
                         continue  # the bad copy was discarded; the block stays away, its slot is free again
                 n += b.tier == Tier.DEVICE
         return n
@@ -382,7 +413,10 @@ class Scheduler:
         for dst in (Tier.HOST, Tier.DISK):
             t = tiers.get(dst)
             if t is not None and t["free_blocks"] >= len(on_device):
-                self.cache.swap_out(on_device, dst=dst)
+                try:
+                    self.cache.swap_out(on_device, dst=dst)
+                except StorageError:
+                    continue  # nothing moved (a full disk, recorded as io_error): try the next way
                 t["free_blocks"] -= len(on_device)
                 live.state = "swapped"
                 return len(on_device)
@@ -398,14 +432,15 @@ class Scheduler:
         except KeyError:
             raise KeyError(f"no live request with sequence id {seq!r}") from None
 
-    def _finish(self, live: _Live, reason: str) -> Generation:
+    def _finish(self, live: _Live, reason: str, error: EngineError | None = None) -> Generation:
         del self.live[live.seq]
         if self.drafter is not None:
             self.drafter.finished(live.seq)
         if live.seq in self.cache.seqs:
-            self.cache.remove_sequence(live.seq, reason="aborted" if reason == "aborted" else "finished")
+            self.cache.remove_sequence(live.seq, reason="aborted" if reason in ("aborted", "error") else "finished",
+                                       error=type(error).__name__ if error is not None else None)
         gen = Generation(live.seq, list(live.request.prompt_ids), list(live.generated), reason,
-                         logits=live.logits)
+                         logits=live.logits, error=error)
         if self.runner.tokenizer is not None:
             gen.text = self.runner.decode(live.generated)
         self.done[live.seq] = gen

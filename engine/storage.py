@@ -343,6 +343,35 @@ class DiskArena(Arena):
             b = self._local.bounce = _aligned(n * self.stride).reshape(n, self.stride)
         return b
 
+    def cut_short(self, slots: list[int], restore: bool = True) -> list[int]:
+        """Slots whose bytes are gone because a spill file holding one of ``slots`` was cut short under the
+        engine (every slot past the new end of that file, not only those asked about); with ``restore`` the
+        file is extended back to its size, so the mapping never faults (SIGBUS) on those pages again: they
+        read as zeros. (Without, it only looks: a prefetch thread must not hide a cut from the bookkeeping.)
+
+        An fstat per chunk asked about, so it is called before a move touches the disk, not per read. An
+        unlinked file is no loss: the mapping keeps its inode and bytes until ``close``."""
+        lost: list[int] = []
+        for c in sorted({s // self.chunk for s in slots}):
+            mm = self._maps[c]
+            size = mm.size()  # fstat on the mapping's own descriptor
+            if size >= len(mm):
+                continue
+            start = c * self.chunk
+            alive = (size - self.bytes_per_block) // self.stride + 1 if size >= self.bytes_per_block else 0
+            lost.extend(range(start + alive, start + len(mm) // self.stride))
+            if not restore:
+                continue
+            try:
+                os.truncate(self.path(c), len(mm))
+            except OSError as exc:
+                raise StorageError(self.tier, "restore a spill file cut short", exc.errno, self.path(c),
+                                   exc.strerror or str(exc)) from exc
+            if mm.size() < len(mm):  # the name now points elsewhere: the mapped file cannot be reached
+                raise StorageError(self.tier, "restore a spill file cut short", None, self.path(c),
+                                   "the file was replaced")
+        return lost
+
     def close(self) -> None:
         self._chunks.clear()
         for mm in self._maps:

@@ -21,25 +21,33 @@ is one). The worker only moves bytes between slots reserved for it; every
 bookkeeping change and every event happens on the caller's thread when the copy
 is *settled* (when the block is needed, or at the end of the step), so event order
 and the pool never depend on thread timing.
+
+When storage fails (a disk full as an arena grows, a copy that cannot read or write, a spill
+file cut short under the engine) the move is undone, the failure is emitted as ``io_error`` and
+raised as ``StorageError``: nothing half-moved is booked, every slot taken for it goes back. The
+blocks of a file cut short are *lost*: their slots are remembered, every later move of them is
+refused with a ``StorageError`` naming them (so a scheduler fails their requests), and the slots
+become usable again once something new is written there. A failed prefetch only leaves its blocks
+where they were.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
-from ..events import ChecksumError, Prefetch, SwapIn, SwapOut
+from ..events import ChecksumError, IoError, Prefetch, SwapIn, SwapOut
 from .bus import Bus
 from .codecs import Codec, lossier
 from .checksum import copy_sum, prepare as prepare_checksums, sum64 as _sum64
 from .digest import DigestBook
 from .config import TIER_NAMES, EngineConfig, Tier
-from .errors import ChecksumMismatch, OutOfBlocks
+from .errors import ChecksumMismatch, OutOfBlocks, StorageError
 from .faults import Faults
 from .policy import EvictionPolicy
 from .pool import Block, BlockPool
@@ -192,6 +200,7 @@ class TierManager:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.moved: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [blocks, seconds]
+        self.lost: dict[str, set[int]] = {t: set() for t in config.tiers}  # slots whose bytes a cut file took
         if config.checksums and (Tier.DISK in config.tiers or (not config.is_cuda and len(config.tiers) > 1)):
             prepare_checksums()  # the kernel for copies through host memory: set up at start, not in a decode step
 
@@ -214,7 +223,7 @@ class TierManager:
                   and not self._protected(b)]:
             try:
                 self.settle(b)
-            except ChecksumMismatch:
+            except (ChecksumMismatch, StorageError):
                 pass  # the bad copy was discarded and its slot freed; the block stays where it was
         need = n - slots.num_free
         if need > 0 and self._reclaim is not None:
@@ -250,6 +259,7 @@ class TierManager:
         blocks = [b for b in blocks if b.tier != dst]
         if not blocks:
             return
+        self._readable(blocks)
         keep = set(exclude or ()) | {b.id for b in blocks}
         try:
             self.make_room(dst, len(blocks), keep)
@@ -259,24 +269,93 @@ class TierManager:
             self._exchange(blocks, dst, keep)
             return
         dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
+        try:
+            self._check_spill(dst, dst_slots)  # a file cut short is made whole before a write reaches it
+        except StorageError:
+            self._give(dst, dst_slots)
+            raise
+        self.lost[dst].difference_update(dst_slots)
         by_src: dict[str, list[int]] = {}
         for i, b in enumerate(blocks):
             by_src.setdefault(b.tier, []).append(i)
+        groups = [([blocks[i] for i in idx], [dst_slots[i] for i in idx]) for idx in by_src.values()]
         bad: ChecksumMismatch | None = None
-        for src, idx in by_src.items():
-            group = [blocks[i] for i in idx]
-            slots = [dst_slots[i] for i in idx]
+        for g, (group, slots) in enumerate(groups):
+            src = group[0].tier
             t0 = time.perf_counter()
-            if _RANK[dst] > _RANK[src]:
-                self._swap_out(group, src, dst, slots)
-            else:
-                err = self._swap_in(group, src, dst, slots)
-                bad = bad or err
+            try:
+                if _RANK[dst] > _RANK[src]:
+                    self._swap_out(group, src, dst, slots)
+                else:
+                    err = self._swap_in(group, src, dst, slots)
+                    bad = bad or err
+            except (OSError, StorageError) as exc:
+                # nothing of this group or the next was booked: their slots go back, the blocks stay
+                self._give(dst, [slot for group_, slots_ in groups[g:] for b, slot in zip(group_, slots_)
+                                 if b.tier != dst])
+                raise self._failed(exc, dst if _RANK[dst] > _RANK[src] else src,
+                                   "write" if _RANK[dst] > _RANK[src] else "read") from None
             acc = self.moved.setdefault((src, dst), [0, 0.0])
             acc[0] += len(group)
             acc[1] += time.perf_counter() - t0
         if bad is not None:
             raise bad
+
+    # ---- when storage fails ----
+    def _failed(self, exc: BaseException, tier: str, op: str) -> StorageError:
+        """``exc`` (an arena's ``StorageError``, or the ``OSError`` of a copy) as the typed error, recorded as
+        an ``io_error`` event whose ``op`` is what the tier could not do: ``grow``, ``read`` or ``write``."""
+        if not isinstance(exc, StorageError):
+            exc = StorageError(tier, op, getattr(exc, "errno", None), getattr(exc, "filename", None),
+                               getattr(exc, "strerror", None) or str(exc))
+        if self.bus.enabled:
+            self.bus.emit(IoError, tier=exc.tier, op=op, message=str(exc), errno=exc.errno, path=exc.path,
+                          blocks=list(exc.blocks))
+        return exc
+
+    def _give(self, tier: str, slots: list[int]) -> None:
+        ts = self.pool.tiers[tier]
+        for s in slots:
+            ts.give(s)
+
+    def _check_spill(self, tier: str, slots: list[int]) -> None:
+        """Before a move touches ``slots`` of ``tier``: if a spill file holding them was cut short under the
+        engine, remember every slot it lost (an ``io_error`` names the blocks that lived there)."""
+        ta = self.arenas[tier]
+        if not isinstance(ta.primary, DiskArena):
+            return  # memory is not cut short under the engine (a tier's arenas are all of one kind)
+        by_arena: dict[int, list[int]] = {}
+        for s in slots:
+            by_arena.setdefault(s >> ta.shift, []).append(s & ta.mask)
+        for index, local in by_arena.items():
+            arena = ta.get(index)
+            try:
+                cut = {ta.slot(index, x) for x in arena.cut_short(local)}
+            except StorageError as exc:
+                raise self._failed(exc, tier, "read") from None
+            if cut:
+                self.lost[tier] |= cut
+                gone = self._lost_blocks(tier)
+                self._failed(StorageError(tier, "read", None, arena.dir, "a spill file was cut short under the "
+                                          f"engine; the bytes of {len(gone)} block(s) are gone", tuple(gone)),
+                             tier, "read")
+
+    def _lost_blocks(self, tier: str) -> list[int]:
+        lost = self.lost[tier]
+        return sorted(b.id for b in self.pool.blocks.values() if b.tier == tier and b.slot in lost)
+
+    def _readable(self, blocks: list[Block]) -> None:
+        """Raise ``StorageError`` naming every lost block of a slower tier if any of ``blocks`` is one."""
+        by_tier: dict[str, list[int]] = {}
+        for b in blocks:
+            if b.tier != Tier.DEVICE:
+                by_tier.setdefault(b.tier, []).append(b.slot)
+        for tier, slots in by_tier.items():
+            self._check_spill(tier, slots)
+            if self.lost[tier].intersection(slots):
+                gone = self._lost_blocks(tier)
+                raise StorageError(tier, "read", None, None, f"the bytes of blocks {gone} were lost with their "
+                                   "spill file", tuple(gone))
 
     def _exchange(self, blocks: list[Block], dst: str, keep: set[int]) -> None:
         """Swap-in when ``dst`` is full and the tiers below have no room for its victims except
@@ -297,9 +376,10 @@ class TierManager:
             self.pool.tiers[src].give(b.slot)
         try:
             self.make_room(dst, len(good), keep)
-        except OutOfBlocks:
+        except (OutOfBlocks, StorageError):
             for i, b, src in good:  # nothing moved: put the staged copies back where they came from
                 b.slot = self.pool.tiers[src].take(self.arenas[src].index(b.codec))
+                self.lost[src].discard(b.slot)  # (a slot a cut file lost holds these good bytes now)
                 self._at(src, b.slot).copy_(staged[i])
             raise
         for (i, b, src), slot in zip(good, self._take(dst, [self._arena_index(b, dst) for _, b, _ in good])):
@@ -360,9 +440,11 @@ class TierManager:
         try:
             for a in arenas:
                 taken.append(ts.take(a))
-        except BaseException:
+        except BaseException as exc:
             for s in taken:
                 ts.give(s)
+            if isinstance(exc, StorageError):  # an arena could not grow (a full disk)
+                raise self._failed(exc, tier, "grow") from None
             raise
         return taken
 
@@ -464,16 +546,25 @@ class TierManager:
         enough, prefetches fewer blocks rather than failing.
         """
         blocks = [b for b in blocks if b.tier != dst and b.inflight is None and _RANK[b.tier] > _RANK[dst]]
+        try:
+            for tier in {b.tier for b in blocks}:
+                self._check_spill(tier, [b.slot for b in blocks if b.tier == tier])
+        except StorageError:
+            return 0  # a hint: the swap-in that needs these blocks reports it
+        blocks = [b for b in blocks if b.slot not in self.lost[b.tier]]  # lost: only a swap-in reports them
         if not blocks:
             return 0
         keep = set(exclude or ()) | {b.id for b in blocks}
         try:
             self.make_room(dst, len(blocks), keep)
-        except OutOfBlocks:  # a hint, not a demand: take what already fits (make_room moved nothing)
+        except (OutOfBlocks, StorageError):  # a hint, not a demand: take what already fits
             blocks = blocks[: self.pool.tiers[dst].num_free]
         if not blocks:
             return 0
-        dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
+        try:
+            dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
+        except StorageError:
+            return 0
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdoctor-prefetch")
         by_src: dict[str, list[int]] = {}
@@ -511,6 +602,9 @@ class TierManager:
         """Runs on the worker thread: bytes only, no bookkeeping."""
         check = self.config.checksums
         out: list[int | None] = [None] * n
+        for sa, s_, _, _, _ in pairs:  # a spill file cut since the prefetch was queued would fault the copy
+            if isinstance(sa, DiskArena) and set(sa.cut_short(s_, restore=False)).intersection(s_):
+                raise StorageError(sa.tier, "read", None, sa.dir, "a spill file was cut short under the engine")
 
         def copy(non_blocking: bool) -> None:
             for sa, s_, da, d_, idx in pairs:
@@ -527,11 +621,16 @@ class TierManager:
         return out
 
     def settle(self, b: Block) -> None:
-        """Wait for ``b``'s prefetch and book it (raises ``ChecksumMismatch`` for a bad copy)."""
+        """Wait for ``b``'s prefetch and book it (raises ``ChecksumMismatch`` for a bad copy, ``StorageError`` for a
+        copy that failed)."""
         job: _Inflight = b.inflight
-        got = job.future.result()[job.i]
         b.inflight = None
         del self.inflight[b.id]
+        try:
+            got = job.future.result()[job.i]
+        except (OSError, StorageError) as exc:  # the copy failed: its slot goes back, the block stays behind
+            self.pool.tiers[job.dst].give(job.slot)
+            raise self._failed(exc, job.src, "read") from None
         err = self._arrive(b, job.src, job.dst, job.slot, got)
         if err is not None:
             raise err
@@ -539,17 +638,16 @@ class TierManager:
         self.moved.setdefault((job.src, job.dst), [0, 0.0])[0] += 1  # copy time overlapped: not counted
 
     def poll(self) -> None:
-        """Book every prefetch that has finished (a bad copy stays behind; its next swap-in reports it)."""
+        """Book every prefetch that has finished (a bad or failed copy stays behind; its next swap-in reports it)."""
         for b in [b for b in self.inflight.values() if b.inflight.future.done()]:
             try:
                 self.settle(b)
-            except ChecksumMismatch:
+            except (ChecksumMismatch, StorageError):
                 pass
 
     def drain(self) -> None:
         """Wait for every copy in flight without booking it (before an arena reallocates)."""
-        for b in list(self.inflight.values()):
-            b.inflight.future.result()
+        wait([b.inflight.future for b in self.inflight.values()])  # a failed copy is booked when settled
 
     @property
     def hit_rate(self) -> float | None:

@@ -42,6 +42,7 @@ __all__ = [
     "Mem",
     "StepEnd",
     "ChecksumError",
+    "IoError",
     "Prefetch",
     "Stage",
     "PrefetchUse",
@@ -106,6 +107,9 @@ class SeqStart(Event, tag="seq_start"):
 class SeqEnd(Event, tag="seq_end"):
     seq: SeqId
     reason: str = "finished"  # "finished" or "aborted"
+    # why an aborted sequence was failed by the engine (a 1.x addition): the typed error's name, as
+    # "StorageError" when a slower tier lost or could not take its blocks; absent when a caller aborted it
+    error: str | None = None
 
 
 class Alloc(Event, tag="alloc"):
@@ -261,6 +265,19 @@ class ChecksumError(Event, tag="checksum_error"):
     actual: int
 
 
+class IoError(Event, tag="io_error"):
+    """A tier's storage let the engine down: it could not grow, read or write (disk full, a spill file cut
+    short or removed). ``blocks``: those whose bytes were lost (their sequences are failed and release them);
+    empty when nothing was lost and only a move failed, which the engine works around."""
+
+    tier: Tier
+    op: str
+    message: str
+    errno: int | None = None
+    path: str | None = None
+    blocks: list[int] = msgspec.field(default_factory=list)
+
+
 class Prefetch(Event, tag="prefetch"):
     """Blocks the engine predicted would be read next and started bringing up."""
 
@@ -307,7 +324,8 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
-    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, Prefetch, Stage, PrefetchUse, TraceEnd,
+    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse,
+    TraceEnd,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

@@ -21,7 +21,8 @@ common = {"t": ints, "step": ints}
 def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
     fields = {
         E.SeqStart: dict(seq=seq_ids, prompt_len=ints, stack=st.none() | st.lists(st.text(max_size=30), max_size=3)),
-        E.SeqEnd: dict(seq=seq_ids, reason=st.sampled_from(["finished", "aborted"])),
+        E.SeqEnd: dict(seq=seq_ids, reason=st.sampled_from(["finished", "aborted"]),
+                       error=st.none() | st.sampled_from(["StorageError", "ChecksumMismatch"])),
         E.Alloc: dict(block=ints, tier=tiers, seq=seq_ids, codec=st.none() | codecs),
         E.Share: dict(block=ints, seq=seq_ids),
         E.Release: dict(block=ints, seq=seq_ids),
@@ -42,6 +43,8 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.Mem: dict(rss=st.none() | ints, py_heap=st.none() | ints, kv_bytes=st.none() | ints),
         E.StepEnd: dict(num_tokens=ints, duration_ns=ints),
         E.ChecksumError: dict(block=ints, tier=tiers, expected=ints, actual=ints),
+        E.IoError: dict(tier=tiers, op=st.text(max_size=10), message=st.text(max_size=20),
+                        errno=st.none() | ints, path=st.none() | st.text(max_size=10), blocks=int_lists),
         E.Prefetch: dict(blocks=int_lists, src=tiers, dst=tiers),
         E.Stage: dict(seq=seq_ids, blocks=int_lists, srcs=st.lists(tiers, max_size=8), versions=int_lists, bytes=ints),
         E.PrefetchUse: dict(seq=seq_ids, hits=int_lists, misses=int_lists),
