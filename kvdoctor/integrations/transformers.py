@@ -338,13 +338,13 @@ class Observer:
             rows.write(row, tokens[b], real[b], pos[b])
         rows.num_slots = past + new
         self._reads(rows, cache)
-        if self.tap.stats:
-            for layer, per_row in self.tap.finish():
-                for row, (max_logit, entropy, sink, nonfinite) in zip(rows.rows, per_row):
-                    trace.emit(Attn, seq=row.writer, layer=layer, max_logit=max_logit, entropy=entropy, sink=sink,
-                               nonfinite=int(nonfinite))
-        else:
-            self.tap.finish()
+        stats = self.tap.finish()
+        if stats:  # layers x rows events: built directly, with one time for the step's statistics
+            t, step, writers = time.perf_counter_ns() - trace.t0, trace.step, [row.writer for row in rows.rows]
+            trace.buf.extend(Attn(t=t, step=step, seq=seq, layer=layer, max_logit=max_logit, entropy=entropy,
+                                  sink=sink, nonfinite=int(nonfinite))
+                             for layer, per_row in stats
+                             for seq, (max_logit, entropy, sink, nonfinite) in zip(writers, per_row))
         trace.emit(StepEnd, num_tokens=sum(counts))
         trace.flush()
         trace.step += 1
