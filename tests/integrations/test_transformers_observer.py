@@ -122,6 +122,64 @@ def test_static_and_sliding_window_caches_are_silent(tmp_path):
         assert _findings(path) == [], name
 
 
+def _has(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+QUANTIZED = [
+    pytest.param("fp8", {}, id="fp8"),  # transformers' own backend: no dependency
+    pytest.param("quanto", dict(nbits=4, q_group_size=16, residual_length=4), id="quanto",
+                 marks=pytest.mark.skipif(not _has("optimum.quanto"), reason="optimum-quanto not installed "
+                                          "(pip install 'kvdoctor[quantized]')")),
+]
+
+
+@pytest.mark.parametrize("backend,options", QUANTIZED)
+def test_a_quantized_cache_is_observed_like_a_dynamic_one(tiny, tmp_path, backend, options):
+    # GIVEN a left-padded batch generated greedily, then with beam search, into transformers' QuantizedCache
+    # (quanto: 4 bits, a residual of 4 tokens, so most reads come from dequantized K/V)
+    from transformers import QuantizedCache
+
+    ids, mask = _prompts()
+    for mode, extra in (("greedy", {}), ("beam", dict(num_beams=2))):
+        def run():
+            return tiny.generate(ids, attention_mask=mask, cache=QuantizedCache(backend, tiny.config, **options),
+                                 max_new_tokens=12, do_sample=False, pad_token_id=PAD, **extra)
+        path = tmp_path / f"{mode}.kvtrace"
+        # WHEN it runs with and without the observer
+        observed = _observed(tiny, path, run)
+        # THEN identical tokens, no finding, and the last read of the unpadded row covers its two blocks
+        # (9 prompt + 11 generated tokens written before the last pass) at the positions written
+        assert torch.equal(observed, run()), mode
+        assert _findings(path) == [], mode
+        events = _events(path)
+        if mode == "greedy":
+            seq = next(e for e in events if type(e) is Batch).rows[0]
+            assert len([e for e in events if type(e) is Read and e.seq == seq][-1].blocks) == 2
+            assert [e.pos for e in events if type(e) is Write and e.seq == seq][:2] == [0, 9]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers' offloading needs CUDA streams")
+def test_an_offloaded_cache_is_observed_on_cuda(tmp_path):
+    # GIVEN a model on CUDA with DynamicCache(offloading=True) (layers move to the host and are prefetched back)
+    model = tiny_llama(num_layers=2, seed=3).model.cuda()
+    ids, mask = (t.cuda() for t in _prompts())
+
+    def run():
+        return model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config, offloading=True),
+                              max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+
+    # WHEN it is generated under the observer
+    observed = _observed(model, tmp_path / "run.kvtrace", run)
+    # THEN identical tokens, writes and reads, and no finding
+    assert torch.equal(observed, run())
+    assert {Write, Read, Attn} <= {type(e) for e in _events(tmp_path / "run.kvtrace")}
+    assert _findings(tmp_path / "run.kvtrace") == []
+
+
 # ---- misuses: each one a finding ---------------------------------------------------
 
 def _only(findings, rule):
