@@ -327,6 +327,8 @@ class Observer:
         elif pending is not None and (pending[3] or seen.dirty):
             for b, row in enumerate(rows.rows):
                 self._assign(rows, row, full_ids, b, past, real)
+        elif pending is None and mask2d is not None and mask2d.shape[-1] < past + new:
+            self._restarted(rows, real)
         seen.dirty = False
         firsts, counts = [], []
         for b, row in enumerate(rows.rows):
@@ -375,6 +377,16 @@ class Observer:
             return
         held = rows.find_holder(prefix)
         row.writer = held if held is not None else rows.start_seq(len(full_ids[b]))
+
+    @staticmethod
+    def _restarted(rows: CacheRows, real: list[list[bool]]) -> None:
+        """A hand-written call whose 2D attention mask covers fewer slots than the cache holds plus the new ones:
+        the caller's rows are not the sequences the cache holds (typically a tokenizer's output for a new prompt,
+        its mask only as long as the prompt, fed to a used cache). Each row computes a new sequence from here on;
+        it writes into and reads blocks it does not own. (transformers accepts such a mask and attends wrongly.)"""
+        for b, row in enumerate(rows.rows):
+            if row.writer == row.holder:
+                row.writer = rows.start_seq(sum(real[b]))
 
     def _reads(self, rows: CacheRows, cache: Any) -> None:
         """One read per row and per kind of layer (full, or each sliding window), named by its first layer."""
