@@ -133,13 +133,15 @@ QUANTIZED = [
     pytest.param("quanto", dict(nbits=4, q_group_size=16, residual_length=4), id="quanto",
                  marks=pytest.mark.skipif(not _has("optimum.quanto"), reason="optimum-quanto not installed "
                                           "(pip install 'kvdoctor[quantized]')")),
+    pytest.param("hqq", dict(nbits=4, q_group_size=16, residual_length=4), id="hqq",
+                 marks=pytest.mark.skipif(not _has("hqq"), reason="hqq not installed (pip install 'kvdoctor[quantized]')")),
 ]
 
 
 @pytest.mark.parametrize("backend,options", QUANTIZED)
 def test_a_quantized_cache_is_observed_like_a_dynamic_one(tiny, tmp_path, backend, options):
     # GIVEN a left-padded batch generated greedily, then with beam search, into transformers' QuantizedCache
-    # (quanto: 4 bits, a residual of 4 tokens, so most reads come from dequantized K/V)
+    # (quanto, hqq: 4 bits, a residual of 4 tokens, so most reads come from dequantized K/V)
     from transformers import QuantizedCache
 
     ids, mask = _prompts()
