@@ -70,10 +70,8 @@ class AttentionTap:
         if not self.stats:
             return
         H = query.shape[1]
-        if query.shape[2] == 1:  # decoding: a view
-            q = query.view(B * Hkv, H // Hkv, D)  # (B*H_kv, G, D): each K head's query group
-        else:
-            q = query[:, :, -1].reshape(B * Hkv, H // Hkv, D)
+        newest = query if query.shape[2] == 1 else query[:, :, -1]  # decoding: the query is the newest one
+        q = newest.reshape(B * Hkv, H // Hkv, D)  # (B*H_kv, G, D): each K head's query group (a view while decoding)
         scores = torch.bmm(q, key.reshape(B * Hkv, T, D).transpose(1, 2))  # (B*H_kv, G, T), unscaled
         scale = scaling if scaling is not None else getattr(module, "scaling", D ** -0.5)
         self._scores.append((layer, scores, mask if isinstance(mask, torch.Tensor) else None, float(scale), B, H))
