@@ -327,6 +327,8 @@ class Observer:
         elif pending is not None and (pending[3] or seen.dirty):
             for b, row in enumerate(rows.rows):
                 self._assign(rows, row, full_ids, b, past, real)
+        elif pending is None and mask2d is not None and mask2d.shape[-1] < past + new:
+            self._restarted(rows, real)
         seen.dirty = False
         firsts, counts = [], []
         for b, row in enumerate(rows.rows):
@@ -338,13 +340,13 @@ class Observer:
             rows.write(row, tokens[b], real[b], pos[b])
         rows.num_slots = past + new
         self._reads(rows, cache)
-        if self.tap.stats:
-            for layer, per_row in self.tap.finish():
-                for row, (max_logit, entropy, sink, nonfinite) in zip(rows.rows, per_row):
-                    trace.emit(Attn, seq=row.writer, layer=layer, max_logit=max_logit, entropy=entropy, sink=sink,
-                               nonfinite=int(nonfinite))
-        else:
-            self.tap.finish()
+        stats = self.tap.finish()
+        if stats:  # layers x rows events: built directly, with one time for the step's statistics
+            t, step, writers = time.perf_counter_ns() - trace.t0, trace.step, [row.writer for row in rows.rows]
+            trace.buf.extend(Attn(t=t, step=step, seq=seq, layer=layer, max_logit=max_logit, entropy=entropy,
+                                  sink=sink, nonfinite=int(nonfinite))
+                             for layer, per_row in stats
+                             for seq, (max_logit, entropy, sink, nonfinite) in zip(writers, per_row))
         trace.emit(StepEnd, num_tokens=sum(counts))
         trace.flush()
         trace.step += 1
@@ -375,6 +377,16 @@ class Observer:
             return
         held = rows.find_holder(prefix)
         row.writer = held if held is not None else rows.start_seq(len(full_ids[b]))
+
+    @staticmethod
+    def _restarted(rows: CacheRows, real: list[list[bool]]) -> None:
+        """A hand-written call whose 2D attention mask covers fewer slots than the cache holds plus the new ones:
+        the caller's rows are not the sequences the cache holds (typically a tokenizer's output for a new prompt,
+        its mask only as long as the prompt, fed to a used cache). Each row computes a new sequence from here on;
+        it writes into and reads blocks it does not own. (transformers accepts such a mask and attends wrongly.)"""
+        for b, row in enumerate(rows.rows):
+            if row.writer == row.holder:
+                row.writer = rows.start_seq(sum(real[b]))
 
     def _reads(self, rows: CacheRows, cache: Any) -> None:
         """One read per row and per kind of layer (full, or each sliding window), named by its first layer."""

@@ -1,15 +1,18 @@
 """Attention statistics around a model's own attention function, registered with transformers' ``AttentionInterface``.
 
 SDPA (transformers' default) returns no attention weights, so the tap computes what the attention
-check needs itself, for each row's newest query only: one small matmul per layer, the query's last
-position against the K the cache returned, then one batched pass per step over all layers for the
-largest scaled score, the mean entropy over heads, the mass on the first ``block_size`` keys the
-query may see (the sequence's first block; padding is masked out) and the count of non-finite scores.
-The wrapped function is called with exactly the arguments it would have had, so outputs do not change.
-"""
+check needs itself, for each row's newest query only. Per layer it does only what needs that layer's
+K, in as few tensor operations as it takes: one small batched product of the query's last position
+with the K the cache returned (views, no copies, while decoding). Once per step, layers sharing a
+mask are summarised together (the mask read once): the largest scaled score, the mean entropy over
+heads, the mass on the first ``block_size`` keys the query may see (the sequence's first block;
+padding is masked out), and the count of non-finite scores, made only when a statistic is non-finite.
+Per step that is a fixed number of operations and one copy to Python, whatever the number of layers.
+The wrapped function is called with exactly the arguments it would have had, so outputs do not change."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable
 
@@ -34,7 +37,7 @@ class AttentionTap:
         self.active = False
         self.kv_len: dict[int, int] = {}  # layer -> keys its attention saw this pass
         self.shape: list[int] | None = None  # K shape of the first layer this pass, (B, H_kv, T, D)
-        self._scores: list[tuple[int, torch.Tensor, Any, float]] = []  # (layer, (B, H, T) scores, mask, scale)
+        self._scores: list[tuple] = []  # (layer, (B*H_kv, G, T) scores, 4D mask or None, scale, B, H)
 
     def begin(self) -> None:
         self.active = True
@@ -60,28 +63,26 @@ class AttentionTap:
 
     def _observe(self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, scaling: float | None) -> None:
         layer = getattr(module, "layer_idx", len(self.kv_len))
-        self.kv_len[layer] = key.shape[-2]
+        B, Hkv, T, D = key.shape
+        self.kv_len[layer] = T
         if self.shape is None:
-            self.shape = list(key.shape)
+            self.shape = [B, Hkv, T, D]
         if not self.stats:
             return
-        B, H, _, D = query.shape
-        Hkv, T = key.shape[1], key.shape[-2]
-        q = query[:, :, -1, :].reshape(B, Hkv, H // Hkv, D)  # (B, H_kv, G, D): each K head's query group
-        scores = torch.matmul(q, key.transpose(-1, -2)).reshape(B, H, T)  # (B, H, T), unscaled
-        if isinstance(mask, torch.Tensor):
-            mask = mask[:, 0, -1, :] if mask.dim() == 4 else mask[..., -1, :]  # the newest query's row, (B, T)
-        else:
-            mask = None
+        H = query.shape[1]
+        newest = query if query.shape[2] == 1 else query[:, :, -1]  # decoding: the query is the newest one
+        q = newest.reshape(B * Hkv, H // Hkv, D)  # (B*H_kv, G, D): each K head's query group (a view while decoding)
+        scores = torch.bmm(q, key.reshape(B * Hkv, T, D).transpose(1, 2))  # (B*H_kv, G, T), unscaled
         scale = scaling if scaling is not None else getattr(module, "scaling", D ** -0.5)
-        self._scores.append((layer, scores, mask, float(scale)))
+        self._scores.append((layer, scores, mask if isinstance(mask, torch.Tensor) else None, float(scale), B, H))
 
     def finish(self) -> list[tuple[int, list[list[float]]]]:
-        """Per layer: per row [max_logit, entropy, sink, nonfinite] of the newest query; ends the pass."""
+        """Per layer: per row [max_logit, entropy, sink, nonfinite] of the newest query; ends the pass.
+        Layers sharing a score shape, a mask object and a scale (usually all full-attention ones) go together."""
         self.active = False
         groups: dict[tuple, list] = {}
         for item in self._scores:
-            groups.setdefault((item[1].shape, item[1].device), []).append(item)
+            groups.setdefault((item[1].shape, id(item[2]), item[3]), []).append(item)
         self._scores.clear()
         out: list[tuple[int, list[list[float]]]] = []
         for items in groups.values():
@@ -89,25 +90,39 @@ class AttentionTap:
         return out
 
     def _summarise(self, items: list) -> list:
-        scores = torch.stack([i[1] for i in items]).float()  # (L, B, H, T)
-        scale = torch.tensor([i[3] for i in items], device=scores.device).view(-1, 1, 1, 1)
-        scores = scores * scale
-        L, B, _, T = scores.shape
-        visible = torch.ones(L, B, 1, T, dtype=torch.bool, device=scores.device)
-        for n, (_, _, mask, _) in enumerate(items):
-            if mask is not None:
-                ok = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-                visible[n, :, 0] = ok.expand(B, T)
-        nonfinite = (~torch.isfinite(scores) & visible).sum(dim=(-1, -2))  # (L, B); masked -inf is expected
-        s = scores.masked_fill(~visible, float("-inf"))
-        heads_max = s.amax(dim=-1)  # (L, B, H)
-        probs = torch.softmax(s, dim=-1)
-        entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # (L, B, H) nats
-        first = visible & (visible.cumsum(dim=-1) <= self.block_size)  # the first block of keys the query sees
-        sink = (probs * first).sum(dim=-1)  # (L, B, H)
-        summary = torch.stack([heads_max.amax(dim=-1), entropy.mean(dim=-1), sink.mean(dim=-1),
-                               nonfinite.float()], dim=-1)  # (L, B, 4)
-        return summary.tolist()
+        _, _, mask, scale, B, H = items[0]
+        T = items[0][1].shape[-1]
+        scores = torch.stack([i[1] for i in items]).view(len(items), B, H, T)  # (L, B, H, T), unscaled
+        scores = (scores if scores.dtype == torch.float32 else scores.float()) * scale
+        visible = None
+        if mask is not None:
+            row = mask[:, 0, -1, :T] if mask.dim() == 4 else mask[..., -1, :T]  # the newest query's mask row, (B|1, T)
+            visible = (row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2).expand(B, T).reshape(1, B, 1, T)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        heads_max = scores.amax(dim=-1)  # (L, B, H)
+        logp = torch.log_softmax(scores, dim=-1)
+        probs = logp.exp()
+        if visible is not None:  # a masked key: probability 0, log -inf; its term of the entropy is 0
+            logp = logp.masked_fill(~visible, 0.0)
+            sink = (probs * (visible & (visible.cumsum(dim=-1) <= self.block_size))).sum(dim=-1)  # the first block it sees
+        else:
+            sink = probs[..., :self.block_size].sum(dim=-1)  # (L, B, H)
+        entropy = (probs * logp).sum(dim=-1)  # (L, B, H), minus the entropy in nats
+        summary = torch.stack([heads_max.amax(dim=-1), entropy.mean(dim=-1).neg_(), sink.mean(dim=-1)],
+                              dim=-1).tolist()  # (L, B, 3)
+        # A seen score that is NaN or infinite makes its row's largest score or entropy non-finite (NaN
+        # poisons the softmax, +inf the maximum, -inf a 0 * -inf term), so they are counted only then.
+        if all(math.isfinite(r[0] + r[1]) for rows in summary for r in rows):
+            for rows in summary:
+                for r in rows:
+                    r.append(0)
+        else:
+            bad = ~torch.isfinite(torch.stack([i[1] for i in items]).view(len(items), B, H, T))
+            counts = (bad if visible is None else bad & visible).sum(dim=(-1, -2)).tolist()  # (L, B)
+            for rows, row_counts in zip(summary, counts):
+                for r, n in zip(rows, row_counts):
+                    r.append(n)
+        return summary
 
 
 def _eager_of(module: Any) -> Callable[..., Any]:

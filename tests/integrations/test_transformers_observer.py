@@ -122,6 +122,66 @@ def test_static_and_sliding_window_caches_are_silent(tmp_path):
         assert _findings(path) == [], name
 
 
+def _has(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+QUANTIZED = [
+    pytest.param("fp8", {}, id="fp8"),  # transformers' own backend: no dependency
+    pytest.param("quanto", dict(nbits=4, q_group_size=16, residual_length=4), id="quanto",
+                 marks=pytest.mark.skipif(not _has("optimum.quanto"), reason="optimum-quanto not installed "
+                                          "(pip install 'kvdoctor[quantized]')")),
+    pytest.param("hqq", dict(nbits=4, q_group_size=16, residual_length=4), id="hqq",
+                 marks=pytest.mark.skipif(not _has("hqq"), reason="hqq not installed (pip install 'kvdoctor[quantized]')")),
+]
+
+
+@pytest.mark.parametrize("backend,options", QUANTIZED)
+def test_a_quantized_cache_is_observed_like_a_dynamic_one(tiny, tmp_path, backend, options):
+    # GIVEN a left-padded batch generated greedily, then with beam search, into transformers' QuantizedCache
+    # (quanto, hqq: 4 bits, a residual of 4 tokens, so most reads come from dequantized K/V)
+    from transformers import QuantizedCache
+
+    ids, mask = _prompts()
+    for mode, extra in (("greedy", {}), ("beam", dict(num_beams=2))):
+        def run():
+            return tiny.generate(ids, attention_mask=mask, cache=QuantizedCache(backend, tiny.config, **options),
+                                 max_new_tokens=12, do_sample=False, pad_token_id=PAD, **extra)
+        path = tmp_path / f"{mode}.kvtrace"
+        # WHEN it runs with and without the observer
+        observed = _observed(tiny, path, run)
+        # THEN identical tokens, no finding, and the last read of the unpadded row covers its two blocks
+        # (9 prompt + 11 generated tokens written before the last pass) at the positions written
+        assert torch.equal(observed, run()), mode
+        assert _findings(path) == [], mode
+        events = _events(path)
+        if mode == "greedy":
+            seq = next(e for e in events if type(e) is Batch).rows[0]
+            assert len([e for e in events if type(e) is Read and e.seq == seq][-1].blocks) == 2
+            assert [e.pos for e in events if type(e) is Write and e.seq == seq][:2] == [0, 9]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers' offloading needs CUDA streams")
+def test_an_offloaded_cache_is_observed_on_cuda(tmp_path):
+    # GIVEN a model on CUDA with DynamicCache(offloading=True) (layers move to the host and are prefetched back)
+    model = tiny_llama(num_layers=2, seed=3).model.cuda()
+    ids, mask = (t.cuda() for t in _prompts())
+
+    def run():
+        return model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config, offloading=True),
+                              max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+
+    # WHEN it is generated under the observer
+    observed = _observed(model, tmp_path / "run.kvtrace", run)
+    # THEN identical tokens, writes and reads, and no finding
+    assert torch.equal(observed, run())
+    assert {Write, Read, Attn} <= {type(e) for e in _events(tmp_path / "run.kvtrace")}
+    assert _findings(tmp_path / "run.kvtrace") == []
+
+
 # ---- misuses: each one a finding ---------------------------------------------------
 
 def _only(findings, rule):
@@ -215,6 +275,64 @@ def test_a_beam_reorder_applied_twice_is_found(tiny, tmp_path):
     # THEN a beam read blocks of a hypothesis it does not continue
     found = _only(_findings(tmp_path / "run.kvtrace"), "batch/read-not-owned")
     assert found.layer == 0 and found.step >= 1
+
+
+# ---- hand-written decode loops: model(...) with the cache, no generate ------------------
+
+def _hand_decode(model, ids, mask, cache, steps, positions=True):
+    """Greedy decoding the way people write it by hand: the 2D mask grows by one per step, and the
+    positions (when given) count each row's real tokens. Returns the last logits and the mask."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions else None
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache)
+    for _ in range(steps):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        pos = pos[:, -1:] + 1 if positions else None
+        out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=cache)
+    return out.logits, mask
+
+
+def test_a_clean_hand_written_loop_is_silent_and_its_logits_unchanged(tiny, tmp_path):
+    # GIVEN a left-padded batch decoded by hand for 8 steps, positions counting real tokens
+    ids, mask = _prompts()
+
+    def run():
+        return _hand_decode(tiny, ids, mask, DynamicCache(config=tiny.config), 8)[0]
+
+    # WHEN it runs with and without the observer
+    observed = _observed(tiny, tmp_path / "run.kvtrace", run)
+    # THEN the logits are identical and nothing is found
+    assert torch.equal(observed, run())
+    assert _findings(tmp_path / "run.kvtrace") == []
+
+
+def test_a_hand_loop_feeding_a_new_prompt_to_a_used_cache_reads_the_old_sequences_blocks(tiny, tmp_path):
+    # GIVEN a cache decoded for one prompt, then given another prompt with the mask a tokenizer makes for it
+    # (as long as the new prompt only: the caller's sequence starts here, the cache's does not)
+    a, mask_a = _prompts(batch=1, pad=(0,))
+    b, mask_b = _prompts(batch=1, length=12, pad=(0,), seed=5)
+    cache = DynamicCache(config=tiny.config)
+    with kvdoctor.observe(tiny, trace=tmp_path / "run.kvtrace"):
+        _hand_decode(tiny, a, mask_a, cache, 4, positions=False)
+        _hand_decode(tiny, b, mask_b, cache, 2, positions=False)
+    # THEN the new prompt's sequence read the first one's block, at layer 0 of the new prompt's step
+    found = _only(_findings(tmp_path / "run.kvtrace"), "batch/read-not-owned")
+    assert found.layer == 0 and found.step == 5 and found.block == 0
+
+
+def test_a_hand_loop_that_swaps_rows_is_a_position_finding_for_each(tiny, tmp_path):
+    # GIVEN a left-padded batch decoded by hand, then one step with rows, mask and positions in the other order
+    ids, mask = _prompts()
+    cache = DynamicCache(config=tiny.config)
+    with kvdoctor.observe(tiny, trace=tmp_path / "run.kvtrace"):
+        logits, mask = _hand_decode(tiny, ids, mask, cache, 3)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        pos = mask.sum(-1, keepdim=True) - 1
+        tiny(input_ids=nxt.flip(0), attention_mask=mask.flip(0), position_ids=pos.flip(0), cache=cache)
+    # THEN both rows are written at the position the other sequence had reached
+    findings = [f for f in _findings(tmp_path / "run.kvtrace") if f.rule == "write-position"]
+    assert len({f.seq for f in findings}) == 2 and {f.step for f in findings} == {4}
 
 
 def test_without_a_trace_path_the_observer_follows_KVDOCTOR_TRACE(tiny, tmp_path, monkeypatch):
