@@ -198,9 +198,13 @@ def engine_state(runner: Any) -> dict[str, Any]:
             "arena_bytes": sum(v["arena_bytes"] for v in tiers.values())}
 
 
-def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warmup: int = 50) -> dict[str, Any]:
-    """Serve ``num_requests`` through the engine, 8 in flight. Every ``checkpoint`` requests (and after
-    ``warmup``) the engine is let run idle and its state and Python heap are recorded."""
+def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warmup: int = 50,
+                on_checkpoint: Any = None, limits: Any = None, heap: bool = True) -> dict[str, Any]:
+    """Serve ``num_requests`` through the engine, 8 in flight, every check listening (under ``limits``,
+    a ``kvdoctor.limits.Limits``). After ``warmup`` requests and every ``checkpoint`` requests the
+    engine runs idle and its state is recorded (and handed to ``on_checkpoint`` as it comes), with
+    the number of Python objects alive and (with ``heap``) the Python heap allocated since the warm-up
+    and still alive: all of it, and the part the engine's own code allocated."""
     import random
 
     import torch
@@ -210,11 +214,12 @@ def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warm
     from kvdoctor.engine.runner import Runner, SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
 
+    from kvdoctor.config import Config
+
     torch.manual_seed(seed)
-    tracemalloc.start()
     lm = tiny_llama(num_layers=2, max_position_embeddings=512)
     runner = Runner.create(lm.model, block_size=4, device_blocks=24, host_blocks=96)
-    suite = make_suite()
+    suite = Config(limits=limits).make_suite() if limits is not None else make_suite()
     runner.bus.subscribe(suite.observe_many)
     sched = Scheduler(runner, max_batch=8)
     rng = random.Random(seed)
@@ -237,10 +242,21 @@ def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warm
             sched.done.clear()  # a server hands each finished generation to its client and forgets it
         runner.bus.flush()
         gc.collect()
+        total = engine_heap = None
+        if heap:
+            if not tracemalloc.is_tracing():
+                tracemalloc.start()  # from the warm-up on: tracing the imports and the model would cost more than the soak
+            engine_dir = os.path.dirname(sys.modules[Runner.__module__].__file__) + os.sep
+            total = tracemalloc.get_traced_memory()[0]
+            engine_heap = sum(t.size for t in tracemalloc.take_snapshot().traces
+                              if t.traceback[0].filename.startswith(engine_dir))
         checkpoints.append({"requests": served, "seconds": round(time.monotonic() - t0, 1),
-                            "heap": tracemalloc.get_traced_memory()[0], "rss_mb": round(rss_mb(), 1),
-                            **engine_state(runner)})
-    tracemalloc.stop()
+                            "objects": len(gc.get_objects()), "heap": total, "engine_heap": engine_heap,
+                            "rss_mb": round(rss_mb(), 1), **engine_state(runner)})
+        if on_checkpoint is not None:
+            on_checkpoint(checkpoints[-1])
+    if heap:
+        tracemalloc.stop()
     runner.close()
     suite.finish()
     return {"checkpoints": checkpoints, "findings": [f.message for f in suite.findings]}
@@ -313,6 +329,7 @@ def main() -> None:
     c.add_argument("--every", type=int, required=True)
     e = sub.add_parser("engine", help="the engine under a soak of requests")
     e.add_argument("--requests", type=int, default=2000)
+    e.add_argument("--checkpoint", type=int, default=250, help="record the state every this many requests")
     args = p.parse_args()
     if args.mode == "real":
         soak_real(args)
@@ -325,15 +342,15 @@ def main() -> None:
     elif args.mode == "consume":
         print(json.dumps(consume(args.kind, args.trace, args.every)))
     elif args.mode == "engine":
-        r = soak_engine(args.requests)
+        print("requests\tseconds\tblocks\tsequences\tused_blocks\tarena_bytes\tobjects\tpy_heap_B\tengine_heap_B\trss_mb",
+              flush=True)
+        r = soak_engine(args.requests, checkpoint=args.checkpoint, on_checkpoint=lambda c: print(
+            f"{c['requests']}\t{c['seconds']}\t{c['blocks']}\t{c['sequences']}\t{c['used_blocks']}\t"
+            f"{c['arena_bytes']}\t{c['objects']}\t{c['heap']}\t{c['engine_heap']}\t{c['rss_mb']}", flush=True))
         cps = r["checkpoints"]
         print(f"# engine soak: {cps[-1]['requests']} requests in {cps[-1]['seconds']:.0f} s; CPU {cpu_model()}; "
-              f"load {load_average()}; Python heap after warm-up {cps[0]['heap']:,} B, at the end "
-              f"{cps[-1]['heap']:,} B ({cps[-1]['heap'] - cps[0]['heap']:+,} B)")
-        print("requests\tseconds\tblocks\tsequences\tused_blocks\tarena_bytes\tpy_heap_B\trss_mb")
-        for c in cps:
-            print(f"{c['requests']}\t{c['seconds']}\t{c['blocks']}\t{c['sequences']}\t{c['used_blocks']}\t"
-                  f"{c['arena_bytes']}\t{c['heap']}\t{c['rss_mb']}")
+              f"load {load_average()}; Python heap allocated since the warm-up and alive at the end "
+              f"{cps[-1]['heap']:,} B, by the engine's code {cps[-1]['engine_heap']:,} B")
         print(f"findings: {len(r['findings'])}")
 
 
