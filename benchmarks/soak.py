@@ -278,11 +278,12 @@ def run_worker(path: str) -> None:
 def soak_real(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / "smollm2.kvtrace"
+    trace = out / f"{args.model or 'smollm2'}.kvtrace"
     trace.unlink(missing_ok=True)
     env = dict(os.environ, KVDOCTOR_TRACE=str(trace))
-    demo = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "kvdoctor.demo",
-                             "--seconds", str(args.minutes * 60)], env=env,
+    demo = subprocess.Popen(["nice", "-n", str(args.nice), sys.executable, "-m", "kvdoctor.demo",
+                             "--seconds", str(args.minutes * 60)] + (["--model", args.model] if args.model else []),
+                            env=env,
                             stdout=subprocess.DEVNULL, stderr=open(out / "demo.log", "w"))
     kvdoctor = Path(sys.executable).with_name("kvdoctor")
     check = subprocess.Popen([str(kvdoctor), "check", "--trace", str(trace), "--follow", "--wait", "300",
@@ -311,6 +312,8 @@ def main() -> None:
     r.add_argument("--minutes", type=float, default=22.0)
     r.add_argument("--sample-s", type=float, default=30.0)
     r.add_argument("--out", default="/tmp/kvdoctor-soak-real")
+    r.add_argument("--model", help="the demo's model: 'tiny' for the small random one (default: SmolLM2)")
+    r.add_argument("--nice", type=int, default=10, help="the demo's niceness (it shares the machine)")
     w = sub.add_parser("worker", help="(internal) the TUI's worker following one trace, headless")
     w.add_argument("trace")
     s = sub.add_parser("synthetic", help="a long synthetic stream through check --follow and the TUI's worker")
