@@ -209,17 +209,15 @@ def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warm
 
     import torch
 
-    from kvdoctor.checks import make_suite
+    from kvdoctor.config import Config
     from kvdoctor.engine.model import tiny_llama
     from kvdoctor.engine.runner import Runner, SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
 
-    from kvdoctor.config import Config
-
     torch.manual_seed(seed)
     lm = tiny_llama(num_layers=2, max_position_embeddings=512)
     runner = Runner.create(lm.model, block_size=4, device_blocks=24, host_blocks=96)
-    suite = Config(limits=limits).make_suite() if limits is not None else make_suite()
+    suite = (Config(limits=limits) if limits is not None else Config()).make_suite()
     runner.bus.subscribe(suite.observe_many)
     sched = Scheduler(runner, max_batch=8)
     rng = random.Random(seed)
