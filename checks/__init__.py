@@ -25,7 +25,7 @@ from .batch import BatchCheck
 from .codec import CodecCheck
 from .integrity import IntegrityCheck
 from .leak import LeakCheck, LeakSettings
-from .ledger import Ledger
+from .ledger import ENDED_KEPT, FREED_KEPT, Ledger
 from .prefix import PrefixCheck
 from .stale import StaleCheck
 
@@ -48,11 +48,14 @@ def make_suite(
     *, leak: LeakSettings | None = None, attention: AttentionSettings | None = None,
     disabled: Iterable[str] = (), severity: dict[str, Severity] | None = None,
     max_per_rule: int = 100, history: int = 12, attention_profile: AttentionProfile | None = None,
+    freed_kept: int = FREED_KEPT, ended_kept: int = ENDED_KEPT,
 ) -> CheckSuite:
     """Every built-in check over one shared ledger. ``disabled`` holds check names or
     ``check/rule`` ids; ``severity`` overrides a rule's default severity by id;
-    ``attention_profile`` is the model's normal attention (None: learned from the trace)."""
-    ledger = Ledger(history=history)
+    ``attention_profile`` is the model's normal attention (None: learned from the trace);
+    ``freed_kept``/``ended_kept`` bound what the ledger remembers of freed blocks and ended
+    sequences, so a run of any length holds its memory flat."""
+    ledger = Ledger(history=history, freed_kept=freed_kept, ended_kept=ended_kept)
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),

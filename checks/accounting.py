@@ -138,7 +138,8 @@ class AccountingCheck(CheckBase):
         if not self.once("unknown-block", ev.block):
             return NO_FINDINGS
         return [self.finding(
-            "unknown-block", f"{_kind(ev)} names block {ev.block}, which is not allocated",
+            "unknown-block", f"{_kind(ev)} names block {ev.block}, which is not allocated"
+            + ("" if not self.ledger.num_freed_forgotten else f" ({self.ledger.never_allocated()})"),
             seq=getattr(ev, "seq", None), block=ev.block, step=ev.step, events=[self.event_dict(ev)],
         )]
 

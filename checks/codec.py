@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..events import Alloc, Event, Recode, SwapIn, SwapOut
+from ..events import Alloc, Event, Evict, Free, Recode, SwapIn, SwapOut
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -42,13 +42,20 @@ class CodecCheck(CheckBase):
         self._worst: dict[int, str] = {}  # block -> the lossiest known codec its bytes went through
 
     def handlers(self):
-        return {Alloc: self._alloc, SwapOut: self._move, SwapIn: self._move, Recode: self._recode}
+        return {Alloc: self._alloc, SwapOut: self._move, SwapIn: self._move, Recode: self._recode,
+                Free: self._gone, Evict: self._gone}
 
     def _alloc(self, ev: Alloc) -> Sequence[Finding]:
         if ev.codec is None:
             self._worst.pop(ev.block, None)  # a new life of the id: nothing known of its codec
         else:
             self._worst[ev.block] = ev.codec
+        return NO_FINDINGS
+
+    def _gone(self, ev: Free | Evict) -> Sequence[Finding]:
+        # Every copy is gone and the id's next life starts with an alloc that resets it: keeping it
+        # would grow with every block id a long run ever frees.
+        self._worst.pop(ev.block, None)
         return NO_FINDINGS
 
     def _move(self, ev: SwapIn | SwapOut) -> Sequence[Finding]:

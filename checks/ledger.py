@@ -18,10 +18,13 @@ from ..events import (
     Write, to_dict,
 )
 
-__all__ = ["Ledger", "SeqState"]
+__all__ = ["Ledger", "SeqState", "FREED_KEPT", "ENDED_KEPT"]
 
-_FREED_KEPT = 4096  # histories of freed blocks kept for "read after free" evidence
-_ENDED_KEPT = 65536  # ended sequence ids remembered, to tell "ended" from "never seen"
+# What the ledger remembers of the past, by default (``[tool.kvdoctor.limits]`` sets both): the
+# state of live blocks and sequences is bounded by the engine, but freed ids and ended sequences
+# would grow with every request served.
+FREED_KEPT = 4096  # freed block ids whose last life is kept for "read after free"/"double free" evidence
+ENDED_KEPT = 65536  # ended sequence ids remembered, to tell "ended" from "never seen"
 
 
 class SeqState:
@@ -43,8 +46,13 @@ class SeqState:
 class Ledger:
     """Updated by the suite after the checks saw each event (``appliers``); checks read it."""
 
-    def __init__(self, *, history: int = 12) -> None:
+    def __init__(self, *, history: int = 12, freed_kept: int = FREED_KEPT, ended_kept: int = ENDED_KEPT) -> None:
         self.history_len = history
+        self.freed_kept = freed_kept
+        self.ended_kept = ended_kept
+        # Freed ids dropped from ``freed`` (over ``freed_kept``): from the first one on, an id that is
+        # not allocated may have been freed long ago, and a finding must not say "never allocated".
+        self.num_freed_forgotten = 0
         self.owners: dict[int, set] = {}  # allocated block -> its owner sequences
         self.tier: dict[int, str] = {}  # allocated block -> tier it sits in
         self.version: dict[int, int] = {}  # block -> version of the last write into it
@@ -100,6 +108,14 @@ class Ledger:
         kept = self.freed.get(block)
         return kept[0] if kept is not None else None
 
+    def never_allocated(self) -> str:
+        """How to say that an id the ledger has no trace of was never allocated: plainly, until the
+        bound on freed blocks made it forget one; from then on it may have been freed long ago."""
+        if not self.num_freed_forgotten:
+            return "never allocated"
+        return (f"not among the {self.freed_kept} most recently freed blocks kvdoctor keeps "
+                f"(limits.freed_blocks): freed earlier, or never allocated")
+
     # ---- applying -------------------------------------------------------------------
 
     def appliers(self) -> dict[type, Callable[[Any], None]]:
@@ -124,7 +140,7 @@ class Ledger:
     def _seq_end(self, ev: SeqEnd) -> None:
         state = self.seqs.pop(ev.seq, None)
         self.ended[ev.seq] = ev.step
-        if len(self.ended) > _ENDED_KEPT:
+        if len(self.ended) > self.ended_kept:
             self.ended.popitem(last=False)
         if state is None:
             return
@@ -192,9 +208,12 @@ class Ledger:
         self.stranded.pop(block, None)
         hist = self.hist.pop(block)
         hist.append(ev)
-        self.freed[block] = (ev, self.alloc_event.pop(block, None), hist)
-        if len(self.freed) > _FREED_KEPT:
-            self.freed.popitem(last=False)
+        freed = self.freed
+        freed.pop(block, None)  # a reused id: its newest life goes to the end of the line
+        freed[block] = (ev, self.alloc_event.pop(block, None), hist)
+        if len(freed) > self.freed_kept:
+            freed.popitem(last=False)
+            self.num_freed_forgotten += 1
         evicted = type(ev) is Evict
         for seq in owners:
             state = self.seqs.get(seq)

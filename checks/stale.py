@@ -84,7 +84,7 @@ class StaleCheck(CheckBase):
             return NO_FINDINGS
         gone = self.ledger.freed_by(block)
         if gone is None:
-            why = "which was never allocated"
+            why = f"which was {self.ledger.never_allocated()}"
         else:
             why = f"which was {'evicted' if type(gone) is Evict else 'freed'} at step {gone.step}"
         return [self.finding(

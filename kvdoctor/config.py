@@ -17,6 +17,10 @@
     margin = 0.5
     persist = 2
 
+    [tool.kvdoctor.limits]                      # what a long run remembers of its past (kvdoctor.limits)
+    freed_blocks = 4096
+    ended_seqs = 65536
+
 Everything is validated once, here; a bad value is a ``UsageError`` (exit code 2) that names
 the file, the key and what would be accepted.
 """
@@ -34,10 +38,11 @@ from .checks import (
 )
 from .errors import UsageError
 from .findings import SEVERITIES
+from .limits import Limits
 
 __all__ = ["Config", "load_config", "parse_config", "find_pyproject"]
 
-_SECTIONS = {"leak": LeakSettings, "attention": AttentionSettings}
+_SECTIONS = {"leak": LeakSettings, "attention": AttentionSettings, "limits": Limits}
 _CHECK_NAMES = {c.name for c in ALL_CHECKS}
 
 
@@ -54,6 +59,7 @@ class Config:
     attention_profile: str = "auto"
     leak: LeakSettings = field(default_factory=LeakSettings)
     attention: AttentionSettings = field(default_factory=AttentionSettings)
+    limits: Limits = field(default_factory=Limits)
     source: str | None = None  # the file it came from, for messages
 
     def make_suite(self, model: str | None = None) -> CheckSuite:
@@ -61,6 +67,7 @@ class Config:
         return make_suite(
             leak=self.leak, attention=self.attention, disabled=self.disable, severity=self.severity,  # type: ignore[arg-type]
             max_per_rule=self.max_findings_per_rule, history=self.history,
+            freed_kept=self.limits.freed_blocks, ended_kept=self.limits.ended_seqs,
             attention_profile=self.attention_profile_for(model),
         )
 
@@ -121,7 +128,7 @@ def parse_config(table: dict[str, Any], source: str = "config") -> Config:
     if not isinstance(table, dict):
         raise UsageError(f"{source}: must be a table of settings")
     values: dict[str, Any] = {"source": source}
-    top = {f.name for f in dataclasses.fields(Config)} - {"source", "leak", "attention"}
+    top = {f.name for f in dataclasses.fields(Config)} - {"source", *_SECTIONS}
     for key, value in table.items():
         if key in _SECTIONS:
             values[key] = _section(key, value, source)

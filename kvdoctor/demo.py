@@ -122,6 +122,7 @@ def run_demo(cfg: DemoConfig) -> int:
                 sched.submit(Request(ids, max_new_tokens=rng.randint(16, cfg.max_new_tokens), sampling=sampling,
                                      adapter=adapter))
             sched.step()
+            sched.done.clear()  # nobody reads the demo's answers: keeping them would grow with every request
             steps += 1
             swapped = [seq for seq, live in sched.live.items() if live.state == "swapped"]
             if swapped and rng.random() < cfg.abort_rate * len(swapped):

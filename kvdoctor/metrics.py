@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from .errors import UsageError
-from .events import Alloc, Prefetch, Read, Share, StepEnd, SwapIn, SwapOut, Usage
+from .events import Alloc, Evict, Free, Prefetch, Read, Share, StepEnd, SwapIn, SwapOut, Usage
 from .findings import Finding
 
 __all__ = ["CacheMetrics", "MeteredChecker", "metered"]
@@ -71,6 +71,9 @@ class CacheMetrics:
             if hits:
                 self._num_prefetch_hits += len(hits)
                 self._waiting -= hits
+        elif kind is Free or kind is Evict:
+            if self._waiting:
+                self._waiting.discard(event.block)  # prefetched, never read: a miss that must not stay forever
         elif kind is Alloc:
             self._num_allocs += 1
         elif kind is Share:

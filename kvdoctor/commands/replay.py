@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tui.feed import ReplayFeed, suite_factory
 
     app = KvdoctorApp(lambda publish: ReplayFeed(
-        args.trace, publish, speed=args.speed, start=args.step, checker_factory=suite_factory(config)))
+        args.trace, publish, speed=args.speed, start=args.step, checker_factory=suite_factory(config),
+        limits=config.limits))
     app.run()
     return 0

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     wait = args.wait if args.wait is not None else (300.0 if workload is not None else 10.0)
     app = KvdoctorApp(
         lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait,
-                                 checker_factory=checker_factory),
+                                 checker_factory=checker_factory, limits=config.limits),
         workload=workload,
     )
     try:

@@ -10,7 +10,7 @@ walks the table.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from ..events import PREFIX_CACHE
@@ -68,13 +68,20 @@ class BlockRecord:
 
 
 class BlockTable:
-    """Blocks by id, their cell codes, and the number of blocks per code."""
+    """Blocks by id, their cell codes, and the number of blocks per code.
 
-    def __init__(self) -> None:
+    An engine that reuses block ids (a pool) gives a table as large as its pool. One that
+    hands out fresh ids would grow it forever, so at most ``max_free`` records of blocks not
+    allocated are kept: past that, a new id takes over the cell of the block freed longest ago.
+    """
+
+    def __init__(self, max_free: int = 4096) -> None:
         self.records: dict[int, BlockRecord] = {}
         self.ids: list[int] = []          # cell index -> block id
         self.cells = bytearray()          # cell index -> cell code
         self.code_counts: dict[int, int] = {FREE: 0}  # code -> number of cells with it (few codes occur)
+        self.max_free = max_free
+        self._free: OrderedDict[int, None] = OrderedDict()  # ids of records not allocated, freed longest ago first
         self._ids_version = 0
 
     @property
@@ -85,11 +92,19 @@ class BlockTable:
     def get(self, block: int) -> BlockRecord:
         rec = self.records.get(block)
         if rec is None:
-            rec = self.records[block] = BlockRecord(block, len(self.ids))
-            self.ids.append(block)
-            self.cells.append(FREE)
-            self.code_counts[FREE] += 1
+            if len(self._free) > self.max_free:
+                # The cell of the block freed longest ago: a FREE cell stays FREE, so no count moves.
+                gone, _ = self._free.popitem(last=False)
+                cell = self.records.pop(gone).cell
+                self.ids[cell] = block
+            else:
+                cell = len(self.ids)
+                self.ids.append(block)
+                self.cells.append(FREE)
+                self.code_counts[FREE] += 1
+            rec = self.records[block] = BlockRecord(block, cell)
             self._ids_version += 1
+            self._free[block] = None  # not allocated until its alloc says so
         return rec
 
     def recode(self, rec: BlockRecord) -> None:
@@ -101,6 +116,10 @@ class BlockTable:
             counts = self.code_counts
             counts[old] -= 1
             counts[new] = counts.get(new, 0) + 1
+            if new == FREE:
+                self._free[rec.block] = None
+            elif old == FREE:
+                self._free.pop(rec.block, None)
 
     def tier_counts(self) -> dict[int, tuple[int, int, int]]:
         """Per tier code: (owned by one, shared, leaked or unowned) numbers of blocks."""

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Protocol, TypeVar
 from ..errors import KvdoctorError
 from ..events import Header
 from ..findings import Finding
+from ..limits import Limits
 from .state import Monitor, Snapshot
 from .workload import Workload
 
@@ -63,8 +64,10 @@ all_checks = suite_factory()
 class Feed(threading.Thread):
     """Shared machinery: the monitor, the checks, the lock and paced publishing."""
 
-    def __init__(self, publish: Publish, *, checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0) -> None:
+    def __init__(self, publish: Publish, *, checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0,
+                 limits: Limits | None = None) -> None:
         super().__init__(name=f"kvdoctor-{type(self).__name__}", daemon=True)
+        self._limits = limits  # what the monitor keeps of the past (the config's [limits])
         self._publish_cb = publish
         self._factory = checker_factory
         self._interval = 1.0 / fps
@@ -72,7 +75,7 @@ class Feed(threading.Thread):
         self._dirty = False
         self._stop_event = threading.Event()
         self.lock = threading.Lock()
-        self.monitor = Monitor()
+        self.monitor = Monitor(limits=limits)
         self._checker: Checker | None = None
         # Adds to each finding what the workload's Python was doing (py-spy) and the memory curve.
         self._attributor: Any = None
@@ -110,7 +113,7 @@ class Feed(threading.Thread):
 
     def _reset(self, header: Header) -> None:
         with self.lock:
-            self.monitor = Monitor(header)
+            self.monitor = Monitor(header, self._limits)
             self._checker = self._factory(header) if self._factory is not None else None
         self._dirty = True
 
@@ -188,8 +191,9 @@ class LiveFeed(Feed):
         checker_factory: CheckerFactory | None = all_checks,
         wait_s: float = 10.0,
         fps: float = 15.0,
+        limits: Limits | None = None,
     ) -> None:
-        super().__init__(publish, checker_factory=checker_factory, fps=fps)
+        super().__init__(publish, checker_factory=checker_factory, fps=fps, limits=limits)
         self.path = path
         self.workload = workload
         self.wait_s = wait_s
@@ -263,8 +267,9 @@ class ReplayFeed(Feed):
         speed: float = 20.0,
         start: int | None = None,
         fps: float = 15.0,
+        limits: Limits | None = None,
     ) -> None:
-        super().__init__(publish, checker_factory=checker_factory, fps=fps)
+        super().__init__(publish, checker_factory=checker_factory, fps=fps, limits=limits)
         self.path = path
         self.speed = speed          # steps per second while playing; 0 plays as fast as possible
         self.start_step = start     # open paused after this step
@@ -386,8 +391,9 @@ class BusFeed(Feed):
     _END = object()
 
     def __init__(self, bus: Any, header: Header, publish: Publish, *,
-                 checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0) -> None:
-        super().__init__(publish, checker_factory=checker_factory, fps=fps)
+                 checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0,
+                 limits: Limits | None = None) -> None:
+        super().__init__(publish, checker_factory=checker_factory, fps=fps, limits=limits)
         self.header = header
         self._bus = bus
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()

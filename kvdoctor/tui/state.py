@@ -21,6 +21,7 @@ from ..events import (
     Recode, Rollback, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TraceEnd, Unknown, Usage, Write,
 )
 from ..findings import Finding
+from ..limits import Limits
 from .blocks import FREE, LEAKED, STALE, TIER_CODES, UNOWNED, BlockTable
 
 __all__ = ["Monitor", "Snapshot", "TierView", "LayerView", "SeqRecord", "MEM_SERIES"]
@@ -28,7 +29,6 @@ __all__ = ["Monitor", "Snapshot", "TierView", "LayerView", "SeqRecord", "MEM_SER
 _SPARK_LEN = 240          # samples kept per sparkline (one per step)
 _LOG_LEN = 2000           # events kept for the log tail
 _MAX_FINDINGS = 5000      # findings kept for the list (the counts keep going)
-_ENDED_SEQS = 2000        # finished sequences kept for search and detail
 _RATE_WINDOW_NS = 2_000_000_000
 _SERIALS = itertools.count(1)  # shared by all monitors: a replay that rebuilds its monitor keeps counting up
 
@@ -130,11 +130,18 @@ class _LayerAcc:
 
 
 class Monitor:
-    """Folds events and findings into the state the TUI shows. Not thread-safe: one feeder."""
+    """Folds events and findings into the state the TUI shows. Not thread-safe: one feeder.
 
-    def __init__(self, header: Header | None = None) -> None:
+    Everything it keeps is bounded, so a workload watched for hours holds it flat: live blocks and
+    sequences by the workload itself, the past by ``limits`` (freed blocks, ended sequences) and by
+    the fixed lengths above (sparklines, log, findings list).
+    """
+
+    def __init__(self, header: Header | None = None, limits: Limits | None = None) -> None:
+        limits = limits or Limits()
         self.header: Header | None = None
-        self.blocks = BlockTable()
+        self.blocks = BlockTable(max_free=limits.tui_freed_blocks)
+        self.max_ended = limits.tui_ended_seqs
         self.seqs: dict[Any, SeqRecord] = {}
         self._ended: OrderedDict[Any, SeqRecord] = OrderedDict()
         self.step = 0
@@ -197,7 +204,10 @@ class Monitor:
                 rec.flags |= LEAKED if f.check == "leak" else STALE if f.check == "stale" else 0
                 self.blocks.recode(rec)
         if f.layer is not None and f.check == "attention":
-            self._anomalies.setdefault(f.layer, set()).add(self.step if f.step is None else f.step)
+            steps = self._anomalies.setdefault(f.layer, set())
+            steps.add(self.step if f.step is None else f.step)
+            if len(steps) > 2 * _SPARK_LEN:  # only steps still on the sparkline are drawn
+                steps -= {s for s in steps if s < self.step - _SPARK_LEN}
 
     def finish(self, reason: str) -> None:
         """The source is done (trace end, workload exit, crash): close the last step."""
@@ -267,8 +277,8 @@ class Monitor:
     def _close_step(self, new_step: int, advance: bool = True) -> None:
         table = self.blocks
         for b in self._unowned:
-            rec = table.records[b]
-            if rec.tier != FREE and not rec.owners:
+            rec = table.records.get(b)  # None: freed this step and its record already recycled
+            if rec is not None and rec.tier != FREE and not rec.owners:
                 rec.flags |= UNOWNED
                 table.recode(rec)
         self._unowned.clear()
@@ -324,7 +334,7 @@ class Monitor:
                     self._unowned.add(b)
                 table.recode(brec)
         self._ended[ev.seq] = rec
-        if len(self._ended) > _ENDED_SEQS:
+        if len(self._ended) > self.max_ended:
             self._ended.popitem(last=False)
 
     def _alloc(self, ev: Alloc) -> None:

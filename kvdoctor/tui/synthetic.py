@@ -48,6 +48,7 @@ class SyntheticWorkload:
     fault: str | None = None
     fault_step: int = 60   # the first step at which the fault may strike
     bytes_per_block: int = 65536
+    fresh_ids: bool = False  # a new block id for every allocation (an engine without an id pool), never a reused one
 
     def header(self) -> Header:
         return Header(
@@ -127,7 +128,11 @@ class SyntheticWorkload:
                 # Bring the sequence's swapped-out blocks back before attention reads them.
                 away = [b for b in s.blocks if tier[b] != "device"]
                 room = self.device_blocks - used("device")
-                if len(away) + 1 > room:
+                n = s.prompt_len if s.length == 0 else 1
+                # Room for its swapped-out blocks and for what this step's tokens add: a prompt may
+                # need several blocks, a decode step at most one (one is always kept free for it).
+                need = len(away) + max(1, -(-(s.length + n) // self.block_size) - len(s.blocks))
+                if need > room:
                     scheduled = {r[0].seq for r in rows}
                     victims = [v for v in active if v is not s and v.seq not in scheduled
                                and any(tier[b] == "device" for b in v.blocks)]
@@ -138,7 +143,7 @@ class SyntheticWorkload:
                         if tier[b] == "device" and used("host") < self.host_blocks:
                             place(b, "host")
                             emit(SwapOut, block=b, src="device", dst="host", version=version[b])
-                    if len(away) + 1 > self.device_blocks - used("device"):
+                    if need > self.device_blocks - used("device"):
                         continue
                 for b in away:
                     place(b, "device")
@@ -146,7 +151,6 @@ class SyntheticWorkload:
                     if self.fault == "stale-version" and not faulted and step >= self.fault_step:
                         served, faulted = served - 1, True
                     emit(SwapIn, block=b, src="host", dst="device", version=served)
-                n = s.prompt_len if s.length == 0 else 1
                 pos = s.length
                 write(s, n)
                 emit(Read, seq=s.seq, blocks=list(s.blocks), versions=[version[b] for b in s.blocks])
@@ -176,7 +180,8 @@ class SyntheticWorkload:
                             del tier[b]  # forgotten: never freed, its host slot stays taken
                             continue
                         place(b, None)
-                        free_ids.append(b)
+                        if not self.fresh_ids:
+                            free_ids.append(b)
                         emit(Free, block=b)
             for name, cap in (("device", self.device_blocks), ("host", self.host_blocks)):
                 emit(Usage, tier=name, used_blocks=used(name), capacity_blocks=cap,

@@ -1,0 +1,37 @@
+"""The engine soak of ``benchmarks/soak.py``: a few hundred requests through kvdoctor's engine (tiny
+random model, a device tier small enough that requests swap to host and some are aborted there)
+leave no block, sequence, arena byte or Python object behind, and no finding. (The benchmark
+itself also measures the heap with tracemalloc, which is too slow for the default test run.)"""
+
+from __future__ import annotations
+
+import pathlib
+import runpy
+
+import pytest
+
+pytest.importorskip("torch")
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+
+
+def test_the_engine_returns_to_its_start_state_after_hundreds_of_requests():
+    soak_engine = runpy.run_path(str(BENCH))["soak_engine"]
+    # GIVEN the engine after 40 requests (its caches warm), with checks that remember few ended
+    # sequences (a bound they reach at once), WHEN 80 more go through it
+    from kvdoctor.limits import Limits
+
+    r = soak_engine(120, checkpoint=40, warmup=40, limits=Limits(ended_seqs=8, freed_blocks=8), heap=False)
+    start, *later = r["checkpoints"]
+    assert [c["requests"] for c in r["checkpoints"]] == [40, 80, 120]
+    # THEN at every idle point no block, sequence or tier slot is held, the arenas kept their size,
+    for c in r["checkpoints"]:
+        assert (c["blocks"], c["sequences"]) == (0, 0)
+        assert set(c["used_blocks"].values()) == {0}
+        assert c["arena_bytes"] == start["arena_bytes"]
+    # ... the Python objects alive did not grow with the requests served (one object kept per
+    # request would add 40 between checkpoints; what caches settle on is a handful),
+    objects = [c["objects"] for c in later]
+    assert max(objects) - min(objects) < 20, r["checkpoints"]
+    # ... and the checks found nothing.
+    assert r["findings"] == []
