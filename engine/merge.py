@@ -1,0 +1,148 @@
+"""Token merging: adjacent tokens of an old block whose keys are nearly the same share one slot, with a count.
+
+A block that is full and old (not a sink, outside the sequence's recent window) is looked at once. In each
+(layer, KV head) row of it, tokens are taken left to right: a token joins the open cluster when the cosine
+similarity of its key with the cluster's mean key is at least the threshold, and opens a new cluster
+otherwise. Each cluster becomes one slot holding the count-weighted mean of its keys and of its values, with
+its count; the clusters fill the row's first slots and the slots after them are dead (count 0).
+
+Attention adds ``log(count)`` to a merged slot's score (and hides dead slots): ``c`` identical keys ``k`` with
+values ``v_i`` give ``sum_i exp(q.k) v_i = exp(q.k + log c) * mean(v)``, so for identical keys the merged slot
+is exactly the tokens it replaced; for nearly identical keys the error is in the keys' spread.
+
+*Per (layer, KV head)*, not per layer: in SmolLM2 the KV heads of one layer differ widely in how alike
+adjacent keys are (layer 0: a median adjacent cosine of 0.46 in one head, 0.81 in another), so a rule that
+merges only where every head agrees merges far less at the same threshold, and each (layer, head) row of a
+block is contiguous in the arena, so it compacts on its own.
+
+What stays true: a merged block keeps its id, its positions (``index``), its tier slot and its version (a
+``merge`` event, not a write); its bytes change, so its content digest is taken again (``new_digest``). A
+block owned by more than one sequence or by the prefix cache is never merged (its other readers expect its
+tokens), nor one in flight or off the device. The counts live on the block (``Block.merged``) and travel
+with it between tiers; the bytes of dead slots still travel too (the arena keeps whole blocks): what
+merging saves is *live* slots (``live_rows``), which a ragged store would hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SlotCounts", "merge_rows", "key_bias", "TokenMerging", "DEAD_BIAS"]
+
+# The score bias of a dead slot: finite, so attention statistics see a number (their -inf test stays for real
+# faults), half the float32 range, so adding it to a padding mask's lowest value cannot overflow.
+DEAD_BIAS = torch.finfo(torch.float32).min / 2
+
+
+@dataclass(frozen=True)
+class SlotCounts:
+    """What token merging left in a block: ``counts`` (L, H_kv, block_size), the tokens each slot holds
+    (0: dead), or None when no row shrank (the block was looked at and stays whole)."""
+
+    counts: torch.Tensor | None
+
+    @property
+    def live(self) -> int:
+        """Live (layer, head, slot) rows."""
+        return int((self.counts > 0).sum()) if self.counts is not None else -1
+
+
+def merge_rows(k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, threshold: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge each row of ``k``, ``v`` (R, bs, D) whose slots hold ``counts`` (R, bs) tokens (0: dead, only
+    after the live ones). Returns merged K and V (R, bs, D) float32 (dead slots zero) and counts (R, bs)."""
+    R, bs, D = k.shape
+    w = counts.float()  # (R, bs)
+    kf, vf = k.float(), v.float()
+    kw, vw = kf * w[..., None], vf * w[..., None]
+    cluster = torch.zeros(R, bs, dtype=torch.long, device=k.device)
+    open_k, open_w = kw[:, 0].clone(), w[:, 0].clone()  # the open cluster's weighted key sum and tokens
+    for j in range(1, bs):
+        # the cosine with the sum is the cosine with the mean; a dead slot joins with weight 0 (changes nothing)
+        sim = F.cosine_similarity(open_k, kf[:, j], dim=-1)  # (R,)
+        join = (w[:, j] == 0) | (sim >= threshold)
+        cluster[:, j] = cluster[:, j - 1] + (~join).long()
+        open_k = torch.where(join[:, None], open_k + kw[:, j], kw[:, j])
+        open_w = torch.where(join, open_w + w[:, j], w[:, j])
+    idx = cluster[..., None].expand(R, bs, D)
+    sum_k = torch.zeros_like(kf).scatter_add_(1, idx, kw)
+    sum_v = torch.zeros_like(vf).scatter_add_(1, idx, vw)
+    n = torch.zeros_like(w).scatter_add_(1, cluster, w)  # (R, bs): tokens per cluster, 0 past the last
+    inv = torch.where(n > 0, 1.0 / n.clamp_min(1e-30), torch.zeros_like(n))[..., None]
+    return sum_k * inv, sum_v * inv, n.round().to(counts.dtype)
+
+
+def key_bias(rows: Sequence[Sequence[SlotCounts | None]], *, num_layers: int, num_kv_heads: int, block_size: int,
+             width: int, device: torch.device | str) -> torch.Tensor | None:
+    """The score bias of each key slot for a batch whose row ``r`` reads blocks ``rows[r]`` (position order;
+    ``width`` blocks per row, short rows padded): ``log(count)`` of merged slots, ``DEAD_BIAS`` of dead ones, 0
+    elsewhere, as (L, B, H_kv, width * block_size) float32. None when no block of the batch shrank."""
+    if not any(m is not None and m.counts is not None for row in rows for m in row):
+        return None
+    bias = torch.zeros(num_layers, len(rows), num_kv_heads, width, block_size, device=device)
+    for r, row in enumerate(rows):
+        for i, m in enumerate(row):
+            if m is not None and m.counts is not None:
+                c = m.counts.to(device=device, dtype=torch.float32)  # (L, H_kv, bs)
+                bias[:, r, :, i] = torch.where(c > 0, c.clamp_min(1).log(), torch.full_like(c, DEAD_BIAS))
+    return bias.view(num_layers, len(rows), num_kv_heads, width * block_size)
+
+
+class TokenMerging:
+    """Merges each sequence's old, full blocks (``PagedKVCache.merge_tokens``) after the step's commit; the
+    runner calls ``enforce``. Keeps the figures a benchmark reports."""
+
+    def __init__(self, cache: Any, *, threshold: float, sink_blocks: int, local_blocks: int) -> None:
+        if not 0 < threshold <= 1:
+            raise ValueError(f"merge threshold {threshold!r}: must be in (0, 1]")
+        self.cache, self.threshold = cache, threshold
+        self.sink_blocks, self.local_blocks = sink_blocks, local_blocks
+        self.blocks_merged = 0  # blocks that shrank
+        self.rows_freed = 0  # (layer, head, slot) rows they gave up
+
+    @classmethod
+    def for_cache(cls, cache: Any) -> TokenMerging | None:
+        c = cache.config
+        if not c.merge:
+            return None
+        return cls(cache, threshold=c.merge, sink_blocks=c.sink_blocks, local_blocks=c.local_blocks)
+
+    def candidates(self, seq: Any) -> list[int]:
+        """Blocks of ``seq`` to look at now: full, past its sinks and its recent window, not looked at yet,
+        owned by ``seq`` alone, settled on the device."""
+        s = self.cache.seqs.get(seq)
+        if s is None:
+            return []
+        bs = self.cache.block_size
+        old = s.blocks[: max(len(s.blocks) - self.local_blocks, 0)]
+        return [b.id for b in old if b.merged is None and b.index >= self.sink_blocks
+                and (b.index + 1) * bs <= s.length and b.owners == [seq]
+                and b.tier == "device" and b.inflight is None]
+
+    def enforce(self, seqs: Sequence[Any]) -> list[int]:
+        """Merge what each of ``seqs`` has aged; returns the blocks that shrank."""
+        out: list[int] = []
+        for seq in seqs:
+            todo = self.candidates(seq)
+            if todo:
+                freed = self.cache.merge_tokens(todo, self.threshold)
+                out.extend(freed)
+                self.rows_freed += sum(freed.values())
+        self.blocks_merged += len(out)
+        return out
+
+    def live_rows(self, seq: Any) -> tuple[int, int]:
+        """``seq``'s live (layer, head, slot) rows and the rows its blocks have (committed tokens only)."""
+        s = self.cache.seqs[seq]
+        c, bs = self.cache.config, self.cache.block_size
+        per_token = c.num_layers * c.num_kv_heads
+        total = live = 0
+        for b in s.blocks:
+            rows = min(bs, max(s.length - b.index * bs, 0)) * per_token
+            total += rows
+            live += b.merged.live if b.merged is not None and b.merged.counts is not None else rows
+        return live, total
