@@ -36,6 +36,7 @@ __all__ = ["SlotCounts", "merge_rows", "key_bias", "TokenMerging", "DEAD_BIAS"]
 # The score bias of a dead slot: finite, so attention statistics see a number (their -inf test stays for real
 # faults), half the float32 range, so adding it to a padding mask's lowest value cannot overflow.
 DEAD_BIAS = torch.finfo(torch.float32).min / 2
+_ROUNDING = 1e-6  # float32 rounding of a cosine near 1
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,11 @@ def merge_rows(k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, threshold
     kw, vw = kf * w[..., None], vf * w[..., None]
     cluster = torch.zeros(R, bs, dtype=torch.long, device=k.device)
     open_k, open_w = kw[:, 0].clone(), w[:, 0].clone()  # the open cluster's weighted key sum and tokens
+    at_least = min(threshold, 1 - _ROUNDING)  # a threshold of 1 merges identical keys, whose cosine rounds below 1
     for j in range(1, bs):
         # the cosine with the sum is the cosine with the mean; a dead slot joins with weight 0 (changes nothing)
         sim = F.cosine_similarity(open_k, kf[:, j], dim=-1)  # (R,)
-        join = (w[:, j] == 0) | (sim >= threshold)
+        join = (w[:, j] == 0) | (sim >= at_least)
         cluster[:, j] = cluster[:, j - 1] + (~join).long()
         open_k = torch.where(join[:, None], open_k + kw[:, j], kw[:, j])
         open_w = torch.where(join, open_w + w[:, j], w[:, j])
