@@ -741,7 +741,7 @@ class PagedKVCache:
         cut = next((b for b in s.blocks if b.index == new_len // self.block_size), None)
         if new_len % self.block_size and cut is not None and cut.merged is not None and cut.merged.counts is not None:
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: block {cut.id} holding its new last token "
-                             "has merged tokens (merging keeps a recent window: widen local_blocks)")
+                             "has merged tokens (merging keeps the newest local_blocks blocks' worth of tokens whole: widen it)")
         if self.faults.rollback_uncut and new_len:
             s.version += n  # the fault: the rollback is recorded, and the tokens stay
             if self.bus.enabled:

@@ -114,16 +114,16 @@ class TokenMerging:
         return cls(cache, threshold=c.merge, sink_blocks=c.sink_blocks, local_blocks=c.local_blocks)
 
     def candidates(self, seq: Any) -> list[int]:
-        """Blocks of ``seq`` to look at now: full, past its sinks and its recent window, not looked at yet,
-        owned by ``seq`` alone, settled on the device."""
+        """Blocks of ``seq`` to look at now: past its sinks, wholly older than its recent window (its newest
+        ``local_blocks * block_size`` tokens, so a rollback of that many never reaches a merged block), not
+        looked at yet, owned by ``seq`` alone, settled on the device."""
         s = self.cache.seqs.get(seq)
         if s is None:
             return []
         bs = self.cache.block_size
-        old = s.blocks[: max(len(s.blocks) - self.local_blocks, 0)]
-        return [b.id for b in old if b.merged is None and b.index >= self.sink_blocks
-                and (b.index + 1) * bs <= s.length and b.owners == [seq]
-                and b.tier == "device" and b.inflight is None]
+        end = s.length - self.local_blocks * bs
+        return [b.id for b in s.blocks if b.merged is None and b.index >= self.sink_blocks
+                and (b.index + 1) * bs <= end and b.owners == [seq] and b.tier == "device" and b.inflight is None]
 
     def enforce(self, seqs: Sequence[Any]) -> list[int]:
         """Merge what each of ``seqs`` has aged; returns the blocks that shrank."""
@@ -136,6 +136,9 @@ class TokenMerging:
                 self.rows_freed += sum(freed.values())
         self.blocks_merged += len(out)
         return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "blocks_merged": self.blocks_merged, "rows_freed": self.rows_freed}
 
     def live_rows(self, seq: Any) -> tuple[int, int]:
         """``seq``'s live (layer, head, slot) rows and the rows its blocks have (committed tokens only)."""

@@ -205,6 +205,11 @@ class Runner:
                    pack_weights=pack_weights)
 
     @property
+    def merging(self) -> TokenMerging | None:
+        """Token merging (``EngineConfig.merge``): its threshold and what it merged so far; None when off."""
+        return self._merging
+
+    @property
     def bus(self) -> Bus:
         return self.cache.bus
 
