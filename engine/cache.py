@@ -694,7 +694,7 @@ class PagedKVCache:
             slot = torch.tensor([b.slot], dtype=torch.long, device=self.device)
             k, v = zip(*(self.read_blocks(layer, slot) for layer in range(L)))  # each (1, H, bs, D)
             old = b.merged.counts if b.merged is not None and b.merged.counts is not None else None
-            counts = old if old is not None else torch.ones(L, H, bs, dtype=torch.int32, device=self.device)
+            counts = old if old is not None else torch.ones(L, H, bs, dtype=torch.int16, device=self.device)
             mk, mv, mc = merge_rows(torch.cat(k).view(L * H, bs, D), torch.cat(v).view(L * H, bs, D),
                                     counts.view(L * H, bs), threshold)
             live = (mc > 0).view(L, H, bs).sum(dim=-1)  # (L, H)

@@ -26,6 +26,7 @@ merging saves is *live* slots (``live_rows``), which a ragged store would hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -50,6 +51,13 @@ class SlotCounts:
     def live(self) -> int:
         """Live (layer, head, slot) rows."""
         return int((self.counts > 0).sum()) if self.counts is not None else -1
+
+    @cached_property
+    def bias(self) -> torch.Tensor:
+        """(L, H_kv, block_size) float32 score bias of the slots: ``log(count)``, ``DEAD_BIAS`` where dead (taken
+        once: a merged block never changes again, and every step's attention needs it)."""
+        c = self.counts.float()
+        return torch.where(c > 0, c.clamp_min(1).log(), torch.full_like(c, DEAD_BIAS))
 
 
 def merge_rows(k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, threshold: float
@@ -85,13 +93,13 @@ def key_bias(rows: Sequence[Sequence[SlotCounts | None]], *, num_layers: int, nu
     elsewhere, as (L, B, H_kv, width * block_size) float32. None when no block of the batch shrank."""
     if not any(m is not None and m.counts is not None for row in rows for m in row):
         return None
-    bias = torch.zeros(num_layers, len(rows), num_kv_heads, width, block_size, device=device)
-    for r, row in enumerate(rows):
-        for i, m in enumerate(row):
-            if m is not None and m.counts is not None:
-                c = m.counts.to(device=device, dtype=torch.float32)  # (L, H_kv, bs)
-                bias[:, r, :, i] = torch.where(c > 0, c.clamp_min(1).log(), torch.full_like(c, DEAD_BIAS))
-    return bias.view(num_layers, len(rows), num_kv_heads, width * block_size)
+    zero = torch.zeros(num_layers, num_kv_heads, block_size, device=device)
+    per_row = []
+    for row in rows:
+        blocks = [m.bias.to(device) if m is not None and m.counts is not None else zero for m in row]
+        blocks += [zero] * (width - len(blocks))
+        per_row.append(torch.stack(blocks, dim=2))  # (L, H_kv, width, bs)
+    return torch.stack(per_row, dim=1).view(num_layers, len(rows), num_kv_heads, width * block_size)
 
 
 class TokenMerging:
