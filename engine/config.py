@@ -175,9 +175,7 @@ class EngineConfig:
         m = self.merge
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (m == 0 or 0 < m <= 1):
             raise _bad("merge", m, "0 (off) or a cosine similarity threshold in (0, 1]")
-        if m and self.topk:  # top-k and streamed reads do not carry merged slots' counts yet
-            raise _bad("merge", m, "0 with topk (block-sparse reads do not weigh merged slots yet)")
-        if m and self.staging_blocks:
+        if m and self.staging_blocks:  # streamed reads do not carry merged slots' counts yet
             raise _bad("merge", m, "0 with staging_blocks (streamed reads do not weigh merged slots yet)")
 
     def _check_compression(self) -> None:

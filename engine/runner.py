@@ -474,7 +474,8 @@ class Runner:
         want_mass = self._importance is not None and self._importance.needs_mass
         kv_lens = [self.cache.num_tokens(seq) for seq in rows]
         o, mass, scores = self._sparse.attend(layer, qg, rows, g.table, g.layout, kv_lens, scale,
-                                              want_mass=want_mass, want_scores=self.stats_due())
+                                              want_mass=want_mass, want_scores=self.stats_due(),
+                                              key_bias=g.key_bias[layer] if g.key_bias is not None else None)
         if mass is not None:
             for seq, m in zip(rows, mass):
                 self._importance.observe(seq, self.cache.block_table(seq), m)

@@ -20,6 +20,7 @@ from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.merge import DEAD_BIAS, SlotCounts, key_bias, merge_rows
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.sparse import BlockSparse
 
 from engine_support import findings_of
 
@@ -162,12 +163,10 @@ def test_a_rollback_into_a_merged_block_is_refused(make_cache):
 
 def test_config_takes_a_threshold_and_refuses_what_merging_cannot_weigh_yet():
     base = dict(num_layers=1, num_kv_heads=1, head_dim=8)
-    assert EngineConfig(**base, merge=0.9).merge == 0.9
+    assert EngineConfig(**base, merge=0.9).merge == 0.9 and EngineConfig(**base, merge=0.9, topk=2).topk == 2
     for bad in (-0.1, 1.5, float("nan"), True):
         with pytest.raises(ValueError, match="merge"):
             EngineConfig(**base, merge=bad)
-    with pytest.raises(ValueError, match="topk"):
-        EngineConfig(**base, merge=0.9, topk=2)
     with pytest.raises(ValueError, match="staging_blocks"):
         EngineConfig(**base, merge=0.9, staging_blocks=2, device_blocks=8)
 
@@ -203,3 +202,52 @@ def test_a_run_with_merging_shrinks_old_blocks_only_and_every_check_is_clean(mod
         assert all(s < m.tokens * m.heads for s in m.slots) and m.layers
     # AND the run is clean under every check (stale, integrity, leak, batch, attention ...)
     assert findings == []
+
+
+
+def test_block_sparse_decode_and_masked_paths_weigh_merged_slots_alike(make_cache):
+    # GIVEN 40 tokens in 10 blocks of 4, blocks 1..7 merged, their summaries, and a decode query
+    r = make_cache(device_blocks=32)
+    r.add("a", 40)
+    c = r.cache
+    assert c.merge_tokens(c.block_table("a")[1:8], 0.2)
+    sp = BlockSparse(c, k=2, sink_blocks=1, local_blocks=2)
+    sp.begin_step(["a"])
+    for layer in range(2):
+        sp.after_store(layer, ["a"])
+    q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3))
+    table = c.slot_table("a")[None]
+    bias = key_bias([c.slot_counts("a")], num_layers=2, num_kv_heads=2, block_size=4, width=10, device="cpu")[1]
+    # WHEN the decode path reads only the chosen blocks, and the masked path masks full attention to them
+    out, _ = sp._decode(1, q, ["a"], table, [40], [10], 0.3, False, bias)
+    fused, _, _ = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False, False, bias)
+    explicit, mass, _ = sp._masked(1, q, ["a"], table, [40], [10], 0.3, True, False, bias)
+    # THEN all three add the same log(count)s and hide the same dead slots; without them the output differs
+    torch.testing.assert_close(out, fused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, explicit, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, sp._decode(1, q, ["a"], table, [40], [10], 0.3)[0], atol=1e-4)
+
+
+def test_block_sparse_reads_weigh_merged_slots_as_dense_reads_do(model):
+    # GIVEN dense and top-k runs merging alike, top-k reading every page (so it must equal dense)
+    def run(**config):
+        runner = Runner.create(model, block_size=8, device_blocks=64, host_blocks=0, merge=0.3, stats_every=0,
+                               **config)
+        runner.cache.add_sequence("a", prompt_len=len(PROMPT))
+        logits = [runner.forward([("a", PROMPT[:96])], all_logits=True)]
+        runner.cache.end_step()
+        for t in PROMPT[96:100]:  # decode steps over merged blocks
+            logits.append(runner.forward([("a", [t])]))
+            runner.cache.end_step()
+        merged = runner.merging.blocks_merged
+        runner.close()
+        return torch.cat(logits), merged
+
+    dense, merged = run()
+    sparse, merged_sparse = run(topk=64)
+    # THEN both merged the same blocks, and top-k reading every page gives dense's logits
+    assert merged == merged_sparse > 0
+    assert torch.allclose(sparse, dense, atol=1e-4)
+    # AND a top-k that leaves pages out merges as much and stays finite (its chunk and decode paths with the bias)
+    few, merged_few = run(topk=2)
+    assert merged_few == merged and torch.isfinite(few).all()

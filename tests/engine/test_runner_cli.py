@@ -232,5 +232,6 @@ def test_run_with_merge_reports_what_it_merged_and_a_bad_threshold_is_a_usage_er
     with pytest.raises(SystemExit) as exc:
         _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--merge", "1.5")
     assert exc.value.code == 2 and "cosine similarity threshold" in capsys.readouterr().err
-    code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--merge", "0.9", "--topk", "2")
-    assert code == 2 and "topk" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--merge", "0.9",
+                        "--staging-blocks", "2")
+    assert code == 2 and "staging_blocks" in err and len(err.strip().splitlines()) == 1
