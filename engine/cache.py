@@ -683,42 +683,56 @@ class PagedKVCache:
         """Merge, in place, adjacent tokens of each block whose keys have at least ``threshold`` cosine similarity
         (per layer and KV head; see ``engine.merge``); a ``merge`` event for each block that shrank, its version
         unchanged. Only for settled device blocks of one owner: the others' readers expect every token. Returns
-        the blocks that shrank, each with the (layer, head, slot) rows it gave up."""
+        the blocks that shrank, each with the (layer, head, slot) rows it gave up.
+
+        Every block's rows are merged in one batch (the merge walks a block's positions one at a time, so a
+        step's blocks share each step of the walk)."""
         c, bs = self.config, self.block_size
         L, H, D = c.num_layers, c.num_kv_heads, c.head_dim
-        out: dict[int, int] = {}
-        for b in self._blocks(blocks):
+        group = self._blocks(blocks)
+        for b in group:
             if b.tier != Tier.DEVICE or b.inflight is not None or len(b.owners) != 1:
                 raise ValueError(f"merge of block {b.id}: it must be settled on the device with one owner "
                                  f"(tier {b.tier}, owners {b.owners})")
-            slot = torch.tensor([b.slot], dtype=torch.long, device=self.device)
-            k, v = zip(*(self.read_blocks(layer, slot) for layer in range(L)))  # each (1, H, bs, D)
-            old = b.merged.counts if b.merged is not None and b.merged.counts is not None else None
-            counts = old if old is not None else torch.ones(L, H, bs, dtype=torch.int16, device=self.device)
-            mk, mv, mc = merge_rows(torch.cat(k).view(L * H, bs, D), torch.cat(v).view(L * H, bs, D),
-                                    counts.view(L * H, bs), threshold)
-            live = (mc > 0).view(L, H, bs).sum(dim=-1)  # (L, H)
-            shrank = live < (counts > 0).sum(dim=-1)
-            if not bool(shrank.any()):
-                b.merged = b.merged or SlotCounts(None)
-                continue
-            before, bad = self.tiers.verify([b])
+        if not group:
+            return {}
+        n = len(group)
+        slots = torch.tensor([b.slot for b in group], dtype=torch.long, device=self.device)
+        k, v = zip(*(self.read_blocks(layer, slots) for layer in range(L)))  # each (n, H, bs, D)
+        ones = torch.ones(L, H, bs, dtype=torch.int16, device=self.device)
+        counts = torch.stack([b.merged.counts if b.merged is not None and b.merged.counts is not None else ones
+                              for b in group])  # (n, L, H, bs)
+        mk, mv, mc = merge_rows(torch.stack(k, dim=1).view(n * L * H, bs, D),
+                                torch.stack(v, dim=1).view(n * L * H, bs, D), counts.view(n * L * H, bs), threshold)
+        mc = mc.view(n, L, H, bs)
+        live = (mc > 0).sum(dim=-1)  # (n, L, H)
+        shrank = live < (counts > 0).sum(dim=-1)
+        todo = [i for i in range(n) if bool(shrank[i].any())]
+        for i in set(range(n)) - set(todo):
+            group[i].merged = group[i].merged or SlotCounts(None)  # looked at: nothing to merge
+        if not todo:
+            return {}
+        changed = [group[i] for i in todo]
+        before, bad = self.tiers.verify(changed)
+        mk = mk.view(n, L, H, bs, D).to(c.compute_dtype)
+        mv = mv.view(n, L, H, bs, D).to(c.compute_dtype)
+        off = torch.arange(bs, device=self.device)
+        for i, b in zip(todo, changed):
             arena, local = self._devs.at(b.slot)
             where = torch.full((bs,), local, dtype=torch.long, device=self.device)
-            off = torch.arange(bs, device=self.device)
-            mk, mv = mk.view(L, H, bs, D).to(c.compute_dtype), mv.view(L, H, bs, D).to(c.compute_dtype)
             for layer in range(L):
-                self.codecs[arena.codec].write(arena.data[:, layer], layer, where, off, mk[layer].transpose(0, 1),
-                                               mv[layer].transpose(0, 1))  # (bs, H, D) each
+                self.codecs[arena.codec].write(arena.data[:, layer], layer, where, off, mk[i, layer].transpose(0, 1),
+                                               mv[i, layer].transpose(0, 1))  # (bs, H, D) each
             b.checksum = None  # its bytes changed: the next move takes a new checksum
-            b.merged = SlotCounts(mc.view(L, H, bs))
-            out[b.id] = int((counts > 0).sum()) - int(live.sum())
-            after = self.tiers.retake([b])
+            b.merged = SlotCounts(mc[i].clone())
+        after = self.tiers.retake(changed)
+        out = {}
+        for i, b, d, layer, new in zip(todo, changed, before, bad, after):
+            out[b.id] = int((counts[i] > 0).sum()) - int(live[i].sum())
             if self.bus.enabled:
-                layers = shrank.any(dim=-1).nonzero().squeeze(1).tolist()
+                layers = shrank[i].any(dim=-1).nonzero().squeeze(1).tolist()
                 self.bus.emit(Merge, block=b.id, tier=b.tier, version=b.version, tokens=bs, heads=H, layers=layers,
-                              slots=live.sum(dim=-1)[layers].tolist(), digest=before[0], digest_layer=bad[0],
-                              new_digest=after[0])
+                              slots=live[i].sum(dim=-1)[layers].tolist(), digest=d, digest_layer=layer, new_digest=new)
         return out
 
     def _drop_tail(self, s: Sequence, *, emit_release: bool) -> None:

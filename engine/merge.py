@@ -63,24 +63,37 @@ class SlotCounts:
 def merge_rows(k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, threshold: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge each row of ``k``, ``v`` (R, bs, D) whose slots hold ``counts`` (R, bs) tokens (0: dead, only
-    after the live ones). Returns merged K and V (R, bs, D) float32 (dead slots zero) and counts (R, bs)."""
+    after the live ones). Returns merged K and V (R, bs, D) float32 (dead slots zero) and counts (R, bs).
+
+    The walk over positions is sequential (whether a token joins depends on the cluster before it), so it
+    works on per-row scalars only: the cosine of the open cluster's key sum ``s`` with ``k_j`` comes from the
+    rows' Gram matrices, ``s . k_j`` and ``|s|^2`` as differences of prefix sums (float64: the sums of
+    products would lose the small clusters' terms in float32), and every step of the walk costs a few (R,)
+    operations however long D is."""
     R, bs, D = k.shape
     w = counts.float()  # (R, bs)
     kf, vf = k.float(), v.float()
-    kw, vw = kf * w[..., None], vf * w[..., None]
-    cluster = torch.zeros(R, bs, dtype=torch.long, device=k.device)
-    open_k, open_w = kw[:, 0].clone(), w[:, 0].clone()  # the open cluster's weighted key sum and tokens
+    gram = (kf @ kf.transpose(1, 2)).double()  # (R, bs, bs): k_i . k_j
+    wd = w.double()
+    weighted = gram * wd[:, :, None]  # w_i k_i . k_j
+    dots = F.pad(weighted.cumsum(1), (0, 0, 1, 0))  # (R, bs+1, bs): [a, j] = sum_{i<a} w_i k_i . k_j
+    sqs = F.pad((weighted * wd[:, None, :]).cumsum(1).cumsum(2), (1, 0, 1, 0))  # [a, b] = sum_{i<a, i'<b} w w k.k
+    norms = gram.diagonal(dim1=1, dim2=2).clamp_min(0).sqrt()  # (R, bs): |k_j|
+    rows = torch.arange(R, device=k.device)
     at_least = min(threshold, 1 - _ROUNDING)  # a threshold of 1 merges identical keys, whose cosine rounds below 1
+    cluster = torch.zeros(R, bs, dtype=torch.long, device=k.device)
+    start = torch.zeros(R, dtype=torch.long, device=k.device)  # first position of each row's open cluster
     for j in range(1, bs):
-        # the cosine with the sum is the cosine with the mean; a dead slot joins with weight 0 (changes nothing)
-        sim = F.cosine_similarity(open_k, kf[:, j], dim=-1)  # (R,)
+        dot = dots[rows, j, j] - dots[rows, start, j]  # (open cluster's weighted key sum) . k_j
+        sq = sqs[rows, j, j] - sqs[rows, start, j] - sqs[rows, j, start] + sqs[rows, start, start]  # |sum|^2
+        sim = dot / (sq.clamp_min(0).sqrt() * norms[:, j]).clamp_min(1e-8)  # as F.cosine_similarity
+        # a dead slot joins with weight 0 (changes nothing)
         join = (w[:, j] == 0) | (sim >= at_least)
         cluster[:, j] = cluster[:, j - 1] + (~join).long()
-        open_k = torch.where(join[:, None], open_k + kw[:, j], kw[:, j])
-        open_w = torch.where(join, open_w + w[:, j], w[:, j])
+        start = torch.where(join, start, j)
     idx = cluster[..., None].expand(R, bs, D)
-    sum_k = torch.zeros_like(kf).scatter_add_(1, idx, kw)
-    sum_v = torch.zeros_like(vf).scatter_add_(1, idx, vw)
+    sum_k = torch.zeros_like(kf).scatter_add_(1, idx, kf * w[..., None])
+    sum_v = torch.zeros_like(vf).scatter_add_(1, idx, vf * w[..., None])
     n = torch.zeros_like(w).scatter_add_(1, cluster, w)  # (R, bs): tokens per cluster, 0 past the last
     inv = torch.where(n > 0, 1.0 / n.clamp_min(1e-30), torch.zeros_like(n))[..., None]
     return sum_k * inv, sum_v * inv, n.round().to(counts.dtype)
