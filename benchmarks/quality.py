@@ -16,7 +16,10 @@ Columns:
   (the arena's blocks, padding and scales included), and that against FP16;
 - ``KV B/step``: bytes of K/V one decode step reads at the end of the context
   (measured over ``--decode`` decode steps fed with the text's next tokens), and
-  that as a share of what dense attention reads.
+  that as a share of what dense attention reads;
+- ``live``: token merging's live (layer, head, slot) rows as a share of the rows the
+  context's tokens fill (100% for every other setting): the bytes a store that
+  kept only live slots would hold. The arena itself keeps whole blocks.
 
 Usage::
 
@@ -25,7 +28,9 @@ Usage::
 Settings: fp32 (the baseline), fp16, bf16, int8, nf4, mixed (when the engine has
 it), ``topkK`` for each ``--topk`` (pages = cache blocks of ``--block-size``),
 ``topkK-p64`` for each ``--topk-pages`` (64-token pages over 16-token cache
-blocks), streaming and h2o eviction.
+blocks), streaming and h2o eviction, ``mergeT`` token merging at each ``--merge`` threshold T.
+``--similarity`` also prints how alike adjacent keys are (post-RoPE cosine, per layer and
+KV head, as merging measures it) on each text.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ def settings(calibration: Any, args: argparse.Namespace) -> list[Setting]:
                            f"top-{k} pages of 64 tokens (cache blocks of 16) + sink page + local page"))
     out.append(Setting("streaming", {"importance": "streaming", "kv_budget_blocks": budget, "sink_blocks": 1,
                                      "local_blocks": window}, f"{args.budget}-token budget: sink + sliding window"))
+    for t in args.merge:
+        out.append(Setting(f"merge{t:g}", {"merge": t, "sink_blocks": 1, "local_blocks": 1},
+                           f"adjacent tokens with key cosine >= {t:g} merged (per layer and KV head), "
+                           "past the sink and local block"))
     out.append(Setting("h2o", {"importance": "h2o", "kv_budget_blocks": budget, "sink_blocks": 1,
                                "local_blocks": window}, f"{args.budget}-token budget: sink + window + heavy hitters"))
     return out
@@ -137,8 +146,10 @@ def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namesp
             read.append(sum(c.layout(codec).row_bytes for codec in codecs) * c.num_layers * c.num_kv_heads)
             dense.append(read[-1])
         cache.end_step()
+    live, total = runner._merging.live_rows("text") if runner._merging is not None else (1, 1)
     runner.close()
     return {
+        "live_share": live / total,
         "ppl": math.exp(nll / count),
         "tokens": count,
         "kv_bytes_per_token": resident_per_token,
@@ -146,6 +157,19 @@ def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namesp
         "read_share": sum(read) / sum(dense) if sum(dense) else 1.0,
         "seconds": prefill_s,
     }
+
+
+@torch.inference_mode()
+def key_similarity(model: Any, ids: list[int]) -> dict[str, Any]:
+    """How alike adjacent keys are, as merging sees them: the cosine of each token's key with the previous
+    token's, after RoPE (what the cache stores), per layer and KV head, over one forward pass of ``ids``."""
+    cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    keys = torch.stack([layer.keys[0] for layer in cache.layers]).float()  # (L, H_kv, T, D)
+    unit = torch.nn.functional.normalize(keys, dim=-1)
+    cos = (unit[:, :, 1:] * unit[:, :, :-1]).sum(dim=-1).flatten()  # (L * H_kv * (T-1),)
+    qs = [0.1, 0.25, 0.5, 0.75, 0.9]
+    return {"pairs": cos.numel(), "quantiles": qs, "values": cos.quantile(torch.tensor(qs)).tolist(),
+            "share_at_least": {t: float((cos >= t).float().mean()) for t in (0.8, 0.85, 0.9, 0.95)}}
 
 
 def main() -> int:
@@ -159,6 +183,10 @@ def main() -> int:
                    help="top-k settings over 64-token pages of 16-token cache blocks (default 8; '' for none)")
     p.add_argument("--budget", type=int, default=1024, help="eviction budget in tokens (default 1024)")
     p.add_argument("--decode", type=int, default=4, help="decode steps measured after the context (default 4)")
+    p.add_argument("--merge", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.8, 0.85, 0.9, 0.95],
+                   help="token merging thresholds, comma-separated (default 0.8,0.85,0.9,0.95; '' for none)")
+    p.add_argument("--similarity", action="store_true",
+                   help="also print the distribution of adjacent keys' cosine similarity on each text")
     p.add_argument("--only", help="comma-separated setting names to run (fp32 always runs: the baseline)")
     p.add_argument("--texts", default="pydoc,GPL-3", help="texts to evaluate (default pydoc,GPL-3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -193,6 +221,7 @@ def main() -> int:
         rows.append({"setting": s.name, "note": s.note, "texts": per_text,
                      "kv_bytes_per_token": first["kv_bytes_per_token"],
                      "kv_bytes_read_per_step": first["kv_bytes_read_per_step"], "read_share": first["read_share"],
+                     "live_share": sum(r["live_share"] for r in per_text.values()) / len(per_text),
                      "seconds": sum(r["seconds"] for r in per_text.values())})
         print(f"# {s.name}: " + ", ".join(f"{n} ppl {r['ppl']:.4f}" for n, r in per_text.items())
               + f" ({rows[-1]['seconds']:.0f} s)", file=sys.stderr, flush=True)
@@ -209,22 +238,30 @@ def main() -> int:
               "texts": {n: len(ids) for n, ids in data.items()}, "calibration": {
                   "samples": calibration.num_samples, "tokens": calibration.num_tokens, "source": calibration.source,
                   "digest": calibration.digest, "seconds": round(cal_s, 1)},
-              "threads": torch.get_num_threads(), "rows": rows, "total_seconds": round(time.perf_counter() - t_start, 1)}
+              "threads": torch.get_num_threads(), "rows": rows,
+              **({"key_similarity": {n: key_similarity(loaded.model, ids[: args.context]) for n, ids in data.items()}}
+                 if args.similarity else {}), "total_seconds": round(time.perf_counter() - t_start, 1)}
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     names = list(data)
-    head = "| setting | " + " | ".join(f"ppl {n}" for n in names) + " | Δppl vs fp32 | KV B/token | vs fp16 | KV B/decode step | read share | s |"
+    head = ("| setting | " + " | ".join(f"ppl {n}" for n in names)
+            + " | Δppl vs fp32 | KV B/token | vs fp16 | live | KV B/decode step | read share | s |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         print(f"| {r['setting']} | " + " | ".join(f"{r['texts'][n]['ppl']:.3f}" for n in names)
               + f" | {r['ppl_change'] * 100:+.2f}% | {r['kv_bytes_per_token']:.0f} | {r['bytes_vs_fp16']:.3f}x"
+              + f" | {r['live_share'] * 100:.1f}%"
               + f" | {r['kv_bytes_read_per_step'] / 1e6:.2f} MB | {r['read_share'] * 100:.1f}% | {r['seconds']:.0f} |")
     print(f"\n{loaded.name}, context {args.context} tokens per text ({', '.join(names)}), prefill chunks of "
           f"{args.chunk}, block size {args.block_size}, {torch.get_num_threads()} threads; calibration "
           f"{calibration.num_samples} samples x {calibration.num_tokens // max(calibration.num_samples, 1)} tokens "
           f"({cal_s:.0f} s); total {result['total_seconds']:.0f} s")
+    for name, q in result.get("key_similarity", {}).items():
+        print(f"adjacent keys' cosine on {name} (per layer and KV head, {q['pairs']} pairs): "
+              + ", ".join(f"p{int(p * 100)} {v:.3f}" for p, v in zip(q["quantiles"], q["values"]))
+              + "; share >= " + ", ".join(f"{t:g}: {v * 100:.1f}%" for t, v in q["share_at_least"].items()))
     return 0
 
 

@@ -6,8 +6,9 @@ row was never written, a wrong dequantisation scale, a flipped bit, a kernel tha
 one row off. A producer that keeps content digests says, on each ``write``, what the
 block's digest is after the write, and on a ``read``, ``swap_in``, ``swap_out`` or
 ``recode``, the digest it recomputed over the bytes it actually read. The two must be
-equal; a re-encode (``recode``, or a ``swap_out`` into a lossier codec) legitimately
-changes the bytes and says so with ``new_digest``, which later reads must match.
+equal; a re-encode (``recode``, or a ``swap_out`` into a lossier codec) or a token merge
+(``merge``) legitimately changes the bytes and says so with ``new_digest``, which later
+reads must match.
 
 The check judges only digests a producer gave: an event without one says nothing, and
 a ``write`` without one leaves the block's content unknown until the next write that
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..events import Alloc, Event, Evict, Free, Read, Recode, SwapIn, SwapOut, Write
+from ..events import Alloc, Event, Evict, Free, Merge, Read, Recode, SwapIn, SwapOut, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -36,6 +37,8 @@ class IntegrityCheck(CheckBase):
              "a swap moved bytes whose digest differs from the one the last write into the block produced"),
         Rule("recode-mismatch", "error",
              "a re-encode read bytes whose digest differs from the one the last write into the block produced"),
+        Rule("merge-mismatch", "error",
+             "a token merge read bytes whose digest differs from the one the last write into the block produced"),
     )
 
     def __init__(self, ledger=None) -> None:
@@ -46,7 +49,7 @@ class IntegrityCheck(CheckBase):
 
     def handlers(self):
         return {Write: self._write, Read: self._read, SwapOut: self._swap, SwapIn: self._swap,
-                Recode: self._swap, Alloc: self._forget, Free: self._forget, Evict: self._forget}
+                Recode: self._swap, Merge: self._swap, Alloc: self._forget, Free: self._forget, Evict: self._forget}
 
     def _forget(self, ev: Alloc | Free | Evict) -> Sequence[Finding]:
         self._expected.pop(ev.block, None)  # a new life of the id, or none: nothing known of its bytes
@@ -78,12 +81,14 @@ class IntegrityCheck(CheckBase):
                                       what=f"sequence {ev.seq!r} read"))
         return out
 
-    def _swap(self, ev: SwapIn | SwapOut | Recode) -> Sequence[Finding]:
+    def _swap(self, ev: SwapIn | SwapOut | Recode | Merge) -> Sequence[Finding]:
         out: Sequence[Finding] = NO_FINDINGS
         want = self._expected.get(ev.block)
         if ev.digest is not None and want is not None and want[0] != ev.digest:
             if type(ev) is Recode:
                 rule, what = "recode-mismatch", f"recode {ev.src_codec}->{ev.dst_codec} in {ev.tier} read"
+            elif type(ev) is Merge:
+                rule, what = "merge-mismatch", f"token merge in {ev.tier} read"
             else:
                 rule, what = "swap-mismatch", f"{type(ev).__struct_config__.tag} {ev.src}->{ev.dst} moved"
             out = self._mismatch(rule, ev, ev.block, ev.digest, want, seq=self.ledger.owner(ev.block),
@@ -91,7 +96,7 @@ class IntegrityCheck(CheckBase):
         new = getattr(ev, "new_digest", None)
         if new is not None:
             self._expected[ev.block] = (new, ev)  # re-encoded: these are the bytes later reads must show
-        elif type(ev) is Recode and want is not None:
+        elif type(ev) in (Recode, Merge) and want is not None:
             del self._expected[ev.block]  # re-encoded without a digest of the new bytes: unknown from here
         return out
 
@@ -106,7 +111,7 @@ class IntegrityCheck(CheckBase):
                      else f"positions {source.pos}-{source.pos + source.n - 1}")
             made = f"the last write into it (sequence {source.seq!r}, {where}, version {source.version}, step {source.step})"
         else:
-            made = f"its re-encode at step {source.step}"
+            made = f"its {'token merge' if type(source) is Merge else 're-encode'} at step {source.step}"
         first = f" (first differing layer {layer})" if layer is not None else ""
         return [self.finding(
             rule,

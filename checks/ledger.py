@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from ..events import (
-    Alloc, Event, Evict, Free, Recode, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
+    Alloc, Event, Evict, Free, Merge, Recode, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
     Write, to_dict,
 )
 
@@ -73,6 +73,7 @@ class Ledger:
             Share: self._share, Release: self._release, Free: self._free, Evict: self._free,
             Write: self._write, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
             Recode: self._recode,
+            Merge: self._recode,
         }
 
     # ---- reading --------------------------------------------------------------------
@@ -246,8 +247,8 @@ class Ledger:
         self.tier[block] = ev.dst
         self.hist[block].append(ev)
 
-    def _recode(self, ev: Recode) -> None:
-        self._note(ev.block, ev)  # the block stays where it is: only its precision is part of its story
+    def _recode(self, ev: Recode | Merge) -> None:
+        self._note(ev.block, ev)  # the block stays where it is: only its precision or its slots are part of its story
 
     def _rollback(self, ev: Rollback) -> None:
         state = self._seq(ev.seq)

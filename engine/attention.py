@@ -129,6 +129,7 @@ def attend(
     scale: float,
     scores: bool = False,
     corrupt: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``q`` (B, H, S, D) over ``k``, ``v`` (B, H_kv, T, D); returns (B, H, S, D) and the scores.
 
@@ -137,7 +138,9 @@ def attend(
     query per row two matmuls are as fast as the fused kernel, so statistics cost nothing extra
     there. Longer queries use the fused SDPA kernel unless scores or ``corrupt`` need the explicit
     path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan
-    fault's hook).
+    fault's hook). ``key_bias`` (B, H_kv, T) is added to every query's scaled score of each key (token merging:
+    ``log(count)`` of a merged slot, a large negative number for a dead one; see ``engine.merge``); the scores
+    handed back include it, so statistics describe the distribution attention used.
     """
     B, H, S, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
@@ -148,16 +151,20 @@ def attend(
         # One query per row (decode): two small matmuls cost no more than the fused kernel at this size,
         # and the scores statistics need are already there, so a statistics step attends no slower.
         raw = torch.matmul(q.reshape(B, H_kv, g, D), k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g, T)
+        if key_bias is not None:
+            raw += key_bias[:, :, None].to(raw.dtype)
         masked = raw if layout.bias is None else raw + layout.bias.to(raw.dtype)  # bias (B, 1, 1, T)
         probs = torch.softmax(masked, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v).view(B, H, 1, D), (raw.view(B, H, T) if scores else None)
-    if not scores and corrupt is None:
+    if not scores and corrupt is None and key_bias is None:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=layout.allowed, scale=scale, is_causal=layout.causal, enable_gqa=H != H_kv
         )
         return out, None
     qg = q.reshape(B, H_kv, g * S, D)  # query head h uses kv head h // g, as repeat_kv lays them out
     raw = (qg @ k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g*S, T)
+    if key_bias is not None:
+        raw += key_bias[:, :, None].to(raw.dtype)
     if corrupt is not None:
         raw = corrupt(raw.view(B, H, S, T)).view(B, H_kv, g * S, T)
     newest = None

@@ -37,14 +37,15 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 
 import torch
 
-from ..events import (PREFIX_CACHE, Evict, Header, PrefetchUse, Read, Recode, Rollback, SeqEnd, SeqStart, Stage,
-                      TierSpec, Usage, Write)
+from ..events import (PREFIX_CACHE, Evict, Header, Merge, PrefetchUse, Read, Recode, Rollback, SeqEnd, SeqStart,
+                      Stage, TierSpec, Usage, Write)
 from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
 from .digest import DigestBook
 from .errors import ChecksumMismatch, OutOfBlocks, StorageError, UnknownSequence
 from .faults import Faults, resolve_fault
+from .merge import SlotCounts, merge_rows
 from .policy import IMPORTANCE_DECAY, make_policy
 from .pool import Block, BlockPool, Sequence
 from .prefix import PrefixCache
@@ -379,6 +380,10 @@ class PagedKVCache:
     def block_table(self, seq: Any) -> list[int]:
         return [b.id for b in self._seq(seq).blocks]
 
+    def slot_counts(self, seq: Any) -> list[SlotCounts | None]:
+        """Token merging: what it left in each of ``seq``'s blocks (position order; None: never looked at)."""
+        return [b.merged for b in self._seq(seq).blocks]
+
     # ---- writing ----
     def reserve(self, seq: Any, n: int) -> torch.Tensor:
         """Device slots for ``seq``'s next ``n`` positions, as a ``(n,)`` LongTensor.
@@ -476,6 +481,7 @@ class PagedKVCache:
         dst.view(d, 1).copy_(src.view(s_, 1))
         own.version = shared.version
         own.digest = shared.digest.copy() if shared.digest is not None else None
+        own.merged = shared.merged
         own.last_access = self._tick
         s.blocks[-1] = own
         self._free_or_keep(shared, s.id, emit_release=True)
@@ -674,6 +680,63 @@ class PagedKVCache:
                     self.bus.emit(Recode, block=b.id, tier=Tier.DEVICE, src_codec=src, dst_codec=codec,
                                   version=b.version, digest=d, digest_layer=layer, new_digest=new)
 
+    # ---- token merging (engine.merge) ----
+    def merge_tokens(self, blocks: Iterable[int], threshold: float) -> dict[int, int]:
+        """Merge, in place, adjacent tokens of each block whose keys have at least ``threshold`` cosine similarity
+        (per layer and KV head; see ``engine.merge``); a ``merge`` event for each block that shrank, its version
+        unchanged. Only for settled device blocks of one owner: the others' readers expect every token. Returns
+        the blocks that shrank, each with the (layer, head, slot) rows it gave up.
+
+        Every block's rows are merged in one batch (the merge walks a block's positions one at a time, so a
+        step's blocks share each step of the walk)."""
+        c, bs = self.config, self.block_size
+        L, H, D = c.num_layers, c.num_kv_heads, c.head_dim
+        group = self._blocks(blocks)
+        for b in group:
+            if b.tier != Tier.DEVICE or b.inflight is not None or len(b.owners) != 1:
+                raise ValueError(f"merge of block {b.id}: it must be settled on the device with one owner "
+                                 f"(tier {b.tier}, owners {b.owners})")
+        if not group:
+            return {}
+        n = len(group)
+        slots = torch.tensor([b.slot for b in group], dtype=torch.long, device=self.device)
+        k, v = zip(*(self.read_blocks(layer, slots) for layer in range(L)))  # each (n, H, bs, D)
+        ones = torch.ones(L, H, bs, dtype=torch.int16, device=self.device)
+        counts = torch.stack([b.merged.counts if b.merged is not None and b.merged.counts is not None else ones
+                              for b in group])  # (n, L, H, bs)
+        mk, mv, mc = merge_rows(torch.stack(k, dim=1).view(n * L * H, bs, D),
+                                torch.stack(v, dim=1).view(n * L * H, bs, D), counts.view(n * L * H, bs), threshold)
+        mc = mc.view(n, L, H, bs)
+        live = (mc > 0).sum(dim=-1)  # (n, L, H)
+        shrank = live < (counts > 0).sum(dim=-1)
+        todo = [i for i in range(n) if bool(shrank[i].any())]
+        for i in set(range(n)) - set(todo):
+            group[i].merged = group[i].merged or SlotCounts(None)  # looked at: nothing to merge
+        if not todo:
+            return {}
+        changed = [group[i] for i in todo]
+        before, bad = self.tiers.verify(changed)
+        mk = mk.view(n, L, H, bs, D).to(c.compute_dtype)
+        mv = mv.view(n, L, H, bs, D).to(c.compute_dtype)
+        off = torch.arange(bs, device=self.device)
+        for i, b in zip(todo, changed):
+            arena, local = self._devs.at(b.slot)
+            where = torch.full((bs,), local, dtype=torch.long, device=self.device)
+            for layer in range(L):
+                self.codecs[arena.codec].write(arena.data[:, layer], layer, where, off, mk[i, layer].transpose(0, 1),
+                                               mv[i, layer].transpose(0, 1))  # (bs, H, D) each
+            b.checksum = None  # its bytes changed: the next move takes a new checksum
+            b.merged = SlotCounts(mc[i].clone())
+        after = self.tiers.retake(changed)
+        out = {}
+        for i, b, d, layer, new in zip(todo, changed, before, bad, after):
+            out[b.id] = int((counts[i] > 0).sum()) - int(live[i].sum())
+            if self.bus.enabled:
+                layers = shrank[i].any(dim=-1).nonzero().squeeze(1).tolist()
+                self.bus.emit(Merge, block=b.id, tier=b.tier, version=b.version, tokens=bs, heads=H, layers=layers,
+                              slots=live[i].sum(dim=-1)[layers].tolist(), digest=d, digest_layer=layer, new_digest=new)
+        return out
+
     def _drop_tail(self, s: Sequence, *, emit_release: bool) -> None:
         """Let go of blocks wholly past the sequence's length (after a short commit or a rollback)."""
         while s.blocks and s.blocks[-1].index * self.block_size >= s.length:
@@ -691,6 +754,10 @@ class PagedKVCache:
         new_len = s.length - n
         if new_len and s.blocks and all(b.index != (new_len - 1) // self.block_size for b in s.blocks):
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: the block holding its new last token was evicted")
+        cut = next((b for b in s.blocks if b.index == new_len // self.block_size), None)
+        if new_len % self.block_size and cut is not None and cut.merged is not None and cut.merged.counts is not None:
+            raise ValueError(f"rollback of {seq!r} to {new_len} tokens: block {cut.id} holding its new last token "
+                             "has merged tokens (merging keeps the newest local_blocks blocks' worth of tokens whole: widen it)")
         if self.faults.rollback_uncut and new_len:
             s.version += n  # the fault: the rollback is recorded, and the tokens stay
             if self.bus.enabled:

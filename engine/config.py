@@ -123,6 +123,9 @@ class EngineConfig:
     # Long context (engine.readplan, engine.staging): a running sequence's blocks may live in any tier, and attention
     # reads slower tiers' blocks through a device staging area of this many blocks; 0: every block read is resident
     staging_blocks: int = 0
+    # Token merging (engine.merge): in old, full blocks, adjacent tokens whose keys have at least this cosine
+    # similarity (per layer and KV head) share one slot with a count; 0: off
+    merge: float = 0.0
     importance: str | None = None  # importance eviction: "h2o" or "streaming" (None: off)
     kv_budget_blocks: int = 0  # importance eviction keeps each sequence within this many blocks
     mixed_low: str = "nf4"  # mixed: the codec a block is demoted to
@@ -176,9 +179,17 @@ class EngineConfig:
             raise _bad("verify", self.verify, f"None or one of {', '.join(VERIFY_MODES)}")
         _int_in("verify_every", self.verify_every, 1, 1 << 20)
         _int_in("staging_blocks", self.staging_blocks, 0, 1 << 20)
+        self._check_merge()
         if self.staging_blocks and self.device_blocks < self.pinned_blocks + 1:
             raise _bad("device_blocks", self.device_blocks,
                        f">= {self.pinned_blocks + 1} with staging_blocks (the sinks, the recent window and a block to write)")
+
+    def _check_merge(self) -> None:
+        m = self.merge
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (m == 0 or 0 < m <= 1):
+            raise _bad("merge", m, "0 (off) or a cosine similarity threshold in (0, 1]")
+        if m and self.staging_blocks:  # streamed reads do not carry merged slots' counts yet
+            raise _bad("merge", m, "0 with staging_blocks (streamed reads do not weigh merged slots yet)")
 
     def _check_compression(self) -> None:
         from .codecs import CODECS, NEEDS_CALIBRATION, PRECISION, codec_of_dtype

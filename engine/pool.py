@@ -39,6 +39,7 @@ class Block:
     prefetched: bool = False  # brought up by prefetch and not yet counted as a hit
     retained: tuple[str, int, int, int | None] | None = None  # (tier, slot, version, checksum): stale-version fault only
     digest: Any = None  # digest.BlockRecord: what its bytes should be; None while unknown (nobody listened)
+    merged: Any = None  # merge.SlotCounts once token merging looked at the block: tokens per slot; None: never
 
 
 @dataclass(eq=False, slots=True)

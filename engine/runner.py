@@ -26,6 +26,7 @@ from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
 from .importance import ImportanceEviction
+from .merge import TokenMerging, key_bias
 from .prefix import model_salt
 from .sparse import BlockSparse
 from .streaming import StreamedAttention
@@ -118,6 +119,7 @@ class _Group:
     window_layout: AttnLayout | None = None  # the mask of sliding-window layers, when the model has them
     kv_rows: torch.Tensor | None = None  # (2*B*H_kv*num_blocks,) where each block's keys, then values, start
     kv_extent: int = 0  # rows of the strided arena view ``kv_rows`` indexes
+    key_bias: torch.Tensor | None = None  # (L, B, H_kv, T) token merging's score bias of each key (engine.merge)
 
 
 class Runner:
@@ -167,6 +169,10 @@ class Runner:
         self._sparse = BlockSparse.for_cache(cache)
         self._importance = ImportanceEviction.for_cache(cache)
         self._window = SlidingWindow.of_model(cfg)
+        self._merging = TokenMerging.for_cache(cache)
+        if self._merging is not None and self._window is not None:
+            raise ValueError("token merging is not supported with sliding-window attention (a merged block's "
+                             "slots are not its token positions)")
         if self._window is not None and self._sparse is not None:
             raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
         # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
@@ -198,6 +204,11 @@ class Runner:
         cache = PagedKVCache(engine_config, bus=bus)
         return cls(model, cache, tokenizer=tokenizer, stats_every=stats_every, per_head=per_head,
                    pack_weights=pack_weights)
+
+    @property
+    def merging(self) -> TokenMerging | None:
+        """Token merging (``EngineConfig.merge``): its threshold and what it merged so far; None when off."""
+        return self._merging
 
     @property
     def bus(self) -> Bus:
@@ -329,6 +340,8 @@ class Runner:
             cache.commit(seq, k, tokens=toks)
             if bus.enabled and not streaming:
                 cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
+        if self._merging is not None:  # blocks that aged out of the recent window this step
+            self._merging.enforce(seqs)
         if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks
             st = self._streamer.step
             cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self._sparse is not None)
@@ -377,7 +390,13 @@ class Runner:
             window = AttnLayout.build([q_len] * len(rows), lens, sink_tokens=self.block_size, device=self.device,
                                       window=self._window.window)
         kv_rows, extent = self._kv_rows(table, max(lens))
-        return _Group(rows, tokens, q_len, layout, table, max(lens), window, kv_rows, extent)
+        bias = None
+        if self._merging is not None:
+            bias = key_bias([self.cache.slot_counts(seqs[i]) for i in rows], num_layers=self.num_layers,
+                            num_kv_heads=self.num_kv_heads, block_size=self.block_size, width=width,
+                            device=self.device)
+        return _Group(rows, tokens, q_len, layout, table, max(lens), window, kv_rows, extent,
+                      bias[..., : max(lens)] if bias is not None else None)
 
     def _kv_rows(self, table: torch.Tensor, kv_len: int) -> tuple[torch.Tensor | None, int]:
         """Where in a layer's device arena each block's keys, and its values, of each head lie, as element
@@ -442,7 +461,7 @@ class Runner:
             else:
                 k, v = self._gather_kv(layer, g)  # (B, H_kv, T, D) each
                 o, st = attend(qg, k, v, self._layout(g, layer), scale=scale, scores=scores is not None,
-                               corrupt=corrupt)
+                               corrupt=corrupt, key_bias=g.key_bias[layer] if g.key_bias is not None else None)
             o = o.transpose(1, 2).reshape(B * g.q_len, H * D)  # (tokens, H*D)
             if out is None:
                 out = o
@@ -460,7 +479,8 @@ class Runner:
         want_mass = self._importance is not None and self._importance.needs_mass
         kv_lens = [self.cache.num_tokens(seq) for seq in rows]
         o, mass, scores = self._sparse.attend(layer, qg, rows, g.table, g.layout, kv_lens, scale,
-                                              want_mass=want_mass, want_scores=self.stats_due())
+                                              want_mass=want_mass, want_scores=self.stats_due(),
+                                              key_bias=g.key_bias[layer] if g.key_bias is not None else None)
         if mass is not None:
             for seq, m in zip(rows, mass):
                 self._importance.observe(seq, self.cache.block_table(seq), m)

@@ -291,14 +291,15 @@ class BlockSparse:
         return (pages[..., None] * r + torch.arange(r, device=pages.device)).flatten(-2)
 
     def attend(self, layer: int, q: torch.Tensor, seqs: Sequence[Any], table: torch.Tensor, layout: AttnLayout,
-               kv_lens: Sequence[int], scale: float, *, want_mass: bool = False, want_scores: bool = False
-               ) -> tuple[torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:
+               kv_lens: Sequence[int], scale: float, *, want_mass: bool = False, want_scores: bool = False,
+               key_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:
         """Attention of ``q`` (B, H, S, D) for rows ``seqs`` with block ``table`` (B, nb) of device slots.
 
         Returns the output (B, H, S, D); with ``want_mass``, per row the attention mass on each
         of its blocks (nb_row,) summed over heads and queries; with ``want_scores``, each row's
         newest query's scaled scores (B, H, T) over its keys, the keys it did not read at the
-        lowest finite value (no probability, and no non-finite count in the statistics).
+        lowest finite value (no probability, and no non-finite count in the statistics). ``key_bias``
+        (B, H_kv, T): token merging's score bias of each key (``engine.merge``), added to what is read.
         """
         B, H, S, D = q.shape
         nbs = [-(-t // self.cache.block_size) for t in kv_lens]
@@ -306,12 +307,12 @@ class BlockSparse:
         for r, seq in enumerate(seqs):
             self.read.rows_dense += nbs[r] * H_kv
         if not want_mass and (self._reads_all(layer, S) or all(self.covers_all(nb) for nb in nbs)):
-            out, scores = self._dense(layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores)
+            out, scores = self._dense(layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores, key_bias)
             return out, None, scores
         if S == 1 and not want_mass:
-            out, scores = self._decode(layer, q, seqs, table, kv_lens, nbs, scale, want_scores)
+            out, scores = self._decode(layer, q, seqs, table, kv_lens, nbs, scale, want_scores, key_bias)
             return out, None, scores
-        return self._masked(layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores)
+        return self._masked(layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores, key_bias)
 
     def choose(self, q: torch.Tensor, seq: Any, layer: int, num_blocks: int, kv_len: int) -> torch.Tensor | None:
         """The blocks each query of ``q`` (H, S, D), the row's newest tokens, reads: (H_kv, S, num_blocks) bool,
@@ -340,17 +341,17 @@ class BlockSparse:
         v = vb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]
         return k, v
 
-    def _dense(self, layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores=False):
+    def _dense(self, layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores=False, key_bias=None):
         """Every block is chosen: the runner's own dense computation, so the two agree exactly."""
         k, v = self._gather(layer, table, max(kv_lens))
-        out, scores = attend(q, k, v, layout, scale=scale, scores=want_scores)
+        out, scores = attend(q, k, v, layout, scale=scale, scores=want_scores, key_bias=key_bias)
         H_kv = k.shape[1]
         for r, seq in enumerate(seqs):
             self.read.blocks.setdefault(seq, set()).update(range(nbs[r]))
             self.read.rows_read += nbs[r] * H_kv
         return out, scores
 
-    def _decode(self, layer: int, q: torch.Tensor, seqs, table, kv_lens, nbs, scale, want_scores=False):
+    def _decode(self, layer: int, q: torch.Tensor, seqs, table, kv_lens, nbs, scale, want_scores=False, key_bias=None):
         """One query per row: gather only the chosen pages' block rows (per KV head) and attend over them."""
         cache, bs = self.cache, self.cache.block_size
         B, H, _, D = q.shape
@@ -379,9 +380,16 @@ class BlockSparse:
         k, v = cache.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
         k, v = k.reshape(B, H_kv, n * bs, D), v.reshape(B, H_kv, n * bs, D)
         mask = ok.view(B, H_kv, 1, n * bs).repeat_interleave(g, dim=1)  # (B, H, 1, n*bs)
+        bias = None
+        if key_bias is not None:  # token merging: each read key's log(count), dead slots hidden
+            at = (sel[..., None] * bs + tok).clamp_max(key_bias.shape[-1] - 1).view(B, H_kv, n * bs)
+            bias = key_bias.gather(-1, at).to(q.dtype)  # (B, H_kv, n*bs)
+            mask = bias[:, :, None].repeat_interleave(g, dim=1).masked_fill(~mask, float("-inf"))
         if not want_scores:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1), None
         raw = (q.view(B, H_kv, g, D) @ k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, g, n*bs)
+        if bias is not None:
+            raw += bias[:, :, None]
         low = torch.finfo(raw.dtype).min
         raw = raw.masked_fill(~ok.view(B, H_kv, 1, n * bs), low)
         probs = torch.softmax(raw, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -393,7 +401,7 @@ class BlockSparse:
         scores = raw.new_full((B, H_kv, g, T + 1), low).scatter_(-1, pos, raw)
         return out, scores[..., :T].reshape(B, H, T)
 
-    def _masked(self, layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores=False):
+    def _masked(self, layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores=False, key_bias=None):
         """Queries choose their own pages (prefill chunks, or any step that needs attention mass)."""
         cache, bs = self.cache, self.cache.block_size
         B, H, S, D = q.shape
@@ -419,11 +427,15 @@ class BlockSparse:
             tokens = blocks.repeat_interleave(bs, dim=-1)[..., :T]  # (H_kv, S, T)
             tokens = tokens & causal[None] & (torch.arange(T, device=q.device) < t)
             allowed[r] = tokens.repeat_interleave(g, dim=0)
+        bias = None if key_bias is None else key_bias.to(q.dtype).repeat_interleave(g, dim=1)[:, :, None]  # (B, H, 1, T)
         if not (want_mass or want_scores):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=g > 1)
+            mask = allowed if bias is None else bias.expand_as(allowed).masked_fill(~allowed, float("-inf"))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
             return out, None, None
         qg = q.reshape(B, H_kv, g * S, D)
         scores = (qg @ k.transpose(-1, -2)).mul_(scale).view(B, H, S, T)
+        if bias is not None:
+            scores += bias
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = (probs.view(B, H_kv, g * S, T) @ v).view(B, H, S, D)

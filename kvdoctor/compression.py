@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["CODEC_NAMES", "CODEC_METAVAR", "CODEC_HELP", "codec_setting", "engine_settings"]
+__all__ = ["CODEC_NAMES", "CODEC_METAVAR", "CODEC_HELP", "MERGE_HELP", "codec_setting", "merge_threshold",
+           "engine_settings"]
 
 CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
 _TIER_NAMES = ("device", "host", "disk")
@@ -38,6 +39,21 @@ def codec_setting(text: str) -> str:
                 f"{part!r}: per tier, each part is TIER=CODEC with TIER one of {', '.join(_TIER_NAMES)} "
                 f"and CODEC one of {', '.join(names)} (e.g. device=fp16,host=int8,disk=nf4)")
     return text
+
+
+MERGE_HELP = ("token merging: in blocks past the sink and the recent window, adjacent tokens whose keys have cosine "
+              "similarity >= THRESHOLD (per layer and KV head) share one slot with a count; 0 (default): off")
+
+
+def merge_threshold(text: str) -> float:
+    """An argparse type: ``--merge``'s cosine similarity threshold, 0 (off) or in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value == 0 or 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 (off) or a cosine similarity threshold in (0, 1]")
+    return value
 
 
 def engine_settings(codec: str | None, topk: int, loaded: Any) -> dict[str, Any]:

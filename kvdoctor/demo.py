@@ -14,8 +14,11 @@ show live); a quarter of the requests run under an adapter, whose requests share
 With ``--speculative`` each decode step also verifies up to 4 tokens drafted by prompt lookup, and
 rejected drafts are rolled back through the cache.
 
+With ``--merge THRESHOLD`` old blocks have adjacent tokens with nearly the same keys merged
+(``merge`` events; see docs/long-context.md).
+
     python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--prefix-cache] [--speculative]
-                            [--seconds S] [--steps N]
+                            [--merge THRESHOLD] [--seconds S] [--steps N]
 
 It never serves on as an orphan: it stops when the process that started it is gone (its
 parent changes), and on SIGTERM or SIGHUP, in each case closing its trace first.
@@ -30,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .compression import CODEC_HELP, CODEC_METAVAR, codec_setting
+from .compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, codec_setting, merge_threshold
 from .engine.model import DTYPES
 from .errors import UsageError
 from .stop_signals import interrupt_on_stop_signals, reraise
@@ -80,6 +83,7 @@ class DemoConfig:
     speculative: bool = False       # prompt-lookup drafts verified each decode step (engine.speculative)
     parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
     dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
+    merge: float = 0.0              # token merging's key cosine threshold (engine.merge); 0: off
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -97,7 +101,7 @@ def run_demo(cfg: DemoConfig) -> int:
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
         host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name}, prefix_cache=cfg.prefix_cache,
-        **engine_settings(cfg.codec, 0, lm),
+        merge=cfg.merge, **engine_settings(cfg.codec, 0, lm),
     )
     if runner.bus.enabled and not os.environ.get(ENV_PROBES):
         # Memory readings when a trace is being written, unless the engine's probe hook attached them.
@@ -147,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="cache full blocks by content; every request opens with the same chat system prompt")
     p.add_argument("--speculative", action="store_true", help="speculative decoding with prompt-lookup drafts")
     p.add_argument("--dtype", choices=DTYPES, default=DemoConfig.dtype, help="the model's and the cache's dtype")
+    p.add_argument("--merge", type=merge_threshold, default=DemoConfig.merge, metavar="THRESHOLD", help=MERGE_HELP)
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps, device_blocks=a.device_blocks,
                      seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache, speculative=a.speculative,
-                     dtype=a.dtype, parent=os.getppid())
+                     dtype=a.dtype, merge=a.merge, parent=os.getppid())
     with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
         try:
             run_demo(cfg)

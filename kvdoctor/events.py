@@ -46,6 +46,7 @@ __all__ = [
     "Prefetch",
     "Stage",
     "PrefetchUse",
+    "Merge",
     "TraceEnd",
     "Unknown",
     "KNOWN_EVENTS",
@@ -307,6 +308,23 @@ class PrefetchUse(Event, tag="prefetch_use"):
     misses: list[int]
 
 
+class Merge(Event, tag="merge"):
+    """Token merging (v1.x): in place in ``tier``, adjacent tokens of a full, old block whose keys were nearly the
+    same were merged into one slot each, with a count. The block keeps its positions and its version; in each
+    layer of ``layers``, its ``tokens`` x ``heads`` (layer, KV head) slots shrank to ``slots[i]`` live ones."""
+
+    block: int
+    tier: Tier
+    version: int
+    tokens: int  # token positions the block holds (its block size): the live slots per KV head before
+    heads: int  # KV heads per layer
+    layers: list[int]  # the layers in which some KV head shrank
+    slots: list[int]  # per layer of ``layers``: live slots summed over its KV heads (was tokens * heads)
+    digest: int | None = None  # recomputed over the bytes before the merge (integrity)
+    digest_layer: int | None = None  # where ``digest`` differs from the producer's record: the first layer that does
+    new_digest: int | None = None  # of the merged bytes (what later reads must match)
+
+
 class TraceEnd(Event, tag="trace_end"):
     """The writer closed the trace on purpose; a follower stops here."""
 
@@ -324,7 +342,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
-    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse,
+    Rollback, Batch, Attn, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
     TraceEnd,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdoctor.checks import make_suite
 from kvdoctor.demo import DemoConfig, main, run_demo
-from kvdoctor.events import PREFIX_CACHE, Share, StepEnd, SwapOut
+from kvdoctor.events import PREFIX_CACHE, Merge, Share, StepEnd, SwapOut
 from kvdoctor.trace import TraceReader
 
 
@@ -45,6 +45,23 @@ def test_prefix_cache_demo_serves_the_shared_system_prompt_from_the_cache_and_st
     ends = [e for e in events if isinstance(e, StepEnd) and e.prefix_hits is not None]
     assert len(ends) == 30 and ends[0].prefix_hits == 0 and sum(e.prefix_hits for e in ends) >= 3
     assert any(isinstance(e, Share) and e.seq == PREFIX_CACHE and e.hash for e in events)
+    suite = make_suite()
+    for e in events:
+        suite.observe(e)
+    assert suite.findings + suite.finish() == []
+
+
+def test_merging_demo_with_swaps_and_speculative_rollbacks_stays_clean(tmp_path, monkeypatch):
+    # GIVEN the demo merging old blocks (a threshold the tiny model's keys reach), drafting speculatively,
+    # on a device tier small enough to preempt and swap, traced
+    path = tmp_path / "merge.kvtrace"
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    # WHEN it serves for a while
+    run_demo(DemoConfig(model="tiny", steps=30, device_blocks=10, merge=0.3, speculative=True))
+    events = list(TraceReader(path))
+    # THEN blocks were merged and moved between tiers (some merged ones too), and the checks find nothing
+    merged = {e.block for e in events if isinstance(e, Merge)}
+    assert merged and any(isinstance(e, SwapOut) for e in events)
     suite = make_suite()
     for e in events:
         suite.observe(e)

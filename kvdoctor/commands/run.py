@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting, engine_settings
+from ..compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, codec_setting, engine_settings, merge_threshold
 from ..engine.faults import FAULTS
 from ..engine.model import DTYPES
 
@@ -94,6 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction", choices=("lru", "hybrid"), default="lru",
                    help="which blocks leave a full tier first (long context: which stay on the device): lru (default), "
                         "or hybrid (recency, position distance and attention importance)")
+    p.add_argument("--merge", type=merge_threshold, default=0.0, metavar="THRESHOLD", help=MERGE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
             disk_blocks=args.disk_blocks, staging_blocks=args.staging_blocks, eviction=args.eviction, fault=args.fault, verify=args.verify, extra={"model": loaded.name},
             **engine_settings(args.codec, args.topk, loaded),
-            sparse_block_size=args.sparse_block_size, prefix_cache=args.prefix_cache,
+            sparse_block_size=args.sparse_block_size, prefix_cache=args.prefix_cache, merge=args.merge,
         )
     except (ModelLoadError, UnsupportedModel, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         stats = runner.cache.stats()
         cache = runner.cache
         reads = cache.rows_from_device + cache.rows_from_slower
+        merging = runner.merging.stats() if runner.merging is not None else None
     except EngineError as exc:
         raise UsageError(f"the engine failed: {exc}") from None
     finally:
@@ -214,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "topk": args.topk,
         "sparse_block_size": runner.cache.config.sparse_block_size,
         "staging_blocks": args.staging_blocks,
+        "merge": merging,  # token merging (--merge): threshold, blocks merged, (layer, head, slot) rows freed
     }
     if args.staging_blocks:
         moved = cache.bytes_staged + sum(n for n, _ in cache.tiers.moved.values()) * cache.config.bytes_per_block

@@ -94,3 +94,27 @@ def test_moves_and_re_encodes_of_changed_bytes_are_errors_naming_the_owner(trace
     by_rule = {f.rule: f for f in findings}
     assert (by_rule["swap-mismatch"].block, by_rule["swap-mismatch"].seq, by_rule["swap-mismatch"].layer) == (10, "r1", 1)
     assert (by_rule["recode-mismatch"].block, by_rule["recode-mismatch"].seq) == (11, "r2")
+
+
+def _merge(trace, block, **digests):
+    from kvdoctor.events import Merge
+
+    return trace._emit(Merge, block=block, tier="device", version=trace.block_version.get(block, 0), tokens=4,
+                       heads=2, layers=[0], slots=[3], **digests)
+
+
+def test_a_token_merge_sets_the_content_later_reads_must_show_and_a_merge_of_changed_bytes_is_an_error(trace):
+    # GIVEN a block merged from the bytes its write made, read at the merged digest
+    _filled(trace, 10, "r1", 0xA)
+    _merge(trace, 10, digest=0xA, new_digest=0x5)
+    trace.read("r1", [10], digests=[0x5])
+    assert trace.run() == []
+    # AND a block whose bytes changed before the merge read them
+    _filled(trace, 11, "r2", 0xB)
+    _merge(trace, 11, digest=0xF, digest_layer=1, new_digest=0x6)
+    trace.read("r2", [11], digests=[0x6])  # the merged bytes are what reads see from then on
+    findings = trace.run()
+    # THEN one error names the merge, the block, its owner and the layer
+    assert rules(findings) == ["integrity/merge-mismatch"]
+    assert (findings[0].block, findings[0].seq, findings[0].layer) == (11, "r2", 1)
+    assert "token merge" in findings[0].message

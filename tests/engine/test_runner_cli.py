@@ -218,3 +218,20 @@ def test_a_sequence_that_fits_no_tier_is_one_line_naming_what_is_needed(checkpoi
     assert "needs 23 blocks" in err and "device + host + disk hold 6" in err  # 120 tokens + 64 new, by 8
     code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt-file", str(tmp_path / "none.txt"))
     assert code == 2 and "--prompt-file" in err and "Traceback" not in err
+
+
+def test_run_with_merge_reports_what_it_merged_and_a_bad_threshold_is_a_usage_error(checkpoint, tmp_path, capsys):
+    prompt = " ".join(f"w{3 + i % 40}" for i in range(40))
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--greedy", "--max-new-tokens", "8",
+                        "--block-size", "4", "--device-blocks", "32", "--merge", "0.3", "--json",
+                        "--trace", str(tmp_path / "m.kvtrace"))
+    assert code == 0
+    merge = json.loads(out)["merge"]
+    assert merge["threshold"] == 0.3 and merge["blocks_merged"] > 0 and merge["rows_freed"] > 0
+    assert any(type(e).__name__ == "Merge" for e in TraceReader(tmp_path / "m.kvtrace"))
+    with pytest.raises(SystemExit) as exc:
+        _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--merge", "1.5")
+    assert exc.value.code == 2 and "cosine similarity threshold" in capsys.readouterr().err
+    code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt", prompt, "--merge", "0.9",
+                        "--staging-blocks", "2")
+    assert code == 2 and "staging_blocks" in err and len(err.strip().splitlines()) == 1

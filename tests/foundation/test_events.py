@@ -48,6 +48,8 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.Prefetch: dict(blocks=int_lists, src=tiers, dst=tiers),
         E.Stage: dict(seq=seq_ids, blocks=int_lists, srcs=st.lists(tiers, max_size=8), versions=int_lists, bytes=ints),
         E.PrefetchUse: dict(seq=seq_ids, hits=int_lists, misses=int_lists),
+        E.Merge: dict(block=ints, tier=tiers, version=ints, tokens=ints, heads=ints, layers=int_lists, slots=int_lists,
+                      digest=st.none() | st.integers(0, 2**64 - 1), new_digest=st.none() | st.integers(0, 2**64 - 1)),
         E.TraceEnd: dict(reason=st.text(max_size=10)),
     }[cls]
     return st.builds(cls, **fields, **common)
