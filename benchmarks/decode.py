@@ -239,8 +239,8 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
     GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
-    nbytes = sum(p.weight.numel() * p.weight.element_size() for p in projections)
-    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype) for p in projections]
+    nbytes = sum(p.nbytes for p in projections)
+    xs = [torch.randn(1, p.shape[1], dtype=p.dtype) for p in projections]
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):

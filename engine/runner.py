@@ -29,7 +29,7 @@ from .importance import ImportanceEviction
 from .prefix import model_salt
 from .sparse import BlockSparse
 from .streaming import StreamedAttention
-from .weights import layer_weights, lm_head_weights, rms_norm
+from .weights import PageOut, layer_weights, lm_head_weights, rms_norm, single_row_threads
 from .window import SlidingWindow
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
@@ -124,8 +124,9 @@ class Runner:
 
     ``stats_every``: attention statistics (``attn`` events) every N steps; 0 never.
     They are only computed while someone listens on the bus.
-    ``pack_weights``: keep a oneDNN-prepacked copy of every projection on CPU (one more copy of the
-    linear weights in memory, 1.5-3x faster matmuls for batches of two rows or more; see ``weights``).
+    ``pack_weights``: compute every projection on CPU from a oneDNN-prepacked copy (1.5-3x faster matmuls
+    for batches of two rows or more); the model's dense weights are then no longer read by the runner, and
+    their pages mapped from the checkpoint are dropped from the process, so memory holds one copy (see ``weights``).
     """
 
     def __init__(self, model: Any, cache: PagedKVCache, *, tokenizer: Any = None, stats_every: int = 1,
@@ -149,9 +150,10 @@ class Runner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache.config.block_size
         self._apply_rope = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
-        # q/k/v and gate/up as one matmul each (the model's weights become views of the fused ones).
-        self._weights = [layer_weights(layer, pack=pack_weights) for layer in self._layers]
-        self._lm_head = lm_head_weights(model.lm_head, pack=pack_weights)
+        # q/k/v and gate/up as one matmul each; packed, the dense weights' file pages are dropped from memory.
+        pager = PageOut() if pack_weights else None
+        self._weights = [layer_weights(layer, pack=pack_weights, pager=pager) for layer in self._layers]
+        self._lm_head = lm_head_weights(model.lm_head, pack=pack_weights, pager=pager)
         self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in self._layers]
         self._final_norm = rms_norm(self._base.norm)
@@ -236,9 +238,16 @@ class Runner:
         return bool(self.stats_every and self.bus.step % self.stats_every == 0)
 
     # ---- one step ----
-    @torch.inference_mode()
     def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False,
                 tail_logits: Sequence[int] | None = None) -> torch.Tensor:
+        """One step (see ``_forward``); a step of one token runs on one CPU thread (``single_row_threads``)."""
+        num_rows = sum(len(toks) for _, toks in rows) if self.device.type == "cpu" else 0
+        with single_row_threads(num_rows):
+            return self._forward(rows, all_logits=all_logits, tail_logits=tail_logits)
+
+    @torch.inference_mode()
+    def _forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False,
+                 tail_logits: Sequence[int] | None = None) -> torch.Tensor:
         """Compute one step: every row's new tokens go through all layers and into the cache.
 
         Each row's sequence must have been added to the cache; its new tokens start at
