@@ -238,15 +238,12 @@ def _rss_mb(field: str = "VmRSS") -> float:
 def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     """The batch-1 ceiling the weights set: the time one row takes through every projection of a step
     (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
-    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes, on the threads the
-    runner gives a one-row step (``single_row_threads``)."""
-    from kvdoctor.engine.weights import single_row_threads
-
+    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
     nbytes = sum(p.nbytes for p in projections)
     xs = [torch.randn(1, p.shape[1], dtype=p.dtype) for p in projections]
     times = []
-    with torch.inference_mode(), single_row_threads(1):
+    with torch.inference_mode():
         for _ in range(repeats + 1):
             t = time.perf_counter()
             for p, x in zip(projections, xs):

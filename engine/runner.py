@@ -29,7 +29,7 @@ from .importance import ImportanceEviction
 from .prefix import model_salt
 from .sparse import BlockSparse
 from .streaming import StreamedAttention
-from .weights import PageOut, layer_weights, lm_head_weights, rms_norm, single_row_threads
+from .weights import PageOut, layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
@@ -238,16 +238,9 @@ class Runner:
         return bool(self.stats_every and self.bus.step % self.stats_every == 0)
 
     # ---- one step ----
+    @torch.inference_mode()
     def forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False,
                 tail_logits: Sequence[int] | None = None) -> torch.Tensor:
-        """One step (see ``_forward``); a step of one token runs on one CPU thread (``single_row_threads``)."""
-        num_rows = sum(len(toks) for _, toks in rows) if self.device.type == "cpu" else 0
-        with single_row_threads(num_rows):
-            return self._forward(rows, all_logits=all_logits, tail_logits=tail_logits)
-
-    @torch.inference_mode()
-    def _forward(self, rows: Sequence[tuple[SeqId, Sequence[int]]], *, all_logits: bool = False,
-                 tail_logits: Sequence[int] | None = None) -> torch.Tensor:
         """Compute one step: every row's new tokens go through all layers and into the cache.
 
         Each row's sequence must have been added to the cache; its new tokens start at

@@ -10,7 +10,7 @@ compute:
   a wide weight runs far below the core's peak on the AMD machines we measure on (a
   batch of eight takes about four times as long as one row). oneDNN with the weight
   reordered once into its blocked layout runs the same product 1.5-3x faster from two
-  rows up, and one row about as fast as MKL's GEMV on one thread.
+  rows up, and one row about as fast as MKL's GEMV in the runner's decode step.
 
 **One copy of the weights.** A packed projection computes every row count from its packed
 copy, so the runner never reads the model's dense weights again: they are left as they are
@@ -29,18 +29,16 @@ Both reorder floating-point sums, so logits differ from transformers' in the las
 from __future__ import annotations
 
 import array
-import contextlib
 import ctypes
 import mmap
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Projection", "LayerWeights", "PageOut", "layer_weights", "lm_head_weights", "rms_norm",
-           "single_row_threads"]
+__all__ = ["Projection", "LayerWeights", "PageOut", "layer_weights", "lm_head_weights", "rms_norm"]
 
 # Attribute of the model's nn.Linear (the first of a fused group) that keeps its packed copy, so every
 # runner on the same model shares one, and it goes with the model.
@@ -145,23 +143,6 @@ def _file_pages_only(lo: int, hi: int) -> bool:
         return False
     present, swapped, file_page = 1 << 63, 1 << 62, 1 << 61
     return len(entries) == num_pages and all(not e & swapped and (not e & present or e & file_page) for e in entries)
-
-
-@contextlib.contextmanager
-def single_row_threads(num_rows: int) -> Iterator[None]:
-    """Run a step of ``num_rows`` rows on one CPU thread when it is one row: a one-row product reads each
-    weight once and is bound by one core's memory bandwidth; a second thread splits it into halves too
-    small to pay for their synchronization (oneDNN's packed product of one row takes twice as long on two
-    threads as on one on the AMD EPYC we measure on; MKL's GEMV gains nothing either)."""
-    threads = torch.get_num_threads()
-    if num_rows != 1 or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _fused(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights, single_row_threads
+from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
 
@@ -162,19 +162,3 @@ def test_bf16_runner_tokens_match_transformers_bf16_generate():
         first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b), None)
         assert first is None or _near_tie(ours.logits[first]), (first, ours.token_ids, ref)
 
-
-def test_a_one_row_step_runs_on_one_thread_and_gives_the_threads_back():
-    # GIVEN torch on two threads
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        # WHEN a one-row step runs, and a step of several rows
-        with single_row_threads(1):
-            inside_one = torch.get_num_threads()
-        after = torch.get_num_threads()
-        with single_row_threads(8):
-            inside_many = torch.get_num_threads()
-        # THEN only the one-row step ran on one thread, and the setting came back after it
-        assert (inside_one, after, inside_many) == (1, 2, 2)
-    finally:
-        torch.set_num_threads(before)
