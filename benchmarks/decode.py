@@ -225,11 +225,12 @@ def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list
             for clock, v in out.items()}
 
 
-def _rss_mb() -> float:
-    """This process's resident set now (MB), from /proc (0 where there is none)."""
+def _rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident set now (MB), or one part of it (``RssAnon``: its own memory; ``RssFile``:
+    pages of mapped files, such as the checkpoint's weights), from /proc (0 where there is none)."""
     try:
-        with open("/proc/self/statm") as fh:
-            return round(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+        with open("/proc/self/status") as fh:
+            return next((round(int(line.split()[1]) / 1024, 1) for line in fh if line.startswith(field + ":")), 0.0)
     except OSError:
         return 0.0
 
@@ -239,8 +240,8 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
     GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
-    nbytes = sum(p.weight.numel() * p.weight.element_size() for p in projections)
-    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype) for p in projections]
+    nbytes = sum(p.nbytes for p in projections)
+    xs = [torch.randn(1, p.shape[1], dtype=p.dtype) for p in projections]
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -350,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [("batch1", batch1, [N]), ("batch8", batch8, [N] * len(batch8))]
     if args.mixed_outputs:
         scenarios.append(("batch8_mixed_outputs", batch8, mixed))
-    # Warm both paths once (allocator, kernels, packed weights) before timing anything.
-    hf_decode(model, batch1, [4], pad)
+    # Warm both paths once (allocator, kernels, packed weights) before timing anything. With --only-events
+    # transformers never runs, so the process's memory is the runner's alone (the model's dense weights,
+    # dropped after packing, are not mapped again).
+    if not args.only_events:
+        hf_decode(model, batch1, [4], pad)
     runner_decode(runner, batch1, [4])
     runner_decode(runner, batch8, [4] * len(batch8))
     results: dict[str, Any] = {"model": lm.name, "new_tokens": N, "threads": torch.get_num_threads(),
@@ -391,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     results["trace_bytes"] = os.path.getsize(trace_path)
     results["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     results["rss_end_mb"] = _rss_mb()
+    results["rss_end_anon_mb"], results["rss_end_file_mb"] = _rss_mb("RssAnon"), _rss_mb("RssFile")
     results["load_after"] = os.getloadavg()[0]
     runner.close()
     if args.json:
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['ms']:.2f} ms (median of {args.bound_repeats}): {b['gb_s']:.1f} GB/s, so batch 1 <= "
               f"{b['tok_s']:.1f} tok/s")
     print(f"peak RSS {results['peak_rss_mb']} MB (after loading {results['rss_after_load_mb']} MB, at the end "
-          f"{results['rss_end_mb']} MB), dtype {args.dtype}, threads {results['threads']}, new tokens {N}, "
+          f"{results['rss_end_mb']} MB: {results['rss_end_anon_mb']} MB own, {results['rss_end_file_mb']} MB of mapped "
+          f"files), dtype {args.dtype}, threads {results['threads']}, new tokens {N}, "
           f"trace {results['trace_bytes']} bytes, load average {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0
 

@@ -30,7 +30,7 @@ from .merge import TokenMerging, key_bias
 from .prefix import model_salt
 from .sparse import BlockSparse
 from .streaming import StreamedAttention
-from .weights import layer_weights, lm_head_weights, rms_norm
+from .weights import PageOut, layer_weights, lm_head_weights, rms_norm
 from .window import SlidingWindow
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
@@ -127,8 +127,9 @@ class Runner:
 
     ``stats_every``: attention statistics (``attn`` events) every N steps; 0 never.
     They are only computed while someone listens on the bus.
-    ``pack_weights``: keep a oneDNN-prepacked copy of every projection on CPU (one more copy of the
-    linear weights in memory, 1.5-3x faster matmuls for batches of two rows or more; see ``weights``).
+    ``pack_weights``: compute every projection on CPU from a oneDNN-prepacked copy (1.5-3x faster matmuls
+    for batches of two rows or more); the model's dense weights are then no longer read by the runner, and
+    their pages mapped from the checkpoint are dropped from the process, so memory holds one copy (see ``weights``).
     """
 
     def __init__(self, model: Any, cache: PagedKVCache, *, tokenizer: Any = None, stats_every: int = 1,
@@ -152,9 +153,10 @@ class Runner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache.config.block_size
         self._apply_rope = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
-        # q/k/v and gate/up as one matmul each (the model's weights become views of the fused ones).
-        self._weights = [layer_weights(layer, pack=pack_weights) for layer in self._layers]
-        self._lm_head = lm_head_weights(model.lm_head, pack=pack_weights)
+        # q/k/v and gate/up as one matmul each; packed, the dense weights' file pages are dropped from memory.
+        pager = PageOut() if pack_weights else None
+        self._weights = [layer_weights(layer, pack=pack_weights, pager=pager) for layer in self._layers]
+        self._lm_head = lm_head_weights(model.lm_head, pack=pack_weights, pager=pager)
         self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in self._layers]
         self._final_norm = rms_norm(self._base.norm)

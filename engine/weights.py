@@ -5,16 +5,22 @@ goes to many small matmuls. Two things make them cheaper without changing what t
 compute:
 
 - **Fusion.** The q, k and v projections read the same input, as do gate and up: one
-  matmul over the concatenated weight replaces three (two) calls. The concatenated
-  weight is built once and the model's own ``nn.Linear`` weights become views into it,
-  so memory is not doubled and the Hugging Face model keeps working unchanged.
+  matmul over the concatenated weight replaces three (two) calls.
 - **Prepacking.** PyTorch's CPU ``linear`` calls MKL, whose GEMM for a few rows against
   a wide weight runs far below the core's peak on the AMD machines we measure on (a
   batch of eight takes about four times as long as one row). oneDNN with the weight
   reordered once into its blocked layout runs the same product 1.5-3x faster from two
-  rows up. The packed copy is extra memory (one more copy of the linear weights), kept
-  per weight and reused by every runner on the same model; one row stays on MKL's GEMV,
-  which is as fast.
+  rows up, and one row about as fast as MKL's GEMV in the runner's decode step.
+
+**One copy of the weights.** A packed projection computes every row count from its packed
+copy, so the runner never reads the model's dense weights again: they are left as they are
+(no fused dense copy is made; the packed copy is built from a temporary concatenation) and,
+where they are pages of the checkpoint file that transformers mapped, those pages are handed
+dropped from the process once packed (``PageOut``: the Hugging Face model still computes with
+them, mapping them again from the file when it runs). So the
+process holds the linear weights once, packed. Without packing (``pack=False``, other devices,
+dtypes oneDNN cannot pack) the fused weight is built once and the model's ``nn.Linear``
+weights become views into it, so there too memory is not doubled.
 
 Both reorder floating-point sums, so logits differ from transformers' in the last bits
 (well inside the 1e-4 the tests allow); the greedy tokens are the same.
@@ -22,41 +28,51 @@ Both reorder floating-point sums, so logits differ from transformers' in the las
 
 from __future__ import annotations
 
+import array
+import ctypes
+import mmap
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Projection", "LayerWeights", "layer_weights", "lm_head_weights", "rms_norm", "PACKED_MIN_ROWS"]
-
-PACKED_MIN_ROWS = 2  # one row: MKL's GEMV is as fast as oneDNN's packed GEMM and needs no packed copy
+__all__ = ["Projection", "LayerWeights", "PageOut", "layer_weights", "lm_head_weights", "rms_norm"]
 
 # Attribute of the model's nn.Linear (the first of a fused group) that keeps its packed copy, so every
 # runner on the same model shares one, and it goes with the model.
 _PACKED_ATTR = "_kvdoctor_packed"
+_MADV_DONTNEED = 4  # unmap these pages: a private file mapping maps the file's pages again on the next read
 
 
 @dataclass(frozen=True)
 class Projection:
-    """``x @ weight.T + bias`` for ``x`` (M, K); oneDNN's prepacked copy of ``weight`` from ``PACKED_MIN_ROWS`` rows.
+    """``x @ weight.T + bias`` for ``x`` (M, K), from oneDNN's prepacked copy of ``weight`` when there is one.
 
     The packed copy is split along K in two halves whose products are added: oneDNN accumulates each
     output along K in one running sum, which on its own drifts from MKL's result about twice as far
     (SmolLM2's logits then leave transformers' by more than 1e-4); two half sums match MKL's error
     for about 10% more time."""
 
-    weight: torch.Tensor  # (N, K)
+    weight: torch.Tensor | None  # (N, K) fused dense weight; None when packed (the runner never reads it then)
     bias: torch.Tensor | None  # (N,)
     packed: tuple[torch.Tensor, torch.Tensor] | None  # oneDNN layouts of weight[:, :K/2] and weight[:, K/2:]
+    shape: tuple[int, int]  # (N, K)
+    dtype: torch.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        if self.packed is not None:
             lo, hi = self.packed
             k = lo.shape[1]
             y = torch.ops.mkldnn._linear_pointwise(x[:, :k], lo, self.bias, "none", [], "")  # (M, N)
             return y.add_(torch.ops.mkldnn._linear_pointwise(x[:, k:], hi, None, "none", [], ""))
         return F.linear(x, self.weight, self.bias)  # (M, N)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one product reads (the dense size; the packed copy holds the same values)."""
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -69,8 +85,68 @@ class LayerWeights:
     down: Projection
 
 
+class PageOut:
+    """Drops the pages of dense weights that are mapped from a file out of this process.
+
+    transformers maps a safetensors checkpoint privately and its tensors are views of that mapping:
+    once the runner has its packed copy, those pages only hold what the file holds. ``MADV_DONTNEED``
+    unmaps them (the next read, by the Hugging Face model, maps them again from the page cache or the
+    disk), so the process keeps one copy of the weights. A page written since it was mapped is this
+    process's own copy, which ``MADV_DONTNEED`` would throw away: a range with such a page (or a page
+    swapped out) is left alone, as is anonymous memory (a model built in memory). The mappings are
+    read once, when this is built; the pages' state (``/proc/self/pagemap``) at each release."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []
+        self._madvise: Any = None
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            with open("/proc/self/maps") as fh:
+                for line in fh:
+                    fields = line.split()
+                    # a private mapping of a file (inode not 0), not anonymous memory
+                    if len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0" and fields[1][3] == "p":
+                        start, end = (int(a, 16) for a in fields[0].split("-"))
+                        self._ranges.append((start, end))
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise = libc.madvise
+        except (OSError, AttributeError, ValueError):  # no /proc or no madvise: nothing is dropped
+            self._ranges = []
+
+    def release(self, tensors: list[torch.Tensor]) -> int:
+        """Drop the whole pages of ``tensors`` that lie in a file mapping, unwritten; the bytes dropped."""
+        released = 0
+        for t in tensors:
+            if self._madvise is None or t.device.type != "cpu":
+                continue
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()
+            if not any(lo <= start and end <= hi for lo, hi in self._ranges):
+                continue
+            lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi > lo and _file_pages_only(lo, hi) and self._madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+                released += hi - lo
+        return released
+
+
+def _file_pages_only(lo: int, hi: int) -> bool:
+    """Whether every page in [lo, hi) is either not in memory (and not swapped) or the file's own page:
+    ``/proc/self/pagemap`` has a 64-bit entry per page, bit 63 present, 62 swapped, 61 file page."""
+    num_pages = (hi - lo) // mmap.PAGESIZE
+    try:
+        with open("/proc/self/pagemap", "rb") as fh:
+            fh.seek(lo // mmap.PAGESIZE * 8)
+            entries = array.array("Q", fh.read(num_pages * 8))
+    except OSError:
+        return False
+    present, swapped, file_page = 1 << 63, 1 << 62, 1 << 61
+    return len(entries) == num_pages and all(not e & swapped and (not e & present or e & file_page) for e in entries)
+
+
 def _fused(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (sum N, K) (and bias) over ``modules`` (nn.Linear); their parameters become views into it.
+    """One weight (sum N, K) over ``modules`` (nn.Linear); their parameters become views into it.
 
     A second runner on the same model finds the views already in place and reuses them."""
     weights = [m.weight for m in modules]
@@ -85,52 +161,67 @@ def _fused(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = torch.cat([w.detach() for w in weights])  # (sum N, K)
         for m, w in zip(modules, weight.split(rows)):
             m.weight = torch.nn.Parameter(w, requires_grad=False)
+    return weight, _fused_bias(modules, rows, weight)
+
+
+def _fused_bias(modules: list[Any], rows: list[int], like: torch.Tensor) -> torch.Tensor | None:
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
-        return weight, None
-    bias = torch.cat([b.detach() if b is not None else weight.new_zeros(n) for b, n in zip(biases, rows)])
-    return weight, bias
-
-
-def _projection(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, owner: Any) -> Projection:
-    return Projection(weight.detach(), None if bias is None else bias.detach(),
-                      _pack(weight.detach(), owner) if pack else None)
-
-
-def _pack(weight: torch.Tensor, owner: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """oneDNN's blocked copy of ``weight``, cached on ``owner`` (the nn.Linear whose weight starts it)
-    while that weight is the same tensor, unwritten: views share their base's version counter."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return None
+    return torch.cat([b.detach() if b is not None else like.new_zeros(n) for b, n in zip(biases, rows)])
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _pack(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """oneDNN's blocked copy of the weights of ``modules`` side by side (sum N, K), cached on the first
+    module while its weights are the same tensors, unwritten. The dense concatenation is a temporary."""
+    weights = [m.weight.detach() for m in modules]
     # Inference tensors keep no version counter: they cannot be written outside inference mode anyway.
-    version = -1 if owner.weight.is_inference() else owner.weight._version
-    stamp = (weight.data_ptr(), weight.shape, version)
-    hit = getattr(owner, _PACKED_ATTR, None)
+    stamp = tuple((w.data_ptr(), w.shape, -1 if w.is_inference() else m.weight._version)
+                  for w, m in zip(weights, modules))
+    hit = getattr(modules[0], _PACKED_ATTR, None)
     if hit is not None and hit[0] == stamp:
         return hit[1]
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum N, K)
     try:
         half = weight.shape[1] // 2
         packed = tuple(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)
                        for w in (weight[:, :half], weight[:, half:]))
-    except RuntimeError:  # an oneDNN build without this layout: the dense weight still works
+    except RuntimeError:  # an oneDNN build without this layout (bf16 without AVX-512): the dense weight works
         return None
-    object.__setattr__(owner, _PACKED_ATTR, (stamp, packed))  # a plain attribute: not a parameter or buffer
+    object.__setattr__(modules[0], _PACKED_ATTR, (stamp, packed))  # a plain attribute: not a parameter or buffer
     return packed
 
 
-def layer_weights(layer: Any, *, pack: bool) -> LayerWeights:
-    """The fused (and, with ``pack``, prepacked) projections of a Llama-shaped decoder layer."""
-    a, mlp = layer.self_attn, layer.mlp
+def _projection(modules: list[Any], pack: bool, pager: PageOut | None) -> Projection:
+    """The fused product of ``modules``: packed (the dense weights left as they are and their file pages
+    dropped), or, when it cannot or should not pack, over a fused dense weight the modules share."""
+    first = modules[0].weight
+    shape = (sum(m.weight.shape[0] for m in modules), first.shape[1])
+    packed = _pack(modules) if pack and _packable(first) else None
+    if packed is not None:
+        if pager is not None:
+            pager.release([m.weight.detach() for m in modules])
+        rows = [m.weight.shape[0] for m in modules]
+        return Projection(None, _fused_bias(modules, rows, first.detach()), packed, shape, first.dtype)
     with torch.inference_mode(False):  # the model's new parameters must stay ordinary tensors
-        qkv = _fused([a.q_proj, a.k_proj, a.v_proj])
-        gate_up = _fused([mlp.gate_proj, mlp.up_proj])
+        weight, bias = _fused(modules)
+    return Projection(weight.detach(), bias, None, shape, first.dtype)
+
+
+def layer_weights(layer: Any, *, pack: bool, pager: PageOut | None = None) -> LayerWeights:
+    """The fused (and, with ``pack``, prepacked) projections of a Llama-shaped decoder layer; with a
+    ``pager``, the dense weights' file pages are dropped as each projection is packed."""
+    a, mlp = layer.self_attn, layer.mlp
     return LayerWeights(
-        qkv=_projection(*qkv, pack, a.q_proj),
-        o=_projection(a.o_proj.weight, a.o_proj.bias, pack, a.o_proj),
-        gate_up=_projection(*gate_up, pack, mlp.gate_proj),
-        down=_projection(mlp.down_proj.weight, mlp.down_proj.bias, pack, mlp.down_proj),
+        qkv=_projection([a.q_proj, a.k_proj, a.v_proj], pack, pager),
+        o=_projection([a.o_proj], pack, pager),
+        gate_up=_projection([mlp.gate_proj, mlp.up_proj], pack, pager),
+        down=_projection([mlp.down_proj], pack, pager),
     )
 
 
@@ -145,5 +236,5 @@ def rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else norm(x)
 
 
-def lm_head_weights(lm_head: Any, *, pack: bool) -> Projection:
-    return _projection(lm_head.weight, lm_head.bias, pack, lm_head)
+def lm_head_weights(lm_head: Any, *, pack: bool, pager: PageOut | None = None) -> Projection:
+    return _projection([lm_head], pack, pager)

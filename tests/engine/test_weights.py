@@ -1,6 +1,10 @@
-"""Fused and prepacked projections: same products as the model's own Linears, no second dense copy."""
+"""Fused and prepacked projections: same products as the model's own Linears, one copy of the weights."""
 
 from __future__ import annotations
+
+import array
+import mmap
+import sys
 
 import pytest
 import torch
@@ -8,7 +12,7 @@ import torch.nn.functional as F
 
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.weights import PACKED_MIN_ROWS, layer_weights, lm_head_weights
+from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
 
@@ -22,29 +26,78 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def _linears(layer):
+    a, mlp = layer.self_attn, layer.mlp
+    return [("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj)]
+
+
 @pytest.mark.parametrize("pack", [False, True])
-def test_fused_projections_compute_what_the_linears_did_and_share_their_memory(model, pack):
+def test_fused_projections_compute_what_the_linears_did_and_keep_one_copy(model, pack):
     # GIVEN a layer's Linears and their outputs on a few rows, before fusing
     layer = model.model.layers[0]
     a, mlp = layer.self_attn, layer.mlp
-    before = {name: m.weight.detach().clone() for name, m in
-              [("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj)]}
+    before = {name: m.weight.detach().clone() for name, m in _linears(layer)}
+    ptrs = {name: m.weight.data_ptr() for name, m in _linears(layer)}
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
     # WHEN the runner's weights are built
     w = layer_weights(layer, pack=pack)
-    # THEN q, k, v (and gate, up) are views into one fused weight, unchanged, and the model still computes with them
-    assert _same_storage(a.q_proj.weight, a.v_proj.weight) and _same_storage(mlp.gate_proj.weight, mlp.up_proj.weight)
-    assert _same_storage(w.qkv.weight, a.k_proj.weight)
-    for name, m in [("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj)]:
+    packed = pack and torch.backends.mkldnn.is_available()
+    assert (w.qkv.packed is not None) == packed
+    if packed:
+        # THEN packed, the projections keep no dense weight and the model's own weights are left in place
+        assert w.qkv.weight is None and w.gate_up.weight is None
+        assert {name: m.weight.data_ptr() for name, m in _linears(layer)} == ptrs
+    else:
+        # THEN unpacked, q, k, v (and gate, up) become views into one fused weight: still one copy
+        assert _same_storage(a.q_proj.weight, a.v_proj.weight) and _same_storage(mlp.gate_proj.weight, mlp.up_proj.weight)
+        assert _same_storage(w.qkv.weight, a.k_proj.weight)
+    # AND the values are unchanged, and the products are the Linears' for every row count
+    for name, m in _linears(layer):
         assert torch.equal(m.weight, before[name])
     want_qkv = torch.cat([F.linear(x, before[n]) for n in ("q", "k", "v")], dim=-1)
     want_gu = torch.cat([F.linear(x, before[n]) for n in ("gate", "up")], dim=-1)
-    for rows in (1, PACKED_MIN_ROWS, 8):  # one row takes the dense path, more the packed one (when packed)
+    assert w.qkv.shape == (want_qkv.shape[1], 128) and w.qkv.nbytes == want_qkv.shape[1] * 128 * 4
+    for rows in (1, 2, 8):
         torch.testing.assert_close(w.qkv(x[:rows]), want_qkv[:rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.gate_up(x[:rows]), want_gu[:rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.down(torch.cat([x, x], -1)[:rows]), mlp.down_proj(torch.cat([x, x], -1)[:rows]),
                                    atol=1e-5, rtol=1e-5)
-    assert (w.qkv.packed is not None) == (pack and torch.backends.mkldnn.is_available())
+
+
+def _pages_in_memory(t: torch.Tensor) -> int:
+    """How many of the whole pages ``t`` spans are mapped in this process (``/proc/self/pagemap`` bit 63)."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-t.data_ptr() // page), (t.data_ptr() + t.numel() * t.element_size()) // page
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(lo * 8)
+        return sum(e >> 63 for e in array.array("Q", fh.read((hi - lo) * 8)))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not sys.platform.startswith("linux"),
+                    reason="needs oneDNN and Linux's madvise")
+def test_packing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(tmp_path):
+    # GIVEN a model saved as safetensors and loaded back (its weights are views of the mapped file),
+    # every weight read once, and one weight written in place (that page is now the process's own)
+    from kvdoctor.engine.model import load_model
+
+    tiny_llama(hidden_size=256, intermediate_size=1024).model.save_pretrained(str(tmp_path))
+    model = load_model(tmp_path).model
+    layer = model.model.layers[0]
+    up, down = layer.mlp.up_proj.weight, layer.mlp.down_proj.weight
+    want_up = up.detach().clone()
+    with torch.no_grad():
+        down[128, 0] = 7.0  # mid-tensor: inside a whole page
+    assert _pages_in_memory(up) > 0
+    assert PageOut().release([torch.zeros(4096)]) == 0  # anonymous memory is never dropped
+    # WHEN the layer's weights are packed with a pager
+    w = layer_weights(layer, pack=True, pager=PageOut())
+    # THEN the read-only weight's pages left the process, the written one's stayed, and the model computes
+    # the same products as before, mapping the file's pages again
+    assert _pages_in_memory(up) == 0
+    assert _pages_in_memory(down) > 0 and float(down[128, 0]) == 7.0
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(layer.mlp.up_proj(x), F.linear(x, want_up), atol=0, rtol=0)
+    torch.testing.assert_close(w.gate_up(x)[:, 1024:], F.linear(x, want_up), atol=1e-5, rtol=1e-5)
 
 
 def test_a_second_runner_reuses_the_fused_views_and_packed_copies(model):
@@ -54,10 +107,10 @@ def test_a_second_runner_reuses_the_fused_views_and_packed_copies(model):
     # WHEN they are built again (a second runner on the same model)
     second = layer_weights(layer, pack=True)
     # THEN no new fused weight or packed copy is made
-    assert second.qkv.weight.data_ptr() == first.qkv.weight.data_ptr()
-    assert second.gate_up.weight.data_ptr() == first.gate_up.weight.data_ptr()
     if first.qkv.packed is not None:
-        assert second.qkv.packed is first.qkv.packed
+        assert second.qkv.packed is first.qkv.packed and second.gate_up.packed is first.gate_up.packed
+    else:
+        assert second.qkv.weight.data_ptr() == first.qkv.weight.data_ptr()
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -108,3 +161,4 @@ def test_bf16_runner_tokens_match_transformers_bf16_generate():
         # THEN the tokens are the same, or they part first where the runner's top two logits nearly tie
         first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b), None)
         assert first is None or _near_tie(ours.logits[first]), (first, ours.token_ids, ref)
+
