@@ -125,7 +125,10 @@ def test_static_and_sliding_window_caches_are_silent(tmp_path):
 def _has(module):
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return False
 
 
 QUANTIZED = [
