@@ -51,6 +51,16 @@ def test_topk_over_pages_of_several_blocks_reads_whole_pages(checkpoint, tmp_pat
     assert 0 in last and 1 in last and len(last) < max(last) + 1
 
 
+def test_dense_prefill_reaches_the_engine(checkpoint, capsys):  # noqa: F811
+    # GIVEN top-1 attention whose prompt is prefilled densely (Quest; what that computes is held by
+    # test_sparse's test_dense_prefill_and_dense_layers_read_every_block_there)
+    code, out, _ = _run(capsys, "--model", str(checkpoint), "--prompt", PROMPT, "--greedy", "--max-new-tokens", "3",
+                        "--block-size", "4", "--topk", "1", "--dense-prefill", "--json")
+    # THEN the engine ran with it
+    result = json.loads(out)
+    assert code == 0 and result["dense_prefill"] is True and result["topk"] == 1 and len(result["token_ids"]) == 3
+
+
 def test_a_page_that_is_not_whole_blocks_is_a_usage_error(checkpoint, capsys):  # noqa: F811
     code, _, err = _run(capsys, "--model", str(checkpoint), "--prompt", "w3 w4", "--block-size", "4", "--topk", "1",
                         "--sparse-block-size", "6")
