@@ -27,8 +27,11 @@ GONE_WITHIN_S = 5.0
 
 # Writes one step of events every 20 ms forever, with a grandchild (`sleep`) in its process group;
 # tells the test its pid, the grandchild's and its trace once the first step is on disk.
+# (A job started in the background by a non-interactive shell inherits SIGINT ignored, and so would
+# this workload: it takes Ctrl-C back, as an interactive Python program has it.)
 WORKLOAD = """
-import json, os, subprocess, sys, time
+import json, os, signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from check_traces import HEADER, request
 from kvdoctor.trace import TraceWriter
@@ -93,6 +96,11 @@ def _reads(trace: str) -> tuple[int, bool]:
     return sum(len(b) for b in reader.batches()), reader.truncated
 
 
+def _ctrl_c_works() -> None:
+    """kvdoctor as started from a terminal: SIGINT not ignored, even when the tests run as a background job."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def started(tmp_path):
     """Starts a parent process; on teardown kills whatever the test left running (by pid)."""
@@ -101,7 +109,8 @@ def started(tmp_path):
 
     def start(argv: list[str]) -> subprocess.Popen:
         proc = subprocess.Popen(argv, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / "parent.err", "wb"), start_new_session=True)
+                                stderr=open(tmp_path / "parent.err", "wb"), start_new_session=True,
+                                preexec_fn=_ctrl_c_works)
         procs.append(proc)
         return proc
 
