@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -99,14 +99,11 @@ def _disk_copy(src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int
     disk, mem = (dst, src) if write else (src, dst)
     assert not isinstance(mem, DiskArena), "disk to disk is no tier move"
     disk_slots, mem_slots = (dst_slots, src_slots) if write else (src_slots, dst_slots)
-    order = sorted(range(len(disk_slots)), key=disk_slots.__getitem__)
-    ks = [disk_slots[i] for i in order]
     whole = mem.view(0, mem.num_slots)  # a memory arena is one tensor: (num_slots, L, H, R)
     host = _rows(whole) if whole.device.type == "cpu" else None
-    out: list[int | None] = [None] * len(order)
-    i = 0
-    for k0, _, n in runs(ks, ks, disk.chunk, disk.chunk):
-        slots = [mem_slots[j] for j in order[i : i + n]]
+    out: list[int | None] = [None] * len(disk_slots)
+    for k0, at in _disk_runs(disk, disk_slots):
+        slots, n = [mem_slots[j] for j in at], len(at)
         if host is not None:  # a 2-D slice where the memory slots neighbour too, else the blocks' rows
             rows = host[slots[0] : slots[0] + n] if slots == list(range(slots[0], slots[0] + n)) \
                 else [host[m] for m in slots]
@@ -120,10 +117,20 @@ def _disk_copy(src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int
                 got = disk.read(k0, _rows(staged), checksum=checksum)
                 whole[idx] = staged.to(whole.device)
         if got is not None:
-            for j, c in zip(order[i : i + n], got):
+            for j, c in zip(at, got):
                 out[j] = c
-        i += n
     return out
+
+
+def _disk_runs(disk: DiskArena, disk_slots: list[int]) -> Iterator[tuple[int, list[int]]]:
+    """The runs of neighbouring ``disk_slots`` (within a spill file), each as its first slot and the positions
+    in ``disk_slots`` of its slots, in slot order: one disk transfer each."""
+    order = sorted(range(len(disk_slots)), key=disk_slots.__getitem__)
+    ks = [disk_slots[i] for i in order]
+    i = 0
+    for k0, _, n in runs(ks, ks, disk.chunk, disk.chunk):
+        yield k0, order[i : i + n]
+        i += n
 
 
 def _rows(blocks: torch.Tensor) -> np.ndarray:
@@ -145,15 +152,18 @@ def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, ds
         layers = torch.full((n,), layer, dtype=torch.long, device=src.device)
         k, v = src_codec.read(staged[:, layer], layer)  # (n, H, bs, D) each
         out[:, layer] = dst_codec.encode_rows(k, v, layers, dst.block_shape[-1])
-    if isinstance(dst, DiskArena):
+    sums: list[int | None] = [None] * n
+    if isinstance(dst, DiskArena):  # one transfer per run of neighbouring disk slots, as for a plain copy
         rows = _rows(out.cpu())
-        got = [dst.write(d, rows[i : i + 1], checksum=checksum) for i, d in enumerate(dst_slots)]
-        return [g[0] if g else None for g in got]
-    sums: list[int | None] = []
+        for k0, at in _disk_runs(dst, dst_slots):
+            for j, c in zip(at, dst.write(k0, [rows[j] for j in at], checksum=checksum) or ()):
+                sums[j] = c
+        return sums
     for i, d in enumerate(dst_slots):
         view = dst.view(d, 1)
         view.copy_(out[i : i + 1])
-        sums.append(_sum64(view)[0] if checksum else None)
+        if checksum:
+            sums[i] = _sum64(view)[0]
     return sums
 
 
