@@ -27,7 +27,7 @@ batch (off, on, on, off, …) and reports the median extra time of a listened st
 neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
-        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-pack] [--dtype bfloat16]
+        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-matvec] [--dtype bfloat16]
         [--profile N] [--bound-repeats 7] [--json]
 """
 
@@ -240,8 +240,8 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
     GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
-    nbytes = sum(p.nbytes for p in projections)
-    xs = [torch.randn(1, p.shape[1], dtype=p.dtype) for p in projections]
+    nbytes = sum(p.weight.nbytes for p in projections)
+    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype) for p in projections]
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt lengths of the batch-8 run (comma separated)")
     ap.add_argument("--mixed-outputs", action="store_true",
                     help="also run batch 8 with different output budgets per request (continuous batching's case)")
-    ap.add_argument("--no-pack", action="store_true", help="runner without oneDNN-prepacked weights")
+    ap.add_argument("--no-matvec", action="store_true", help="runner with F.linear (MKL) for every projection, not the C kernel")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both sides (default float32)")
     ap.add_argument("--bound-repeats", type=int, default=7,
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     batch1 = [batch8[len(batch8) // 2]]
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else model.config.eos_token_id
-    runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0, pack_weights=not args.no_pack)
+    runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0, native_matvec=not args.no_matvec)
     trace_path = os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "decode.kvtrace")
 
     if args.profile:
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     runner_decode(runner, batch8, [4] * len(batch8))
     results: dict[str, Any] = {"model": lm.name, "new_tokens": N, "threads": torch.get_num_threads(),
                                "repeats": args.repeats, "batch8_prompt_lengths": lengths,
-                               "packed_weights": not args.no_pack, "dtype": args.dtype,
+                               "native_matvec": runner._lm_head.matvec is not None, "dtype": args.dtype,
                                "rss_after_load_mb": rss_loaded, "load_before": os.getloadavg()[0]}
     if args.bound_repeats:
         results["bound"] = weight_bound(runner, args.bound_repeats)

@@ -1,29 +1,18 @@
-"""The runner's projections: q/k/v and gate/up fused into one matmul each, and prepacked for oneDNN on CPU.
+"""The runner's projections: q/k/v and gate/up fused into one matmul each, few rows by a C kernel on CPU.
 
 A decode step multiplies a handful of rows by every weight of the model, so its time
-goes to many small matmuls. Two things make them cheaper without changing what they
-compute:
+goes to many small matmuls, bound by how fast the weights stream from memory. Two things
+make them cheaper without changing what they compute:
 
 - **Fusion.** The q, k and v projections read the same input, as do gate and up: one
-  matmul over the concatenated weight replaces three (two) calls.
-- **Prepacking.** PyTorch's CPU ``linear`` calls MKL, whose GEMM for a few rows against
-  a wide weight runs far below the core's peak on the AMD machines we measure on (a
-  batch of eight takes about four times as long as one row). oneDNN with the weight
-  reordered once into its blocked layout runs the same product 1.5-3x faster from two
-  rows up, and one row about as fast as MKL's GEMV in the runner's decode step.
+  matmul over the concatenated weight replaces three (two) calls. The fused weight is built
+  once and the model's ``nn.Linear`` weights become views into it, so memory holds one copy.
+- **A bandwidth-bound kernel.** Up to ``matvec.MAX_ROWS`` rows of float32 on CPU go to
+  ``matvec`` (each weight read once, split over torch's threads: 1.2-1.6x MKL's and oneDNN's
+  products on SmolLM2's shapes); more rows (prefill) to ``F.linear`` (MKL's GEMM).
 
-**One copy of the weights.** A packed projection computes every row count from its packed
-copy, so the runner never reads the model's dense weights again: they are left as they are
-(no fused dense copy is made; the packed copy is built from a temporary concatenation) and,
-where they are pages of the checkpoint file that transformers mapped, those pages are handed
-dropped from the process once packed (``PageOut``: the Hugging Face model still computes with
-them, mapping them again from the file when it runs). So the
-process holds the linear weights once, packed. Without packing (``pack=False``, other devices,
-dtypes oneDNN cannot pack) the fused weight is built once and the model's ``nn.Linear``
-weights become views into it, so there too memory is not doubled.
-
-Both reorder floating-point sums, so logits differ from transformers' in the last bits
-(well inside the 1e-4 the tests allow); the greedy tokens are the same.
+The kernel sums in a different order than MKL, so logits differ from transformers' in the
+last bits (well inside the 1e-4 the tests allow); the greedy tokens are the same.
 """
 
 from __future__ import annotations
@@ -38,41 +27,25 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .matvec import MAX_ROWS, Matvec
+
 __all__ = ["Projection", "LayerWeights", "PageOut", "layer_weights", "lm_head_weights", "rms_norm"]
 
-# Attribute of the model's nn.Linear (the first of a fused group) that keeps its packed copy, so every
-# runner on the same model shares one, and it goes with the model.
-_PACKED_ATTR = "_kvdoctor_packed"
 _MADV_DONTNEED = 4  # unmap these pages: a private file mapping maps the file's pages again on the next read
 
 
 @dataclass(frozen=True)
 class Projection:
-    """``x @ weight.T + bias`` for ``x`` (M, K), from oneDNN's prepacked copy of ``weight`` when there is one.
+    """``x @ weight.T + bias`` for ``x`` (M, K): by the C kernel for few rows when there is one."""
 
-    The packed copy is split along K in two halves whose products are added: oneDNN accumulates each
-    output along K in one running sum, which on its own drifts from MKL's result about twice as far
-    (SmolLM2's logits then leave transformers' by more than 1e-4); two half sums match MKL's error
-    for about 10% more time."""
-
-    weight: torch.Tensor | None  # (N, K) fused dense weight; None when packed (the runner never reads it then)
+    weight: torch.Tensor  # (N, K) fused dense weight, shared with the model's Linears
     bias: torch.Tensor | None  # (N,)
-    packed: tuple[torch.Tensor, torch.Tensor] | None  # oneDNN layouts of weight[:, :K/2] and weight[:, K/2:]
-    shape: tuple[int, int]  # (N, K)
-    dtype: torch.dtype
+    matvec: Matvec | None  # None: F.linear for every row count (other devices and dtypes, no compiler)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            lo, hi = self.packed
-            k = lo.shape[1]
-            y = torch.ops.mkldnn._linear_pointwise(x[:, :k], lo, self.bias, "none", [], "")  # (M, N)
-            return y.add_(torch.ops.mkldnn._linear_pointwise(x[:, k:], hi, None, "none", [], ""))
+        if self.matvec is not None and x.shape[0] <= MAX_ROWS:
+            return self.matvec(x, self.weight, self.bias)  # (M, N)
         return F.linear(x, self.weight, self.bias)  # (M, N)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weights one product reads (the dense size; the packed copy holds the same values)."""
-        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -88,8 +61,9 @@ class LayerWeights:
 class PageOut:
     """Drops the pages of dense weights that are mapped from a file out of this process.
 
-    transformers maps a safetensors checkpoint privately and its tensors are views of that mapping:
-    once the runner has its packed copy, those pages only hold what the file holds. ``MADV_DONTNEED``
+    transformers maps a safetensors checkpoint privately and its tensors are views of that mapping,
+    which stays mapped while any of them lives: once q/k/v (gate/up) are copied into one fused weight,
+    the pages read for the copy only hold what the file holds, and nothing reads them again. ``MADV_DONTNEED``
     unmaps them (the next read, by the Hugging Face model, maps them again from the page cache or the
     disk), so the process keeps one copy of the weights. A page written since it was mapped is this
     process's own copy, which ``MADV_DONTNEED`` would throw away: a range with such a page (or a page
@@ -145,8 +119,9 @@ def _file_pages_only(lo: int, hi: int) -> bool:
     return len(entries) == num_pages and all(not e & swapped and (not e & present or e & file_page) for e in entries)
 
 
-def _fused(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (sum N, K) over ``modules`` (nn.Linear); their parameters become views into it.
+def _fused(modules: list[Any], pager: PageOut | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (sum N, K) over ``modules`` (nn.Linear); their parameters become views into it, and
+    the pages of the weights they held, where those are a mapped checkpoint's, are dropped by ``pager``.
 
     A second runner on the same model finds the views already in place and reuses them."""
     weights = [m.weight for m in modules]
@@ -161,6 +136,8 @@ def _fused(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = torch.cat([w.detach() for w in weights])  # (sum N, K)
         for m, w in zip(modules, weight.split(rows)):
             m.weight = torch.nn.Parameter(w, requires_grad=False)
+        if pager is not None:
+            pager.release([w.detach() for w in weights])
     return weight, _fused_bias(modules, rows, weight)
 
 
@@ -171,57 +148,25 @@ def _fused_bias(modules: list[Any], rows: list[int], like: torch.Tensor) -> torc
     return torch.cat([b.detach() if b is not None else like.new_zeros(n) for b, n in zip(biases, rows)])
 
 
-def _packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def _pack(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """oneDNN's blocked copy of the weights of ``modules`` side by side (sum N, K), cached on the first
-    module while its weights are the same tensors, unwritten. The dense concatenation is a temporary."""
-    weights = [m.weight.detach() for m in modules]
-    # Inference tensors keep no version counter: they cannot be written outside inference mode anyway.
-    stamp = tuple((w.data_ptr(), w.shape, -1 if w.is_inference() else m.weight._version)
-                  for w, m in zip(weights, modules))
-    hit = getattr(modules[0], _PACKED_ATTR, None)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum N, K)
-    try:
-        half = weight.shape[1] // 2
-        packed = tuple(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)
-                       for w in (weight[:, :half], weight[:, half:]))
-    except RuntimeError:  # an oneDNN build without this layout (bf16 without AVX-512): the dense weight works
-        return None
-    object.__setattr__(modules[0], _PACKED_ATTR, (stamp, packed))  # a plain attribute: not a parameter or buffer
-    return packed
-
-
-def _projection(modules: list[Any], pack: bool, pager: PageOut | None) -> Projection:
-    """The fused product of ``modules``: packed (the dense weights left as they are and their file pages
-    dropped), or, when it cannot or should not pack, over a fused dense weight the modules share."""
-    first = modules[0].weight
-    shape = (sum(m.weight.shape[0] for m in modules), first.shape[1])
-    packed = _pack(modules) if pack and _packable(first) else None
-    if packed is not None:
-        if pager is not None:
-            pager.release([m.weight.detach() for m in modules])
-        rows = [m.weight.shape[0] for m in modules]
-        return Projection(None, _fused_bias(modules, rows, first.detach()), packed, shape, first.dtype)
+def _projection(modules: list[Any], matvec: Matvec | None, pager: PageOut | None) -> Projection:
+    """The fused product of ``modules``; the kernel only where it computes what ``F.linear`` would
+    (float32 on CPU, a contiguous weight)."""
     with torch.inference_mode(False):  # the model's new parameters must stay ordinary tensors
-        weight, bias = _fused(modules)
-    return Projection(weight.detach(), bias, None, shape, first.dtype)
+        weight, bias = _fused(modules, pager)
+    weight = weight.detach()
+    usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
+    return Projection(weight, bias, matvec if usable else None)
 
 
-def layer_weights(layer: Any, *, pack: bool, pager: PageOut | None = None) -> LayerWeights:
-    """The fused (and, with ``pack``, prepacked) projections of a Llama-shaped decoder layer; with a
-    ``pager``, the dense weights' file pages are dropped as each projection is packed."""
+def layer_weights(layer: Any, *, matvec: Matvec | None = None, pager: PageOut | None = None) -> LayerWeights:
+    """The fused projections of a Llama-shaped decoder layer, few rows by ``matvec`` when given; with a
+    ``pager``, the checkpoint's pages of the weights fused into a new copy are dropped (see ``PageOut``)."""
     a, mlp = layer.self_attn, layer.mlp
     return LayerWeights(
-        qkv=_projection([a.q_proj, a.k_proj, a.v_proj], pack, pager),
-        o=_projection([a.o_proj], pack, pager),
-        gate_up=_projection([mlp.gate_proj, mlp.up_proj], pack, pager),
-        down=_projection([mlp.down_proj], pack, pager),
+        qkv=_projection([a.q_proj, a.k_proj, a.v_proj], matvec, pager),
+        o=_projection([a.o_proj], matvec, pager),
+        gate_up=_projection([mlp.gate_proj, mlp.up_proj], matvec, pager),
+        down=_projection([mlp.down_proj], matvec, pager),
     )
 
 
@@ -236,5 +181,5 @@ def rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else norm(x)
 
 
-def lm_head_weights(lm_head: Any, *, pack: bool, pager: PageOut | None = None) -> Projection:
-    return _projection([lm_head], pack, pager)
+def lm_head_weights(lm_head: Any, *, matvec: Matvec | None = None) -> Projection:
+    return _projection([lm_head], matvec, None)  # one module: never copied

@@ -21,7 +21,7 @@ TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time,
 
 
 def run(smol, fault):
-    runner = Runner.create(smol.model, tokenizer=smol.tokenizer, pack_weights=False, block_size=4, device_blocks=64,
+    runner = Runner.create(smol.model, tokenizer=smol.tokenizer, block_size=4, device_blocks=64,
                            host_blocks=8, fault=fault, codec="nf4" if fault == "wrong-scale" else None, verify="full")
     suite = make_suite()
     runner.bus.subscribe(suite.observe_many)

@@ -1,4 +1,4 @@
-"""Fused and prepacked projections: same products as the model's own Linears, one copy of the weights."""
+"""Fused projections and the decode kernel: same products as the model's own Linears, one copy of the weights."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvdoctor.engine.matvec import MAX_ROWS, load
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
+needs_kernel = pytest.mark.skipif(load() is None, reason="no C compiler or not torch's OpenMP runtime")
 
 
 @pytest.fixture()
@@ -31,33 +35,25 @@ def _linears(layer):
     return [("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj)]
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_fused_projections_compute_what_the_linears_did_and_keep_one_copy(model, pack):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_fused_projections_compute_what_the_linears_did_and_keep_one_copy(model, kernel):
     # GIVEN a layer's Linears and their outputs on a few rows, before fusing
     layer = model.model.layers[0]
     a, mlp = layer.self_attn, layer.mlp
     before = {name: m.weight.detach().clone() for name, m in _linears(layer)}
-    ptrs = {name: m.weight.data_ptr() for name, m in _linears(layer)}
-    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
-    # WHEN the runner's weights are built
-    w = layer_weights(layer, pack=pack)
-    packed = pack and torch.backends.mkldnn.is_available()
-    assert (w.qkv.packed is not None) == packed
-    if packed:
-        # THEN packed, the projections keep no dense weight and the model's own weights are left in place
-        assert w.qkv.weight is None and w.gate_up.weight is None
-        assert {name: m.weight.data_ptr() for name, m in _linears(layer)} == ptrs
-    else:
-        # THEN unpacked, q, k, v (and gate, up) become views into one fused weight: still one copy
-        assert _same_storage(a.q_proj.weight, a.v_proj.weight) and _same_storage(mlp.gate_proj.weight, mlp.up_proj.weight)
-        assert _same_storage(w.qkv.weight, a.k_proj.weight)
-    # AND the values are unchanged, and the products are the Linears' for every row count
+    x = torch.randn(2 * MAX_ROWS, 128, generator=torch.Generator().manual_seed(1))
+    # WHEN the runner's weights are built, with the kernel or without
+    w = layer_weights(layer, matvec=load() if kernel else None)
+    assert (w.qkv.matvec is not None) == (kernel and load() is not None)
+    # THEN q, k, v (and gate, up) become views into one fused weight: still one copy
+    assert _same_storage(a.q_proj.weight, a.v_proj.weight) and _same_storage(mlp.gate_proj.weight, mlp.up_proj.weight)
+    assert _same_storage(w.qkv.weight, a.k_proj.weight)
+    # AND the values are unchanged, and the products are the Linears' for every row count, kernel or GEMM
     for name, m in _linears(layer):
         assert torch.equal(m.weight, before[name])
     want_qkv = torch.cat([F.linear(x, before[n]) for n in ("q", "k", "v")], dim=-1)
     want_gu = torch.cat([F.linear(x, before[n]) for n in ("gate", "up")], dim=-1)
-    assert w.qkv.shape == (want_qkv.shape[1], 128) and w.qkv.nbytes == want_qkv.shape[1] * 128 * 4
-    for rows in (1, 2, 8):
+    for rows in (1, 2, 3, 8, MAX_ROWS, MAX_ROWS + 1, 2 * MAX_ROWS):
         torch.testing.assert_close(w.qkv(x[:rows]), want_qkv[:rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.gate_up(x[:rows]), want_gu[:rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.down(torch.cat([x, x], -1)[:rows]), mlp.down_proj(torch.cat([x, x], -1)[:rows]),
@@ -73,9 +69,8 @@ def _pages_in_memory(t: torch.Tensor) -> int:
         return sum(e >> 63 for e in array.array("Q", fh.read((hi - lo) * 8)))
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not sys.platform.startswith("linux"),
-                    reason="needs oneDNN and Linux's madvise")
-def test_packing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(tmp_path):
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's madvise and pagemap")
+def test_fusing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(tmp_path):
     # GIVEN a model saved as safetensors and loaded back (its weights are views of the mapped file),
     # every weight read once, and one weight written in place (that page is now the process's own)
     from kvdoctor.engine.model import load_model
@@ -83,55 +78,100 @@ def test_packing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(t
     tiny_llama(hidden_size=256, intermediate_size=1024).model.save_pretrained(str(tmp_path))
     model = load_model(tmp_path).model
     layer = model.model.layers[0]
-    up, down = layer.mlp.up_proj.weight, layer.mlp.down_proj.weight
-    want_up = up.detach().clone()
+    gate, up = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+    want = torch.cat([gate.detach(), up.detach()]).clone()
     with torch.no_grad():
-        down[128, 0] = 7.0  # mid-tensor: inside a whole page
-    assert _pages_in_memory(up) > 0
+        up[128, 0] = 7.0  # mid-tensor: inside a whole page
+    want[1024 + 128, 0] = 7.0
+    assert _pages_in_memory(gate) > 0
     assert PageOut().release([torch.zeros(4096)]) == 0  # anonymous memory is never dropped
-    # WHEN the layer's weights are packed with a pager
-    w = layer_weights(layer, pack=True, pager=PageOut())
-    # THEN the read-only weight's pages left the process, the written one's stayed, and the model computes
-    # the same products as before, mapping the file's pages again
-    assert _pages_in_memory(up) == 0
-    assert _pages_in_memory(down) > 0 and float(down[128, 0].detach()) == 7.0
+    # WHEN gate and up are fused into one new weight with a pager
+    w = layer_weights(layer, pager=PageOut())
+    # THEN the read-only old weight's pages left the process, the written one's stayed, and the fused
+    # weight (which the model's Linears now view) holds the same values
+    assert _pages_in_memory(gate) == 0
+    assert _pages_in_memory(up) > 0 and float(up[128, 0].detach()) == 7.0
+    assert torch.equal(w.gate_up.weight, want) and _same_storage(layer.mlp.up_proj.weight, w.gate_up.weight)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(layer.mlp.up_proj(x), F.linear(x, want_up), atol=0, rtol=0)
-    torch.testing.assert_close(w.gate_up(x)[:, 1024:], F.linear(x, want_up), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.mlp.gate_proj(x), F.linear(x, want[:1024]), atol=0, rtol=0)
 
 
-def test_a_second_runner_reuses_the_fused_views_and_packed_copies(model):
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, MAX_ROWS), n=st.integers(1, 70), k=st.integers(1, 300), bias=st.booleans(),
+       strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_matches_a_float64_product_for_any_shape(m, n, k, bias, strided, seed):
+    # GIVEN any shape: rows of w not a multiple of four, K not a multiple of eight, odd row counts,
+    # a bias or none, and rows of x that are a strided view
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k, generator=g)[:, ::2] if strided else torch.randn(m, k, generator=g)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None
+    # WHEN the kernel multiplies them
+    y = load()(x, w, b)
+    # THEN every output is the exact product's, to float32 rounding of a K-term sum
+    want = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want, atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
+def test_the_kernel_runs_on_the_threads_torch_is_given():
+    # GIVEN torch set to one thread, then two
+    x, w = torch.randn(1, 256), torch.randn(4096, 256)
+    want = F.linear(x.double(), w.double()).float()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            # THEN the kernel's product is the same on either (it takes the count on each call)
+            torch.testing.assert_close(load()(x, w, None), want, atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_without_a_compiler_the_runner_falls_back_to_f_linear(model, tmp_path, monkeypatch):
+    # GIVEN no C compiler and no kernel built yet
+    had = load() is not None
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    load.cache_clear()
+    try:
+        assert load() is None
+        # WHEN a runner is built THEN it computes with F.linear, and generates
+        with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+            assert runner._lm_head.matvec is None
+            assert len(runner.generate(PROMPTS[:1], max_new_tokens=3)[0].token_ids) == 3
+    finally:
+        load.cache_clear()
+    # AND the kernel is found again once a compiler is there
+    monkeypatch.delenv("CC")
+    assert (load() is not None) == had
+
+
+def test_a_second_runner_reuses_the_fused_views(model):
     # GIVEN the weights built once
     layer = model.model.layers[1]
-    first = layer_weights(layer, pack=True)
-    # WHEN they are built again (a second runner on the same model)
-    second = layer_weights(layer, pack=True)
-    # THEN no new fused weight or packed copy is made
-    if first.qkv.packed is not None:
-        assert second.qkv.packed is first.qkv.packed and second.gate_up.packed is first.gate_up.packed
-    else:
-        assert second.qkv.weight.data_ptr() == first.qkv.weight.data_ptr()
+    first = layer_weights(layer)
+    # WHEN they are built again (a second runner on the same model) THEN no new fused weight is made
+    assert layer_weights(layer).qkv.weight.data_ptr() == first.qkv.weight.data_ptr()
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_a_weight_written_in_place_is_packed_again(model):
-    # GIVEN a packed lm head
-    head = lm_head_weights(model.lm_head, pack=True)
+def test_a_weight_written_in_place_is_what_the_projection_reads(model):
+    # GIVEN the lm head's projection
+    head = lm_head_weights(model.lm_head, matvec=load())
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
     # WHEN the model's weight is changed in place (fine-tuning, a loaded state dict)
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)
-    again = lm_head_weights(model.lm_head, pack=True)
-    # THEN the new projection uses the new values, the stale packed copy is not reused
-    assert again.packed is not head.packed
-    torch.testing.assert_close(again(x), F.linear(x, model.lm_head.weight), atol=1e-5, rtol=1e-5)
+    # THEN the projection computes with the new values: it reads the model's own weight
+    torch.testing.assert_close(head(x), F.linear(x, model.lm_head.weight), atol=1e-5, rtol=1e-5)
 
 
-def test_runner_tokens_do_not_depend_on_packing(model):
-    # GIVEN the same prompts through a runner with and without prepacked weights
+def test_runner_tokens_do_not_depend_on_the_kernel(model):
+    # GIVEN the same prompts through a runner with and without the C kernel
     outs = []
-    for pack in (False, True):
-        with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, pack_weights=pack) as runner:
+    for native in (False, True):
+        with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, native_matvec=native) as runner:
             outs.append(runner.generate(PROMPTS, max_new_tokens=12, keep_logits=True))
     # THEN the tokens are the same and the logits agree to the tests' usual tolerance
     for a, b in zip(*outs):

@@ -106,3 +106,4 @@ def test_wheel_holds_only_kvdoctor(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"kvdoctor"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvdoctor/engine/bus.py" in names and "kvdoctor/checks/__init__.py" in names
+    assert "kvdoctor/engine/matvec.c" in names  # the decode kernel's source, compiled on first use

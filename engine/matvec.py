@@ -1,0 +1,102 @@
+"""The decode step's matrix products on CPU: a small C kernel that reads each weight once, on both cores.
+
+A decode step multiplies a few rows (one per sequence) by every weight of the model, so it is
+bound by how fast the weights stream from memory. On the 2-core AMD EPYC we measure on, MKL's
+one-row product (``F.linear``) runs at one core's bandwidth (11-12 GB/s) whether torch has one
+thread or two, and oneDNN's prepacked product does little better; a plain loop split across
+torch's own OpenMP threads streams 17-20 GB/s, and for up to 16 rows beats both (SmolLM2's
+linear weights, medians, docs/benchmarks.md). Above ``MAX_ROWS`` (prefill) MKL's GEMM is faster.
+
+The kernel (``matvec.c``) is compiled on first use with the system's C compiler for this CPU
+(``-march=native``) and cached under ``~/.cache/kvdoctor/kernels``, keyed by its source, the flags
+and the CPU's feature flags. It links ``libgomp.so.1``, the OpenMP runtime torch's wheel loads, so
+its threads are torch's threads: a second runtime would have two pools spinning against each other
+on the same cores. Where that cannot hold (no compiler, another OpenMP runtime, not Linux) ``load``
+returns None and callers use ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .model import models_dir
+
+__all__ = ["MAX_ROWS", "Matvec", "load"]
+
+MAX_ROWS = 16  # up to here the kernel beats MKL and oneDNN on SmolLM2's shapes; above, MKL's GEMM wins
+_SOURCE = Path(__file__).with_name("matvec.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+@dataclass(frozen=True)
+class Matvec:
+    """``y = x @ w.T + b`` for float32 CPU tensors, ``x`` (M <= MAX_ROWS, K) and ``w`` (N, K) contiguous."""
+
+    fn: ctypes._CFuncPtr
+    path: Path
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        self.fn(x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
+                x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+        return y
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cc: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *_FLAGS]).encode(), _cpu_flags().encode()])).hexdigest()
+    out = models_dir().parent / "kernels" / f"matvec-{key[:16]}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)  # atomic: a process racing this one loads a whole library or builds its own
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _openmp_runtimes() -> set[str]:
+    with open("/proc/self/maps") as fh:
+        return {line.split()[-1] for line in fh if "libgomp" in line or "libiomp" in line or "libomp" in line}
+
+
+@functools.cache
+def load() -> Matvec | None:
+    """The compiled kernel, or None where it cannot run sharing torch's threads (see the module's notes)."""
+    if os.environ.get("KVDOCTOR_MATVEC", "1") == "0" or not torch.backends.openmp.is_available():
+        return None
+    try:
+        if len(_openmp_runtimes()) != 1:  # torch's libgomp, and only it
+            return None
+        lib = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
+        if len(_openmp_runtimes()) != 1:  # the library brought a runtime of its own: never call it
+            return None
+    except (OSError, subprocess.SubprocessError):  # no compiler, a failed build, no /proc: F.linear serves
+        return None
+    fn = lib.kvdoctor_matvec
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = None
+    return Matvec(fn, Path(lib._name))
