@@ -199,12 +199,14 @@ def engine_state(runner: Any) -> dict[str, Any]:
 
 
 def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warmup: int = 50,
-                on_checkpoint: Any = None, limits: Any = None, heap: bool = True) -> dict[str, Any]:
+                on_checkpoint: Any = None, limits: Any = None, heap: bool = True, cycle: int = 0) -> dict[str, Any]:
     """Serve ``num_requests`` through the engine, 8 in flight, every check listening (under ``limits``,
     a ``kvdoctor.limits.Limits``). After ``warmup`` requests and every ``checkpoint`` requests the
     engine runs idle and its state is recorded (and handed to ``on_checkpoint`` as it comes), with
     the number of Python objects alive and (with ``heap``) the Python heap allocated since the warm-up
-    and still alive: all of it, and the part the engine's own code allocated."""
+    and still alive: all of it, and the part the engine's own code allocated. With ``cycle`` the same
+    ``cycle`` requests come round again and again (so do the tensor shapes they make): what the heap
+    still gains then is not a per-shape cache settling but memory kept per request."""
     import random
 
     import torch
@@ -229,6 +231,8 @@ def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warm
     for mark in marks:
         while served < mark:
             while submitted < mark and len(sched.live) < 8:
+                if cycle and submitted % cycle == 0:
+                    rng.seed(seed)
                 ids = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 20))]
                 sched.submit(Request(ids, max_new_tokens=rng.randint(1, 12), sampling=SamplingParams(greedy=True)))
                 submitted += 1
@@ -331,6 +335,8 @@ def main() -> None:
     e = sub.add_parser("engine", help="the engine under a soak of requests")
     e.add_argument("--requests", type=int, default=2000)
     e.add_argument("--checkpoint", type=int, default=250, help="record the state every this many requests")
+    e.add_argument("--cycle", type=int, default=0, help="the same N requests again and again (0: all different)")
+    e.add_argument("--ended-seqs", type=int, default=None, help="the checks' bound on ended sequences kept")
     args = p.parse_args()
     if args.mode == "real":
         soak_real(args)
@@ -345,7 +351,10 @@ def main() -> None:
     elif args.mode == "engine":
         print("requests\tseconds\tblocks\tsequences\tused_blocks\tarena_bytes\tobjects\tpy_heap_B\tengine_heap_B\trss_mb",
               flush=True)
-        r = soak_engine(args.requests, checkpoint=args.checkpoint, on_checkpoint=lambda c: print(
+        from kvdoctor.limits import Limits
+
+        limits = Limits(ended_seqs=args.ended_seqs) if args.ended_seqs is not None else None
+        r = soak_engine(args.requests, checkpoint=args.checkpoint, limits=limits, cycle=args.cycle, on_checkpoint=lambda c: print(
             f"{c['requests']}\t{c['seconds']}\t{c['blocks']}\t{c['sequences']}\t{c['used_blocks']}\t"
             f"{c['arena_bytes']}\t{c['objects']}\t{c['heap']}\t{c['engine_heap']}\t{c['rss_mb']}", flush=True))
         cps = r["checkpoints"]

@@ -1,4 +1,5 @@
-/* y (M, N) = x (M, K) . w (N, K)^T (+ b (N,)) in float32, for the few rows of a decode step.
+/* y (M, N) = x (M, K) . w (N, K)^T (+ b (N,)) for the few rows of a decode step; x, b, y float32,
+ * w float32 or bfloat16 (widened to float32 in registers: a bf16 weight is the top half of a float).
  *
  * Bandwidth-bound: every weight is read once per call whatever M is. Rows of w are split across
  * the OpenMP team (the caller's torch thread pool: this library links the same libgomp), four at a
@@ -10,47 +11,61 @@
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
 enum { ROWS = 4 };
 
-static inline v8 load(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline v8 load_f32(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline float f32(const float *p) { return *p; }
 
-static inline float finish(v8 acc, const float *w, const float *x, int64_t from, int64_t K) {
-  float s = 0.f;
-  for (int i = 0; i < 8; i++) s += acc[i];
-  for (int64_t k = from; k < K; k++) s += w[k] * x[k];
-  return s;
+static inline v8 load_bf16(const uint16_t *p) {
+  v8h h;
+  memcpy(&h, p, sizeof h);
+  v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8 v;
+  memcpy(&v, &u, sizeof v);
+  return v;
 }
+static inline float bf16(const uint16_t *p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* rows n0 .. n0+R of w (R <= ROWS) against x's rows m and m+1 (pair) or m alone */
-static inline void block(const float *x, const float *w, const float *b, float *y, int64_t N, int64_t K,
-                         int64_t n0, int64_t R, int64_t m, int pair) {
-  const int64_t K8 = K & ~(int64_t)7;
-  const float *x0 = x + m * K, *x1 = x0 + (pair ? K : 0);
-  v8 a0[ROWS] = {0}, a1[ROWS] = {0};
-  for (int64_t k = 0; k < K8; k += 8) {
-    const v8 u = load(x0 + k), v = load(x1 + k);
-    for (int64_t r = 0; r < ROWS; r++) {
-      if (r < R) {
-        const v8 wv = load(w + (n0 + r) * K + k);
-        a0[r] += wv * u;
-        if (pair) a1[r] += wv * v;
-      }
-    }
+/* One kernel per weight type W: rows n0 .. n0+R of w (R <= ROWS) against x's rows m and m+1 (pair)
+ * or m alone, then the driver that splits w's rows over the threads. */
+#define MATVEC(NAME, W, LOAD, SCALAR)                                                                    \
+  static inline void NAME##_block(const float *x, const W *w, const float *b, float *y, int64_t N,       \
+                                  int64_t K, int64_t n0, int64_t R, int64_t m, int pair) {               \
+    const int64_t K8 = K & ~(int64_t)7;                                                                  \
+    const float *x0 = x + m * K, *x1 = x0 + (pair ? K : 0);                                              \
+    v8 a0[ROWS] = {0}, a1[ROWS] = {0};                                                                   \
+    for (int64_t k = 0; k < K8; k += 8) {                                                                \
+      const v8 u = load_f32(x0 + k), v = load_f32(x1 + k);                                               \
+      for (int64_t r = 0; r < ROWS; r++) {                                                               \
+        if (r < R) {                                                                                     \
+          const v8 wv = LOAD(w + (n0 + r) * K + k);                                                      \
+          a0[r] += wv * u;                                                                               \
+          if (pair) a1[r] += wv * v;                                                                     \
+        }                                                                                                \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (int64_t r = 0; r < R; r++) {                                                                    \
+      const W *wr = w + (n0 + r) * K;                                                                    \
+      float s0 = 0.f, s1 = 0.f;                                                                          \
+      for (int i = 0; i < 8; i++) { s0 += a0[r][i]; s1 += a1[r][i]; }                                    \
+      for (int64_t k = K8; k < K; k++) { s0 += SCALAR(wr + k) * x0[k]; s1 += SCALAR(wr + k) * x1[k]; }   \
+      const float bias = b ? b[n0 + r] : 0.f;                                                            \
+      y[m * N + n0 + r] = s0 + bias;                                                                     \
+      if (pair) y[(m + 1) * N + n0 + r] = s1 + bias;                                                     \
+    }                                                                                                    \
+  }                                                                                                      \
+  void NAME(const float *x, const W *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,       \
+            int threads) {                                                                               \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                    \
+    for (int64_t n0 = 0; n0 < N; n0 += ROWS) {                                                           \
+      const int64_t R = N - n0 < ROWS ? N - n0 : ROWS;                                                   \
+      int64_t m = 0;                                                                                     \
+      for (; m + 2 <= M; m += 2) NAME##_block(x, w, b, y, N, K, n0, R, m, 1);                            \
+      if (m < M) NAME##_block(x, w, b, y, N, K, n0, R, m, 0);                                            \
+    }                                                                                                    \
   }
-  for (int64_t r = 0; r < R; r++) {
-    const float *wr = w + (n0 + r) * K, bias = b ? b[n0 + r] : 0.f;
-    y[m * N + n0 + r] = finish(a0[r], wr, x0, K8, K) + bias;
-    if (pair) y[(m + 1) * N + n0 + r] = finish(a1[r], wr, x1, K8, K) + bias;
-  }
-}
 
-void kvdoctor_matvec(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
-                     int threads) {
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
-    const int64_t R = N - n0 < ROWS ? N - n0 : ROWS;
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) block(x, w, b, y, N, K, n0, R, m, 1);
-    if (m < M) block(x, w, b, y, N, K, n0, R, m, 0);
-  }
-}
+MATVEC(kvdoctor_matvec_f32, float, load_f32, f32)
+MATVEC(kvdoctor_matvec_bf16, uint16_t, load_bf16, bf16)

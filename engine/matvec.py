@@ -6,6 +6,8 @@ one-row product (``F.linear``) runs at one core's bandwidth (11-12 GB/s) whether
 thread or two, and oneDNN's prepacked product does little better; a plain loop split across
 torch's own OpenMP threads streams 17-20 GB/s, and for up to 16 rows beats both (SmolLM2's
 linear weights, medians, docs/benchmarks.md). Above ``MAX_ROWS`` (prefill) MKL's GEMM is faster.
+bfloat16 weights are widened to float32 in registers, so they stream half the bytes; on CPUs without
+bf16 units (AVX2 only) torch's own bf16 product is a slow generic loop, and oneDNN refuses to pack bf16.
 
 The kernel (``matvec.c``) is compiled on first use with the system's C compiler for this CPU
 (``-march=native``) and cached under ``~/.cache/kvdoctor/kernels``, keyed by its source, the flags
@@ -30,25 +32,30 @@ import torch
 
 from .model import models_dir
 
-__all__ = ["MAX_ROWS", "Matvec", "load"]
+__all__ = ["DTYPES", "MAX_ROWS", "Matvec", "load"]
 
 MAX_ROWS = 16  # up to here the kernel beats MKL and oneDNN on SmolLM2's shapes; above, MKL's GEMM wins
 _SOURCE = Path(__file__).with_name("matvec.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # of the weight; x, the bias and y are computed in float32
+
+
 @dataclass(frozen=True)
 class Matvec:
-    """``y = x @ w.T + b`` for float32 CPU tensors, ``x`` (M <= MAX_ROWS, K) and ``w`` (N, K) contiguous."""
+    """``y = x @ w.T + b`` on CPU for ``x`` (M <= MAX_ROWS, K) and a contiguous ``w`` (N, K) of one of
+    ``DTYPES``; ``y`` is float32 (a bf16 caller rounds it, as torch's bf16 product rounds its float32 sums)."""
 
-    fn: ctypes._CFuncPtr
+    kernels: dict[torch.dtype, ctypes._CFuncPtr]
     path: Path
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        x = x.contiguous()
+        x = x.to(torch.float32).contiguous()
+        b = b.to(torch.float32) if b is not None else None
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        self.fn(x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
-                x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+        self.kernels[w.dtype](x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
+                              x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
         return y
 
 
@@ -94,9 +101,10 @@ def load() -> Matvec | None:
         lib = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
         if len(_openmp_runtimes()) != 1:  # the library brought a runtime of its own: never call it
             return None
-    except (OSError, subprocess.SubprocessError):  # no compiler, a failed build, no /proc: F.linear serves
+        kernels = {torch.float32: lib.kvdoctor_matvec_f32, torch.bfloat16: lib.kvdoctor_matvec_bf16}
+    except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, a failed build, no /proc: F.linear
         return None
-    fn = lib.kvdoctor_matvec
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = None
-    return Matvec(fn, Path(lib._name))
+    for fn in kernels.values():
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = None
+    return Matvec(kernels, Path(lib._name))

@@ -7,9 +7,10 @@ make them cheaper without changing what they compute:
 - **Fusion.** The q, k and v projections read the same input, as do gate and up: one
   matmul over the concatenated weight replaces three (two) calls. The fused weight is built
   once and the model's ``nn.Linear`` weights become views into it, so memory holds one copy.
-- **A bandwidth-bound kernel.** Up to ``matvec.MAX_ROWS`` rows of float32 on CPU go to
-  ``matvec`` (each weight read once, split over torch's threads: 1.2-1.6x MKL's and oneDNN's
-  products on SmolLM2's shapes); more rows (prefill) to ``F.linear`` (MKL's GEMM).
+- **A bandwidth-bound kernel.** Up to ``matvec.MAX_ROWS`` rows on CPU go to ``matvec`` (each
+  weight read once, split over torch's threads: 1.2-1.6x MKL's and oneDNN's float32 products on
+  SmolLM2's shapes, and bf16 weights at half the bytes where torch's bf16 product is a slow
+  generic loop); more rows (prefill) to ``F.linear`` (MKL's GEMM).
 
 The kernel sums in a different order than MKL, so logits differ from transformers' in the
 last bits (well inside the 1e-4 the tests allow); the greedy tokens are the same.
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .matvec import MAX_ROWS, Matvec
+from .matvec import DTYPES, MAX_ROWS, Matvec
 
 __all__ = ["Projection", "LayerWeights", "PageOut", "layer_weights", "lm_head_weights", "rms_norm"]
 
@@ -44,7 +45,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matvec is not None and x.shape[0] <= MAX_ROWS:
-            return self.matvec(x, self.weight, self.bias)  # (M, N)
+            return self.matvec(x, self.weight, self.bias).to(x.dtype)  # (M, N)
         return F.linear(x, self.weight, self.bias)  # (M, N)
 
 
@@ -150,11 +151,11 @@ def _fused_bias(modules: list[Any], rows: list[int], like: torch.Tensor) -> torc
 
 def _projection(modules: list[Any], matvec: Matvec | None, pager: PageOut | None) -> Projection:
     """The fused product of ``modules``; the kernel only where it computes what ``F.linear`` would
-    (float32 on CPU, a contiguous weight)."""
+    (a float32 or bfloat16 contiguous weight on CPU)."""
     with torch.inference_mode(False):  # the model's new parameters must stay ordinary tensors
         weight, bias = _fused(modules, pager)
     weight = weight.detach()
-    usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
+    usable = weight.device.type == "cpu" and weight.dtype in DTYPES and weight.is_contiguous()
     return Projection(weight, bias, matvec if usable else None)
 
 

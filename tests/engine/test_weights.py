@@ -99,16 +99,17 @@ def test_fusing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(tm
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, MAX_ROWS), n=st.integers(1, 70), k=st.integers(1, 300), bias=st.booleans(),
-       strided=st.booleans(), seed=st.integers(0, 2**16))
-def test_kernel_matches_a_float64_product_for_any_shape(m, n, k, bias, strided, seed):
+       strided=st.booleans(), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_matches_a_float64_product_for_any_shape(m, n, k, bias, strided, bf16, seed):
     # GIVEN any shape: rows of w not a multiple of four, K not a multiple of eight, odd row counts,
-    # a bias or none, and rows of x that are a strided view
+    # a bias or none, rows of x that are a strided view, and a float32 or a bfloat16 weight
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, 2 * k, generator=g)[:, ::2] if strided else torch.randn(m, k, generator=g)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None
+    w = w.bfloat16() if bf16 else w
     # WHEN the kernel multiplies them
     y = load()(x, w, b)
-    # THEN every output is the exact product's, to float32 rounding of a K-term sum
+    # THEN every output is the exact product's (of the weight's own values), to float32 rounding of a K-term sum
     want = F.linear(x.double(), w.double(), b.double() if b is not None else None)
     assert y.shape == (m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), want, atol=1e-5 * k ** 0.5, rtol=1e-5)
