@@ -13,8 +13,10 @@ The kernel (``matvec.c``) is compiled on first use with the system's C compiler 
 (``-march=native``) and cached under ``~/.cache/kvdoctor/kernels``, keyed by its source, the flags
 and the CPU's feature flags. It links ``libgomp.so.1``, the OpenMP runtime torch's wheel loads, so
 its threads are torch's threads: a second runtime would have two pools spinning against each other
-on the same cores. Where that cannot hold (no compiler, another OpenMP runtime, not Linux) ``load``
-returns None and callers use ``F.linear``.
+on the same cores. ``load`` asks the dynamic loader which runtime the library's OpenMP calls reach
+and uses it only if that is a ``libgomp.so.1`` mapped before it was loaded (torch's; other packages'
+private copies, such as sentencepiece's renamed libgomp, do not count). Where that cannot hold (no
+compiler, not Linux, another runtime) ``load`` returns None and callers use ``F.linear``.
 """
 
 from __future__ import annotations
@@ -85,9 +87,23 @@ def _build(cc: str) -> Path:
     return out
 
 
-def _openmp_runtimes() -> set[str]:
+def _mapped_libgomp() -> set[str]:
     with open("/proc/self/maps") as fh:
-        return {line.split()[-1] for line in fh if "libgomp" in line or "libiomp" in line or "libomp" in line}
+        return {os.path.realpath(line.split()[-1]) for line in fh if "/libgomp" in line}
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
+                ("saddr", ctypes.c_void_p)]
+
+
+def _library_of(address: int) -> str | None:
+    """The path of the shared library that holds ``address`` (glibc's ``dladdr``)."""
+    info = _DlInfo()
+    libc = ctypes.CDLL(None)
+    if not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.fname:
+        return None
+    return os.path.realpath(info.fname.decode())
 
 
 @functools.cache
@@ -96,11 +112,12 @@ def load() -> Matvec | None:
     if os.environ.get("KVDOCTOR_MATVEC", "1") == "0" or not torch.backends.openmp.is_available():
         return None
     try:
-        if len(_openmp_runtimes()) != 1:  # torch's libgomp, and only it
-            return None
+        before = _mapped_libgomp()  # torch's, loaded with torch
         lib = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
-        if len(_openmp_runtimes()) != 1:  # the library brought a runtime of its own: never call it
-            return None
+        lib.kvdoctor_openmp_symbol.restype = ctypes.c_void_p
+        runtime = _library_of(lib.kvdoctor_openmp_symbol())
+        if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
+            return None  # the library reached a runtime of its own: never call it
         kernels = {torch.float32: lib.kvdoctor_matvec_f32, torch.bfloat16: lib.kvdoctor_matvec_bf16}
     except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, a failed build, no /proc: F.linear
         return None

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import array
+import ctypes
 import mmap
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.matvec import MAX_ROWS, load
+from kvdoctor.engine.matvec import MAX_ROWS, _library_of, load
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
@@ -128,6 +131,17 @@ def test_the_kernel_runs_on_the_threads_torch_is_given():
             torch.testing.assert_close(load()(x, w, None), want, atol=1e-4, rtol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_the_kernel_runs_in_torchs_own_openmp_runtime():
+    # GIVEN the loaded kernel library, WHEN the loader is asked where its OpenMP calls go
+    lib = ctypes.CDLL(str(load().path))
+    lib.kvdoctor_openmp_symbol.restype = ctypes.c_void_p
+    runtime = _library_of(lib.kvdoctor_openmp_symbol())
+    # THEN it is the libgomp torch's wheel ships (one thread pool for torch's ops and the kernel)
+    bundled = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    assert runtime == (os.path.realpath(bundled) if bundled.exists() else runtime) and "libgomp" in runtime
 
 
 def test_without_a_compiler_the_runner_falls_back_to_f_linear(model, tmp_path, monkeypatch):
