@@ -176,37 +176,6 @@ def test_a_hash_that_leaves_out_the_cache_salt_serves_another_tenants_blocks(llm
     assert len({f.seq for f in mismatches}) == 1 and all(isinstance(f.block, int) for f in mismatches)
 
 
-def test_vllms_own_kv_events_through_the_bridge_give_no_finding_on_a_clean_run(tmp_path):
-    # GIVEN kvdoctor check subscribed to a vLLM engine publishing its KV events over ZMQ
-    import json
-    import subprocess
-    import sys
-
-    from vllm.config import KVEventsConfig
-
-    from kvdoctor.engine.model import convert_embedded
-
-    endpoint = f"ipc://{tmp_path}/kv-events"  # vLLM binds an ipc:// (or tcp://*:PORT) endpoint and kvdoctor connects
-    check = subprocess.Popen([sys.executable, "-m", "kvdoctor.cli", "check", "--vllm-events", endpoint,
-                              "--idle-exit", "8", "--format", "json", "--fail-on", "info"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        engine = LLM(model=str(convert_embedded()), dtype="float32", enforce_eager=True, max_model_len=512,
-                     block_size=32, num_gpu_blocks_override=24, enable_prefix_caching=True, max_num_seqs=8, seed=0,
-                     gpu_memory_utilization=0.2,
-                     kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                     endpoint=endpoint, topic="kv"))
-        # WHEN it serves requests that share a prefix on a pool small enough to evict cached blocks
-        _run(engine, _prompts(engine, 12), max_tokens=40)
-        out, err = check.communicate(timeout=120)
-    finally:
-        check.kill()
-    # THEN the bridge saw stored and removed blocks, and found nothing
-    report = json.loads(out)
-    assert check.returncode == 0, err
-    assert report["findings"] == [] and report["summary"]["events"] > 12, report["summary"]
-
-
 def test_a_shared_block_freed_twice_is_handed_out_while_its_reader_runs(llm, traced, monkeypatch):
     # GIVEN vLLM's free path lists a shared prefix block twice when one of its holders ends,
     # dropping the other holder's reference too
@@ -244,3 +213,36 @@ def test_a_shared_block_freed_twice_is_handed_out_while_its_reader_runs(llm, tra
     # THEN the reader is named reading a block it no longer owns (or one the pool freed under it)
     named = [f for f in findings if f.block == hit[0] and f.rule in ("read-not-owned", "read-freed")]
     assert named and _request_id(str(named[0].seq)) == "reader", findings
+
+
+# Last in this module: this test builds a second engine, and when it is collected vLLM tears down its
+# process-wide parallel state, which the module's shared engine (the `llm` fixture) still needs.
+def test_vllms_own_kv_events_through_the_bridge_give_no_finding_on_a_clean_run(tmp_path):
+    # GIVEN kvdoctor check subscribed to a vLLM engine publishing its KV events over ZMQ
+    import json
+    import subprocess
+    import sys
+
+    from vllm.config import KVEventsConfig
+
+    from kvdoctor.engine.model import convert_embedded
+
+    endpoint = f"ipc://{tmp_path}/kv-events"  # vLLM binds an ipc:// (or tcp://*:PORT) endpoint and kvdoctor connects
+    check = subprocess.Popen([sys.executable, "-m", "kvdoctor.cli", "check", "--vllm-events", endpoint,
+                              "--idle-exit", "8", "--format", "json", "--fail-on", "info"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        engine = LLM(model=str(convert_embedded()), dtype="float32", enforce_eager=True, max_model_len=512,
+                     block_size=32, num_gpu_blocks_override=24, enable_prefix_caching=True, max_num_seqs=8, seed=0,
+                     gpu_memory_utilization=0.2,
+                     kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                     endpoint=endpoint, topic="kv"))
+        # WHEN it serves requests that share a prefix on a pool small enough to evict cached blocks
+        _run(engine, _prompts(engine, 12), max_tokens=40)
+        out, err = check.communicate(timeout=120)
+    finally:
+        check.kill()
+    # THEN the bridge saw stored and removed blocks, and found nothing
+    report = json.loads(out)
+    assert check.returncode == 0, err
+    assert report["findings"] == [] and report["summary"]["events"] > 12, report["summary"]
