@@ -34,7 +34,7 @@ import torch
 
 from .model import models_dir
 
-__all__ = ["DTYPES", "MAX_ROWS", "Matvec", "load"]
+__all__ = ["DTYPES", "MAX_ROWS", "Matvec", "load", "probe"]
 
 MAX_ROWS = 16  # up to here the kernel beats MKL and oneDNN on SmolLM2's shapes; above, MKL's GEMM wins
 _SOURCE = Path(__file__).with_name("matvec.c")
@@ -107,21 +107,34 @@ def _library_of(address: int) -> str | None:
 
 
 @functools.cache
-def load() -> Matvec | None:
-    """The compiled kernel, or None where it cannot run sharing torch's threads (see the module's notes)."""
-    if os.environ.get("KVDOCTOR_MATVEC", "1") == "0" or not torch.backends.openmp.is_available():
-        return None
+def probe() -> Matvec | str:
+    """The compiled kernel, or why there is none here (see the module's notes); built once a process."""
+    if os.environ.get("KVDOCTOR_MATVEC", "1") == "0":
+        return "switched off by KVDOCTOR_MATVEC=0"
+    if not torch.backends.openmp.is_available():
+        return "this torch build has no OpenMP thread pool to share"
+    cc = os.environ.get("CC", "cc")
     try:
         before = _mapped_libgomp()  # torch's, loaded with torch
-        lib = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
+        lib = ctypes.CDLL(str(_build(cc)))
         lib.kvdoctor_openmp_symbol.restype = ctypes.c_void_p
         runtime = _library_of(lib.kvdoctor_openmp_symbol())
-        if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
-            return None  # the library reached a runtime of its own: never call it
         kernels = {torch.float32: lib.kvdoctor_matvec_f32, torch.bfloat16: lib.kvdoctor_matvec_bf16}
-    except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, a failed build, no /proc: F.linear
-        return None
+    except FileNotFoundError as exc:
+        return f"no C compiler: {exc.filename or cc} not found"
+    except subprocess.CalledProcessError as exc:
+        return f"{cc} failed to build {_SOURCE.name}: {exc.stderr.decode(errors='replace').strip()[-300:]}"
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        return f"cannot build or load the kernel: {exc}"
+    if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
+        return f"its OpenMP calls reach {runtime}, not the libgomp torch loaded: two thread pools would fight"
     for fn in kernels.values():
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = None
     return Matvec(kernels, Path(lib._name))
+
+
+def load() -> Matvec | None:
+    """The compiled kernel, or None where it cannot run sharing torch's threads (``probe`` says why)."""
+    kernel = probe()
+    return kernel if isinstance(kernel, Matvec) else None

@@ -17,11 +17,29 @@ def _doctor_json(capsys, *extra):
 def test_doctor_reports_every_capability_and_exits_0(capsys, tmp_path):
     code, items = _doctor_json(capsys, "--no-dump-test", "--disk-dir", str(tmp_path))
     assert code == 0
-    assert set(items) == {"python", "torch", "transformers", "gpu/nvml", "py-spy", "disk tier", "model"}
+    assert set(items) == {"python", "torch", "transformers", "gpu/nvml", "py-spy", "disk tier", "model", "decode kernel"}
     assert items["torch"]["data"]["version"]
     assert items["disk tier"]["data"]["dir"] == str(tmp_path) and items["disk tier"]["data"]["free"] > 0
     assert items["py-spy"]["data"]["path"].endswith("py-spy")
     assert items["model"]["data"]["name"] == "SmolLM2-135M-Instruct"
+    kernel = items["decode kernel"]
+    assert kernel["data"]["path"].endswith(".so") if kernel["ok"] else kernel["data"]["reason"]
+
+
+def test_a_machine_without_a_compiler_is_told_why_decode_is_slower(capsys, monkeypatch, tmp_path):
+    # GIVEN no C compiler and no kernel built yet
+    from kvdoctor.engine import matvec
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    matvec.probe.cache_clear()
+    try:
+        # WHEN doctor runs THEN the kernel item says why it is not used, and how to fix it
+        code, items = _doctor_json(capsys, "--no-dump-test")
+    finally:
+        matvec.probe.cache_clear()
+    assert code == 0 and items["decode kernel"]["ok"] is False
+    assert "no C compiler" in items["decode kernel"]["summary"] and "gcc" in items["decode kernel"]["fix"]
 
 
 def test_missing_nvml_is_a_finding_not_a_traceback(capsys, monkeypatch):

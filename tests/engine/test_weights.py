@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.matvec import MAX_ROWS, _library_of, load
+from kvdoctor.engine.matvec import MAX_ROWS, _library_of, load, probe
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
@@ -149,15 +149,15 @@ def test_without_a_compiler_the_runner_falls_back_to_f_linear(model, tmp_path, m
     had = load() is not None
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    load.cache_clear()
+    probe.cache_clear()
     try:
-        assert load() is None
+        assert load() is None and probe().startswith("no C compiler: ") and "no-such-cc" in probe()
         # WHEN a runner is built THEN it computes with F.linear, and generates
         with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
             assert runner._lm_head.matvec is None
             assert len(runner.generate(PROMPTS[:1], max_new_tokens=3)[0].token_ids) == 3
     finally:
-        load.cache_clear()
+        probe.cache_clear()
     # AND the kernel is found again once a compiler is there
     monkeypatch.delenv("CC")
     assert (load() is not None) == had
