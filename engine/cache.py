@@ -43,7 +43,7 @@ from .bus import Bus
 from .codecs import PRECISION, make_codec
 from .config import EngineConfig, Tier
 from .digest import DigestBook
-from .errors import ChecksumMismatch, OutOfBlocks, StorageError, UnknownSequence
+from .errors import OutOfBlocks, UnknownSequence
 from .faults import Faults, resolve_fault
 from .merge import SlotCounts, merge_rows
 from .policy import IMPORTANCE_DECAY, make_policy
@@ -223,11 +223,7 @@ class PagedKVCache:
         """``seq`` lets go of ``b``; the block is freed if nobody else owns it."""
         if self.pool.blocks.get(b.id) is not b:
             return  # only the prefix-freed-in-use fault gets here: the cache dropped the block under its reader
-        if b.inflight is not None:
-            try:
-                self.tiers.settle(b)
-            except (ChecksumMismatch, StorageError):
-                pass  # the block is being dropped anyway; its corrupt copy was discarded
+        self.tiers.try_settle(b)  # the block is being dropped anyway: a bad copy of it is simply discarded
         if self.pool.release(b, seq, emit=emit_release):
             self.pool.free(b)
 
@@ -823,11 +819,7 @@ class PagedKVCache:
             s.last_access = self._tick
             locs = []
             for pos, b in enumerate(s.blocks):
-                if b.inflight is not None:
-                    try:
-                        self.tiers.settle(b)
-                    except (ChecksumMismatch, StorageError):
-                        pass  # the corrupt copy was dropped; the block is read where it was
+                self.tiers.try_settle(b)  # a bad copy was dropped: the block is read where it was
                 locs.append(BlockLoc(pos, b.index, b.id, b.tier, b.slot, b.version, b.codec))
             rows.append((seq, self.num_tokens(seq), q, locs))
         plan = plan_reads(rows, self.config.staging_blocks)
@@ -1046,11 +1038,7 @@ class PagedKVCache:
         event per block. The caller keeps a sequence's newest block: its next token goes there."""
         victims = self._blocks(blocks)
         for b in victims:
-            if b.inflight is not None:
-                try:
-                    self.tiers.settle(b)
-                except (ChecksumMismatch, StorageError):
-                    pass  # the block is being dropped anyway; its corrupt copy was discarded
+            self.tiers.try_settle(b)  # the block is being dropped anyway: a bad copy of it is simply discarded
             self._evict([b], b.tier, reason)
 
     def swap_in(self, blocks: Iterable[int]) -> None:

@@ -379,11 +379,8 @@ class Scheduler:
             if lv.state != "swapped" or lv.seq in ids or s is None:
                 continue
             for b in s.blocks:
-                if b.inflight is not None:
-                    try:
-                        self.cache.tiers.settle(b)
-                    except (ChecksumMismatch, StorageError):
-                        continue  # the bad copy was discarded; the block stays away, its slot is free again
+                if not self.cache.tiers.try_settle(b):
+                    continue  # the bad copy was discarded; the block stays away, its slot is free again
                 n += b.tier == Tier.DEVICE
         return n
 

@@ -231,10 +231,7 @@ class TierManager:
         # A prefetch landing here already holds its slot: land it, so the policy may demote it again.
         for b in [b for b in self.inflight.values() if b.inflight.dst == tier and b.id not in exclude
                   and not self._protected(b)]:
-            try:
-                self.settle(b)
-            except (ChecksumMismatch, StorageError):
-                pass  # the bad copy was discarded and its slot freed; the block stays where it was
+            self.try_settle(b)
         need = n - slots.num_free
         if need > 0 and self._reclaim is not None:
             self._reclaim(tier, need, exclude)
@@ -647,13 +644,22 @@ class TierManager:
         b.prefetched = True
         self.moved.setdefault((job.src, job.dst), [0, 0.0])[0] += 1  # copy time overlapped: not counted
 
+    def try_settle(self, b: Block) -> bool:
+        """``settle`` ``b``'s prefetch if one is in flight, where a bad or failed copy is no error for the caller:
+        it was discarded (recorded as ``checksum_error`` or ``io_error``, its slot freed) and the block stays
+        where it was. False when that happened."""
+        if b.inflight is None:
+            return True
+        try:
+            self.settle(b)
+        except (ChecksumMismatch, StorageError):
+            return False
+        return True
+
     def poll(self) -> None:
         """Book every prefetch that has finished (a bad or failed copy stays behind; its next swap-in reports it)."""
         for b in [b for b in self.inflight.values() if b.inflight.future.done()]:
-            try:
-                self.settle(b)
-            except (ChecksumMismatch, StorageError):
-                pass
+            self.try_settle(b)
 
     def drain(self) -> None:
         """Wait for every copy in flight without booking it (before an arena reallocates)."""
