@@ -351,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [("batch1", batch1, [N]), ("batch8", batch8, [N] * len(batch8))]
     if args.mixed_outputs:
         scenarios.append(("batch8_mixed_outputs", batch8, mixed))
-    # Warm both paths once (allocator, kernels, packed weights) before timing anything. With --only-events
-    # transformers never runs, so the process's memory is the runner's alone (the model's dense weights,
-    # dropped after packing, are not mapped again).
+    # Warm both paths once (allocator, kernels) before timing anything. With --only-events transformers
+    # never runs, so the process's memory is the runner's alone (the checkpoint pages of the weights fused
+    # into new copies, dropped then, are not mapped again).
     if not args.only_events:
         hf_decode(model, batch1, [4], pad)
     runner_decode(runner, batch1, [4])

@@ -7,6 +7,7 @@
  * feeds two FMAs. Each output keeps eight partial sums (one vector) added at the end, which rounds
  * closer to the exact product than one running sum. GCC's vector extensions compile to AVX2 or
  * AVX-512 under -march=native and to SSE elsewhere. */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -37,8 +38,9 @@ static inline v8 load_bf16(const uint16_t *p) {
 }
 static inline float bf16(const uint16_t *p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* One kernel per weight type W (KEEP: PIN or NO_PIN, whichever measured faster): rows n0 .. n0+R of w (R <= ROWS) against x's rows m and m+1 (pair)
- * or m alone, then the driver that splits w's rows over the threads. */
+/* One kernel per weight type W (KEEP: PIN or NO_PIN, whichever measured faster): rows n0 .. n0+R of w
+ * (R <= ROWS) against x's rows m and m+1 (pair) or m alone, then the driver that splits w's rows over
+ * the threads. */
 #define MATVEC(NAME, W, LOAD, SCALAR, KEEP)                                                                    \
   static inline void NAME##_block(const float *x, const W *w, const float *b, float *y, int64_t N,       \
                                   int64_t K, int64_t n0, int64_t R, int64_t m, int pair) {               \
@@ -86,5 +88,4 @@ MATVEC(kvdoctor_matvec_f32, float, load_f32, f32, PIN)
 MATVEC(kvdoctor_matvec_bf16, uint16_t, load_bf16, bf16, NO_PIN)  /* pinning slowed bf16 */
 
 /* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */
-#include <omp.h>
 void *kvdoctor_openmp_symbol(void) { return (void *)&omp_get_max_threads; }

@@ -128,8 +128,8 @@ class Runner:
 
     ``stats_every``: attention statistics (``attn`` events) every N steps; 0 never.
     They are only computed while someone listens on the bus.
-    ``native_matvec``: decode steps' float32 projections on CPU by the C kernel of ``matvec`` (each weight
-    read once, over torch's threads; 1.2-1.6x MKL on SmolLM2); False: ``F.linear`` always (see ``weights``).
+    ``native_matvec``: decode steps' projections on CPU (float32 or bf16 weights) by the C kernel of ``matvec``
+    (each weight read once, over torch's threads; 1.2-1.6x MKL on SmolLM2); False: ``F.linear`` always.
     """
 
     def __init__(self, model: Any, cache: PagedKVCache, *, tokenizer: Any = None, stats_every: int = 1,

@@ -139,14 +139,10 @@ def _fused(modules: list[Any], pager: PageOut | None) -> tuple[torch.Tensor, tor
             m.weight = torch.nn.Parameter(w, requires_grad=False)
         if pager is not None:
             pager.release([w.detach() for w in weights])
-    return weight, _fused_bias(modules, rows, weight)
-
-
-def _fused_bias(modules: list[Any], rows: list[int], like: torch.Tensor) -> torch.Tensor | None:
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
-        return None
-    return torch.cat([b.detach() if b is not None else like.new_zeros(n) for b, n in zip(biases, rows)])
+        return weight, None
+    return weight, torch.cat([b.detach() if b is not None else weight.new_zeros(n) for b, n in zip(biases, rows)])
 
 
 def _projection(modules: list[Any], matvec: Matvec | None, pager: PageOut | None) -> Projection:

@@ -22,18 +22,6 @@ from typing import Any, Callable
 from .nvml import Nvml
 from .pyspy import PySpyError, dump_stacks, find_py_spy, let_parent_trace, ptrace_status
 
-def decode_kernel_item() -> Item:
-    """Whether the runner's CPU decode kernel builds here and shares torch's threads (engine/matvec.py)."""
-    from ..engine import matvec
-
-    kernel = matvec.probe()
-    if isinstance(kernel, str):
-        return Item("decode kernel", False, f"not used: {kernel}; decode steps fall back to F.linear (slower)",
-                    fix="install a C compiler with OpenMP (gcc), or set CC to one", data={"reason": kernel})
-    return Item("decode kernel", True, f"built for this CPU, on torch's threads ({kernel.path})",
-                data={"path": str(kernel.path)})
-
-
 __all__ = ["Item", "inspect_machine", "INSPECTIONS"]
 
 _GiB = 1 << 30
@@ -171,6 +159,18 @@ def model_item() -> Item:
     return Item("model", True, f"{model.EMBEDDED_NAME} installed ({gguf.name}); safetensors copy: {problem}",
                 fix="it is converted on first use (about 20 s), or now with engine.model.convert_embedded()",
                 data=data)
+
+
+def decode_kernel_item() -> Item:
+    """Whether the runner's CPU decode kernel builds here and shares torch's threads (engine/matvec.py)."""
+    from ..engine import matvec
+
+    kernel = matvec.probe()
+    if isinstance(kernel, str):
+        return Item("decode kernel", False, f"not used: {kernel}; decode steps fall back to F.linear (slower)",
+                    fix="install a C compiler with OpenMP (gcc), or set CC to one", data={"reason": kernel})
+    return Item("decode kernel", True, f"built for this CPU, on torch's threads ({kernel.path})",
+                data={"path": str(kernel.path)})
 
 
 INSPECTIONS: dict[str, Callable[..., Item]] = {
