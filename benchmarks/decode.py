@@ -62,7 +62,10 @@ def _prompts(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
 
 def _clocks() -> tuple[float, float]:
     """(wall, CPU) seconds. CPU time of this process is the fairer clock on a shared machine with
-    one torch thread: it does not count the time other processes held the core."""
+    one torch thread: it does not count the time other processes held the core. On a GPU the clock first
+    waits for the queued kernels, so a reading covers the work and not only its launch."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter(), time.process_time()
 
 
@@ -90,8 +93,8 @@ def hf_decode(model: Any, prompts: list[list[int]], new_tokens: list[int], pad_i
     from transformers import LogitsProcessorList
 
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     first = _FirstToken()
     longest = max(new_tokens)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
@@ -241,13 +244,15 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
     nbytes = sum(p.weight.nbytes for p in projections)
-    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype) for p in projections]
+    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype, device=p.weight.device) for p in projections]
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             t = time.perf_counter()
             for p, x in zip(projections, xs):
                 p(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
     s = _median(times[1:])  # the first pass warms caches and kernels
     return {"weight_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * s, 3), "gb_s": round(nbytes / s / 1e9, 2),
@@ -318,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-matvec", action="store_true", help="runner with F.linear (MKL) for every projection, not the C kernel")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both sides (default float32)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model, the cache and transformers run")
     ap.add_argument("--bound-repeats", type=int, default=7,
                     help="timed passes over every projection at one row for the bandwidth bound (0 skips it)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvdoctor.engine.runner import Runner
     from kvdoctor.trace import TraceWriter
 
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     rss_loaded = _rss_mb()
     model, tok = lm.model, lm.tokenizer
     lengths = [int(x) for x in args.batch_lengths.split(",")]
