@@ -154,11 +154,11 @@ def convert_embedded(*, force: bool = False) -> Path:
     reader never sees half a copy and two processes converting at once both end with
     one good copy.
     """
-    _offline()
     gguf = embedded_gguf()
     target = converted_dir(gguf)
     if not force and target.is_dir() and verify_copy(target) is None:
         return target
+    _offline()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -191,15 +191,17 @@ def convert_embedded(*, force: bool = False) -> Path:
     return target
 
 
-def load_model(path: str | os.PathLike[str] | None = None, *, dtype: Any = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(path: str | os.PathLike[str] | None = None, *, dtype: Any = "float32", device: str = "cpu",
+               light: bool = False) -> LoadedModel:
     """Load the embedded SmolLM2 (``path=None``) or a local Hugging Face checkpoint directory.
 
     Never touches the network. The model comes back in eval mode with its default
-    attention implementation (SDPA), the same one ``generate`` uses.
+    attention implementation (SDPA), the same one ``generate`` uses. With ``light``, a plain Llama
+    checkpoint comes back as ``engine.llama``'s modules, without importing transformers (seconds
+    sooner; the runner's tokens are the same, but there is no ``generate`` or ``forward``); any other
+    checkpoint loads through transformers as before.
     """
-    _offline()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = getattr(torch, str(dtype).removeprefix("torch."))
     if path is None:
@@ -213,6 +215,20 @@ def load_model(path: str | os.PathLike[str] | None = None, *, dtype: Any = "floa
                 "omit --model to use the embedded SmolLM2-135M-Instruct"
             )
         name = directory.name
+    # The light modules read a fast tokenizer (tokenizer.json) or none; other tokenizers need transformers.
+    fast_or_none = (directory / "tokenizer.json").is_file() or not (directory / "tokenizer_config.json").is_file()
+    if light and fast_or_none:
+        from .llama import ChatTokenizer, load_llama, unsupported
+
+        try:
+            if unsupported(json.loads((directory / "config.json").read_text())) is None:
+                tokenizer = ChatTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+                return LoadedModel(load_llama(directory, dtype=torch_dtype, device=device), tokenizer, name, directory)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot load {directory}: {exc}") from exc
+    _offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch_dtype, local_files_only=True)
     except (OSError, ValueError) as exc:

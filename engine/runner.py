@@ -152,7 +152,8 @@ class Runner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache.config.block_size
-        self._apply_rope = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
+        attn = self._layers[0].self_attn  # Qwen3-style q/k norms rotate with the model's own function
+        self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb if hasattr(attn, "q_norm") else None
         # q/k/v and gate/up as one matmul each, over one fused weight the model's Linears become views of
         # (the checkpoint's pages of the weights they held are dropped); few rows by the C kernel.
         matvec = load_matvec() if native_matvec and self.device.type == "cpu" else None

@@ -56,14 +56,18 @@ def merge_threshold(text: str) -> float:
     return value
 
 
+def calibrated(codec: str | None) -> bool:
+    """Whether ``--codec`` names a codec whose calibration runs the model's own forward (transformers')."""
+    return bool(codec) and bool({part.partition("=")[2] or part for part in codec.split(",")} & set(_CALIBRATED))
+
+
 def engine_settings(codec: str | None, topk: int, loaded: Any) -> dict[str, Any]:
     """The ``EngineConfig`` fields of ``--codec`` and ``--topk`` for a loaded model; a quantized codec
     brings its calibration (computed once per model and kept in the cache directory)."""
     out: dict[str, Any] = {}
     if codec:
         out["codec"] = codec
-        names = {part.partition("=")[2] or part for part in codec.split(",")}
-        if names & set(_CALIBRATED):
+        if calibrated(codec):
             from .engine.codecs import default_calibration
             from .errors import UsageError
 

@@ -90,14 +90,14 @@ def run_demo(cfg: DemoConfig) -> int:
     """Serve requests until time or steps run out (or Ctrl-C); returns the number of steps run."""
     from .engine.model import load_model, tiny_llama
     from .engine.runner import Runner, SamplingParams
-    from .compression import engine_settings
+    from .compression import calibrated, engine_settings
     from .engine.scheduler import Request, Scheduler
     from .engine.speculative import NgramDrafter
     from .probes import ENV_PROBES, attach_to_cache
 
     parent = os.getppid() if cfg.parent is None else cfg.parent
     lm = (tiny_llama(num_layers=4, max_position_embeddings=2048, dtype=cfg.dtype) if cfg.model == "tiny"
-          else load_model(cfg.model, dtype=cfg.dtype))
+          else load_model(cfg.model, dtype=cfg.dtype, light=not calibrated(cfg.codec)))  # light: no transformers import
     runner = Runner.create(
         lm.model, tokenizer=lm.tokenizer, block_size=cfg.block_size, device_blocks=cfg.device_blocks,
         host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name}, prefix_cache=cfg.prefix_cache,
