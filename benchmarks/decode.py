@@ -337,13 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     from kvdoctor.engine.runner import Runner
     from kvdoctor.trace import TraceWriter
 
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    # With --only-events transformers never runs: the runner's own light modules (engine/llama.py) then, so
+    # the peak RSS is what serving with kvdoctor's runner takes.
+    lm = load_model(args.model, dtype=args.dtype, device=args.device, light=args.only_events)
     rss_loaded = _rss_mb()
     model, tok = lm.model, lm.tokenizer
     lengths = [int(x) for x in args.batch_lengths.split(",")]
     batch8 = _prompts(tok, lengths)
     batch1 = [batch8[len(batch8) // 2]]
-    pad = model.generation_config.pad_token_id
+    pad = getattr(model.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else model.config.eos_token_id
     runner = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0, native_matvec=not args.no_matvec)
     trace_path = os.path.join(tempfile.mkdtemp(prefix="kvd-bench-"), "decode.kvtrace")

@@ -14,12 +14,14 @@ CRC32C from ``crc32c`` 0.75x (both hash from cache at 24-48 GB/s, but the second
 what costs); one loop that stores each word and adds it to the sum, compiled by numba (LLVM
 vectorises it), 1.00-1.07x. The kernel is made by ``prepare`` when an engine with a slower tier
 starts (compiled once, then loaded from numba's cache on disk: 0.6-1.5 s a process, most of it
-numba's own import), so neither importing the engine nor its first swap pays for it.
+numba's own import), in a thread of its own, so neither importing the engine nor its first steps
+wait for it (the demo's first token came 0.8 s later when they did); a swap before it is ready waits.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,8 +32,16 @@ from .digest import MASK64
 __all__ = ["prepare", "copy_sum", "sum64", "sum64_rows"]
 
 
-@functools.cache
+_kernel_lock = threading.Lock()  # one build: prepare's thread and a first swap may ask at once
+
+
 def _copy_sum_kernel() -> Any:
+    with _kernel_lock:
+        return _build_kernel()
+
+
+@functools.cache
+def _build_kernel() -> Any:
     import numba  # imported here: numba's import and the compilation cost a second, paid in prepare()
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -49,7 +59,12 @@ def _copy_sum_kernel() -> Any:
 
 
 def prepare() -> None:
-    """Make the copy kernel ready now (compiled or loaded, for the contiguous blocks swaps pass it)."""
+    """Start making the copy kernel ready (compiled or loaded, for the contiguous blocks swaps pass it)."""
+    if _build_kernel.cache_info().currsize == 0:
+        threading.Thread(target=_warm, name="kvdoctor-checksum-kernel", daemon=True).start()
+
+
+def _warm() -> None:
     blocks = np.zeros((1, 8), dtype=np.uint8)
     copy_sum(blocks.copy(), blocks)
 

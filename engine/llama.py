@@ -112,8 +112,10 @@ class LlamaModel(nn.Module):
         self.lm_head = _linear(weights["model.embed_tokens.weight"] if tied else weights["lm_head.weight"])
 
 
-def _mapped(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file as views of a private mapping of it (no copy, nothing read yet)."""
+def _mapped(path: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file in ``dtype`` on ``device``: views of a private mapping of the
+    file where nothing changes (no copy, nothing read yet); otherwise converted one by one, each tensor's
+    pages of the file dropped once converted, so loading an fp32 file as bf16 never holds both whole."""
     with open(path, "rb") as fh:
         size = struct.unpack("<Q", fh.read(8))[0]
         header = json.loads(fh.read(size))
@@ -123,12 +125,17 @@ def _mapped(path: Path) -> dict[str, torch.Tensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
+        stored = _DTYPES.get(info["dtype"])
+        if stored is None:
             raise ValueError(f"{path.name}: tensor {name} has dtype {info['dtype']}, not one of {sorted(_DTYPES)}")
-        start, end = info["data_offsets"]
-        flat = torch.frombuffer(mapping, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start)
-        out[name] = flat.view(info["shape"])
+        start, end = base + info["data_offsets"][0], base + info["data_offsets"][1]
+        t = torch.frombuffer(mapping, dtype=stored, count=(end - start) // stored.itemsize, offset=start).view(info["shape"])
+        if stored == dtype and device == "cpu":
+            out[name] = t
+            continue
+        out[name] = t.to(device=device, dtype=dtype)
+        lo = start - start % mmap.PAGESIZE  # a page shared with a neighbour is read again from the file if needed
+        mapping.madvise(mmap.MADV_DONTNEED, lo, end - lo)
     return out
 
 
@@ -142,8 +149,7 @@ def load_llama(directory: Path, *, dtype: torch.dtype, device: str = "cpu") -> L
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     weights: dict[str, torch.Tensor] = {}
     for name in files:
-        weights.update(_mapped(directory / name))
-    weights = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}  # a view when nothing changes
+        weights.update(_mapped(directory / name, dtype, device))
     rope = raw.get("rope_parameters") or {}
     config = SimpleNamespace(**{**raw, "head_dim": raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
                                 "rope_theta": rope.get("rope_theta", raw.get("rope_theta", 10000.0)),

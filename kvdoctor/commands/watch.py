@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting
 
@@ -85,17 +86,14 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         raise UsageError(f"--metrics-port must be 1-65535, got {args.metrics_port}")
     config = load_config(args.config)
-    from ..tui.feed import LiveFeed, suite_factory
-
-    checker_factory = suite_factory(config)
+    metrics = None
     if args.metrics_port is not None:
-        from ..metrics import CacheMetrics, metered
+        from ..metrics import CacheMetrics
 
         metrics = CacheMetrics()
         metrics.serve(args.metrics_port)  # before the screen opens: a taken port is one line, exit 2
-        checker_factory = metered(checker_factory, metrics)
 
-    from ..tui.app import KvdoctorApp
+    # The workload starts before the screen's modules load: a model's load then overlaps the TUI's.
     from ..tui.workload import Workload
 
     workload = None
@@ -104,15 +102,8 @@ def run(args: argparse.Namespace) -> int:
                                  prefix_cache=args.prefix_cache or (args.fault or "").startswith("prefix-"))
     elif command:
         workload = Workload(command, fault=args.fault)
-    path = str(workload.trace) if workload is not None else args.trace
-    wait = args.wait if args.wait is not None else (300.0 if workload is not None else 10.0)
-    app = KvdoctorApp(
-        lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait,
-                                 checker_factory=checker_factory, limits=config.limits),
-        workload=workload,
-    )
     try:
-        app.run()
+        _run_screen(args, config, metrics, workload)
     finally:
         if workload is not None:
             workload.stop()
@@ -121,3 +112,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"{workload.exit_message()}; its trace: {workload.trace} "
               f"(kvdoctor replay {workload.trace}, kvdoctor check --trace {workload.trace})", file=sys.stderr)
     return 0
+
+
+def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: Any) -> None:
+    from ..tui.app import KvdoctorApp
+    from ..tui.feed import LiveFeed, suite_factory
+
+    checker_factory = suite_factory(config)
+    if metrics is not None:
+        from ..metrics import metered
+
+        checker_factory = metered(checker_factory, metrics)
+    path = str(workload.trace) if workload is not None else args.trace
+    wait = args.wait if args.wait is not None else (300.0 if workload is not None else 10.0)
+    app = KvdoctorApp(
+        lambda publish: LiveFeed(path, publish, workload=workload, wait_s=wait,
+                                 checker_factory=checker_factory, limits=config.limits),
+        workload=workload,
+    )
+    app.run()

@@ -78,3 +78,17 @@ def test_a_size_only_check_skips_the_checksums(tmp_path):
     _fake_copy(tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").write_bytes(b"\x01" * 4095 + b"\x02")
     assert verify_copy(tmp_path / "m", full=False) is None
+
+
+def test_a_full_check_is_not_repeated_on_files_it_already_passed(tmp_path, monkeypatch):
+    # GIVEN a copy that passed one full check
+    _fake_copy(tmp_path / "m")
+    assert verify_copy(tmp_path / "m") is None
+    # WHEN it is checked again, THEN no checksum is read (the files are the ones checked: same stat)
+    real_crc = model_mod._crc32
+    monkeypatch.setattr(model_mod, "_crc32", lambda path: pytest.fail(f"{path} read again"))
+    assert verify_copy(tmp_path / "m") is None
+    # AND a file rewritten since (same size, one byte changed) is read in full again and fails
+    monkeypatch.setattr(model_mod, "_crc32", real_crc)
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"\x01" * 4095 + b"\x02")
+    assert "CRC-32" in verify_copy(tmp_path / "m")
