@@ -1,19 +1,25 @@
 /* y (M, N) = x (M, K) . w (N, K)^T (+ b (N,)) for the few rows of a decode step; x, b, y float32,
- * w float32 or bfloat16 (widened to float32 in registers: a bf16 weight is the top half of a float).
+ * w float32 or bfloat16 (a bf16 weight is the top half of a float: widened in registers).
  *
  * Bandwidth-bound: every weight is read once per call whatever M is. Rows of w are split across
  * the OpenMP team (the caller's torch thread pool: this library links the same libgomp), four at a
  * time; each group of four is multiplied by x's rows two at a time, so one load of a weight vector
  * feeds two FMAs. Each output keeps eight partial sums (one vector) added at the end, which rounds
  * closer to the exact product than one running sum. GCC's vector extensions compile to AVX2 or
- * AVX-512 under -march=native and to SSE elsewhere. */
+ * AVX-512 under -march=native and to SSE elsewhere.
+ *
+ * bf16: one 32-byte load holds 16 weights, two to each 32-bit lane. The lane shifted left by 16 is the
+ * float of the even weight, the lane with its low half cleared the float of the odd one: two integer
+ * operations widen 16 weights (a per-element conversion took six instructions for 8, and made the
+ * one-row product compute-bound at 8.5 GB/s). x's rows are reordered to match once per call, into
+ * ``scratch``: per 16 elements, the 8 even ones then the 8 odd ones. */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 enum { ROWS = 4 };
 
 /* Keeps a vector in a register: without it GCC folds the input rows' loads into each FMA, reloading them
@@ -28,64 +34,121 @@ enum { ROWS = 4 };
 static inline v8 load_f32(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline float f32(const float *p) { return *p; }
 
-static inline v8 load_bf16(const uint16_t *p) {
-  v8h h;
-  memcpy(&h, p, sizeof h);
-  v8u u = __builtin_convertvector(h, v8u) << 16;
-  v8 v;
-  memcpy(&v, &u, sizeof v);
-  return v;
+/* The floats of the 16 bf16 at p: the even-indexed ones (each lane's low half, moved up) and the odd. */
+static inline void split_bf16(const uint16_t *p, v8 *even, v8 *odd) {
+  v8u u;
+  memcpy(&u, p, sizeof u);
+  const v8u e = u << 16, o = u & 0xffff0000u;
+  memcpy(even, &e, sizeof e);
+  memcpy(odd, &o, sizeof o);
 }
 static inline float bf16(const uint16_t *p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* One kernel per weight type W (KEEP: PIN or NO_PIN, whichever measured faster): rows n0 .. n0+R of w
- * (R <= ROWS) against x's rows m and m+1 (pair) or m alone, then the driver that splits w's rows over
- * the threads. */
-#define MATVEC(NAME, W, LOAD, SCALAR, KEEP)                                                                    \
-  static inline void NAME##_block(const float *x, const W *w, const float *b, float *y, int64_t N,       \
-                                  int64_t K, int64_t n0, int64_t R, int64_t m, int pair) {               \
-    const int64_t K8 = K & ~(int64_t)7;                                                                  \
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* Pairwise sums of two vectors' lanes, as AVX's hadd: a0+a1, a2+a3, b0+b1, b2+b3, then the same of lanes 4-7. */
+static inline v8 hadd(v8 a, v8 b) {
+  return SHUFFLE(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* Each of four accumulators' eight partial sums, added in registers: lane r + lane r+4 is row r's total
+ * (summed one lane at a time through the stack, the end of each row cost ~80 ns, a third of a row of 576). */
+static inline v8 lanes_sum4(const v8 a[ROWS]) { return hadd(hadd(a[0], a[1]), hadd(a[2], a[3])); }
+
+/* The block kernel of one weight type (KEEP: PIN or NO_PIN, whichever measured faster): rows n0 .. n0+R
+ * of w (R <= ROWS) against x's rows m and m+1 (pair) or m alone; STEP elements of k per iteration,
+ * FMA(r, k) adding their products for weight row r to a0[r] (x0) and a1[r] (x1). The tail past the last
+ * whole STEP is summed one element at a time (SCALAR widens one weight). */
+#define BLOCK(NAME, W, STEP, SCALAR, KEEP, FMA)                                                               \
+  static inline void NAME(const float *x, const W *w, const float *b, float *y, int64_t N, int64_t K,    \
+                          int64_t n0, int64_t R, int64_t m, int pair) {                                 \
+    const int64_t KS = K - K % STEP;                                                                     \
     const float *x0 = x + m * K, *x1 = x0 + (pair ? K : 0);                                              \
     v8 a0[ROWS] = {0}, a1[ROWS] = {0};                                                                   \
-    for (int64_t k = 0; k < K8; k += 8) {                                                                \
+    /* the next group's rows, fetched while this one is summed: rows of a few KB are too short for the \
+     * hardware prefetcher to learn four interleaved streams (half the bandwidth at SmolLM2's K = 576) */ \
+    const W *next = w + (n0 + ROWS < N ? n0 + ROWS : n0) * K;                                                    \
+    for (int64_t k = 0; k < KS; k += STEP) {                                                             \
       v8 u = load_f32(x0 + k), v = load_f32(x1 + k);                                                     \
       KEEP(u); KEEP(v);                                                                                  \
       for (int64_t r = 0; r < ROWS; r++) {                                                               \
-        if (r < R) {                                                                                     \
-          const v8 wv = LOAD(w + (n0 + r) * K + k);                                                      \
-          a0[r] += wv * u;                                                                               \
-          if (pair) a1[r] += wv * v;                                                                     \
-        }                                                                                                \
+        __builtin_prefetch(next + r * K + k);                                                            \
+        if (r < R) FMA(r, k);                                                                            \
       }                                                                                                  \
     }                                                                                                    \
+    const v8 t0 = lanes_sum4(a0), t1 = pair ? lanes_sum4(a1) : t0;                                       \
     for (int64_t r = 0; r < R; r++) {                                                                    \
       const W *wr = w + (n0 + r) * K;                                                                    \
-      float s0 = 0.f, s1 = 0.f;                                                                          \
-      for (int i = 0; i < 8; i++) { s0 += a0[r][i]; s1 += a1[r][i]; }                                    \
-      for (int64_t k = K8; k < K; k++) { s0 += SCALAR(wr + k) * x0[k]; s1 += SCALAR(wr + k) * x1[k]; }   \
+      float s0 = t0[r] + t0[r + 4], s1 = t1[r] + t1[r + 4];                                              \
+      for (int64_t k = KS; k < K; k++) { s0 += SCALAR(wr + k) * x0[k]; s1 += SCALAR(wr + k) * x1[k]; }   \
       const float bias = b ? b[n0 + r] : 0.f;                                                            \
       y[m * N + n0 + r] = s0 + bias;                                                                     \
       if (pair) y[(m + 1) * N + n0 + r] = s1 + bias;                                                     \
     }                                                                                                    \
-  }                                                                                                      \
-  void NAME(const float *x, const W *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,       \
-            int threads) {                                                                               \
+  }
+
+#define FMA_F32(r, k)                                                                                    \
+  do {                                                                                                   \
+    const v8 wv = load_f32(w + (n0 + r) * K + k);                                                        \
+    a0[r] += wv * u;                                                                                     \
+    if (pair) a1[r] += wv * v;                                                                           \
+  } while (0)
+
+#define FMA_BF16(r, k)                                                                                   \
+  do {                                                                                                   \
+    v8 we, wo;                                                                                           \
+    split_bf16(w + (n0 + r) * K + k, &we, &wo);                                                          \
+    const v8 uo = load_f32(x0 + k + 8), vo = load_f32(x1 + k + 8);                                       \
+    a0[r] += we * u + wo * uo;                                                                           \
+    if (pair) a1[r] += we * v + wo * vo;                                                                 \
+  } while (0)
+
+BLOCK(block_f32, float, 8, f32, PIN, FMA_F32)
+BLOCK(block_bf16, uint16_t, 16, bf16, NO_PIN, FMA_BF16)
+
+/* The driver: w's rows split over the threads, x's rows two at a time within each group of ROWS. */
+#define MATVEC(NAME, W, BLOCKFN, PREPARE)                                                                     \
+  void NAME(const float *x, const W *w, const float *b, float *y, float *scratch, int64_t M, int64_t N,  \
+            int64_t K, int threads) {                                                                    \
+    const float *xs = PREPARE(x, scratch, M, K);                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                    \
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {                                                           \
       const int64_t R = N - n0 < ROWS ? N - n0 : ROWS;                                                   \
       int64_t m = 0;                                                                                     \
       if (R == ROWS) { /* a constant R: the compiler keeps the sums in registers */                      \
-        for (; m + 2 <= M; m += 2) NAME##_block(x, w, b, y, N, K, n0, ROWS, m, 1);                       \
-        if (m < M) NAME##_block(x, w, b, y, N, K, n0, ROWS, m, 0);                                       \
+        for (; m + 2 <= M; m += 2) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, 1);                           \
+        if (m < M) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, 0);                                           \
       } else {                                                                                           \
-        for (; m + 2 <= M; m += 2) NAME##_block(x, w, b, y, N, K, n0, R, m, 1);                          \
-        if (m < M) NAME##_block(x, w, b, y, N, K, n0, R, m, 0);                                          \
+        for (; m + 2 <= M; m += 2) BLOCKFN(xs, w, b, y, N, K, n0, R, m, 1);                              \
+        if (m < M) BLOCKFN(xs, w, b, y, N, K, n0, R, m, 0);                                              \
       }                                                                                                  \
     }                                                                                                    \
   }
 
-MATVEC(kvdoctor_matvec_f32, float, load_f32, f32, PIN)
-MATVEC(kvdoctor_matvec_bf16, uint16_t, load_bf16, bf16, NO_PIN)  /* pinning slowed bf16 */
+static inline const float *as_is(const float *x, float *scratch, int64_t M, int64_t K) {
+  (void)scratch; (void)M; (void)K;
+  return x;
+}
+
+/* x's rows as block_bf16 reads them: per 16 elements the even ones, then the odd; the tail as it is. */
+static const float *even_odd(const float *x, float *scratch, int64_t M, int64_t K) {
+  const int64_t KS = K - K % 16;
+  for (int64_t m = 0; m < M; m++) {
+    const float *src = x + m * K;
+    float *dst = scratch + m * K;
+    for (int64_t k = 0; k < KS; k += 16)
+      for (int i = 0; i < 8; i++) { dst[k + i] = src[k + 2 * i]; dst[k + 8 + i] = src[k + 2 * i + 1]; }
+    for (int64_t k = KS; k < K; k++) dst[k] = src[k];
+  }
+  return scratch;
+}
+
+MATVEC(kvdoctor_matvec_f32, float, block_f32, as_is)
+MATVEC(kvdoctor_matvec_bf16, uint16_t, block_bf16, even_odd)
 
 /* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */
 void *kvdoctor_openmp_symbol(void) { return (void *)&omp_get_max_threads; }

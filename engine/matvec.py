@@ -6,8 +6,8 @@ one-row product (``F.linear``) runs at one core's bandwidth (11-12 GB/s) whether
 thread or two, and oneDNN's prepacked product does little better; a plain loop split across
 torch's own OpenMP threads streams 17-20 GB/s, and for up to 16 rows beats both (SmolLM2's
 linear weights, medians, docs/benchmarks.md). Above ``MAX_ROWS`` (prefill) MKL's GEMM is faster.
-bfloat16 weights are widened to float32 in registers, so they stream half the bytes: as fast as torch's
-bf16 product for one row, 2.7x faster for eight on this AVX2 CPU (where oneDNN refuses to pack bf16).
+bfloat16 weights are widened to float32 in registers (two integer operations per 16 weights), so they
+stream half the bytes.
 
 The kernel (``matvec.c``) is compiled on first use with the system's C compiler for this CPU
 (``-march=native``) and cached under ``~/.cache/kvdoctor/kernels``, keyed by its source, the flags
@@ -56,7 +56,9 @@ class Matvec:
         x = x.to(torch.float32).contiguous()
         b = b.to(torch.float32) if b is not None else None
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        scratch = torch.empty_like(x) if w.dtype == torch.bfloat16 else None  # x reordered as bf16 lanes pair up
         self.kernels[w.dtype](x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
+                              scratch.data_ptr() if scratch is not None else None,
                               x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
         return y
 
@@ -129,7 +131,7 @@ def probe() -> Matvec | str:
     if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
         return f"its OpenMP calls reach {runtime}, not the libgomp torch loaded: two thread pools would fight"
     for fn in kernels.values():
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = None
     return Matvec(kernels, Path(lib._name))
 
