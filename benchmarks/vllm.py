@@ -9,7 +9,7 @@ CPU worker run here, so no inter-process hop favours it); kvdoctor's runner, ove
 weights, runs in a child process of its own, driven over a pipe run by run. In vLLM's process the
 runner would inherit vLLM's CPU thread binding and its OpenMP runtime (a second one beside torch's,
 so the runner's decode kernel stays off): measured in one process, 0.75x and 0.47x of what it
-does alone. Both are fp32 on the machine's cores. Decode tokens/s leave out each request's
+does alone. Both run in one dtype (``--dtype``, fp32 by default) on the machine's cores. Decode tokens/s leave out each request's
 prefill and first token (one step first, then the clock). The plugin comparison attaches and
 detaches a ``VllmTracer`` between runs of one engine, in ABBA pairs, so machine load hits both
 alike; the figure is the median of per-pair ratios with quartiles. On a shared machine those pairs
@@ -87,11 +87,12 @@ class RunnerProcess:
     """kvdoctor's runner in a child process (this file with ``--serve-runner``): each ``decode`` call runs
     one timed decode there and returns its (wall, CPU) tokens/s, measured in the child."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, dtype: str) -> None:
         import subprocess
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-runner", directory],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-runner", directory,
+                                      "--dtype", dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = json.loads(self.proc.stdout.readline())  # the child says it is ready, and how it runs
 
@@ -106,12 +107,12 @@ class RunnerProcess:
         self.proc.wait(timeout=60)
 
 
-def serve_runner(directory: str) -> int:
+def serve_runner(directory: str, dtype: str) -> int:
     """The child side of ``RunnerProcess``: one JSON request per line in, one (wall, CPU) pair out."""
     from kvdoctor.engine.model import load_model
     from kvdoctor.engine.runner import Runner
 
-    lm = load_model(directory)
+    lm = load_model(directory, dtype=dtype)
     runner = Runner.create(lm.model, tokenizer=lm.tokenizer, device_blocks=512, host_blocks=0)
     runner_decode(runner, [lm.tokenizer.encode("warm up " * 20)] * 8, [4] * 8)
     info = {"threads": __import__("torch").get_num_threads(), "matvec": runner._lm_head.matvec is not None}
@@ -127,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs per comparison")
     ap.add_argument("--share-runs", type=int, default=3, help="traced runs timing the plugin's code in place")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights, activations and KV cache of both engines")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve-runner", metavar="DIR", help=argparse.SUPPRESS)  # the runner's child process
     args = ap.parse_args(argv)
     if args.serve_runner:
-        return serve_runner(args.serve_runner)
+        return serve_runner(args.serve_runner, args.dtype)
 
     from vllm import LLM
 
@@ -141,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvdoctor.integrations.vllm import VllmTracer
 
     directory = str(convert_embedded())
-    runner = RunnerProcess(directory)  # started first, so it binds to nothing vLLM set up
-    llm = LLM(model=directory, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
+    runner = RunnerProcess(directory, args.dtype)  # started first, so it binds to nothing vLLM set up
+    llm = LLM(model=directory, dtype=args.dtype, enforce_eager=True, max_model_len=1024, block_size=32,
               max_num_seqs=8, enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.2)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     batch8 = _prompts(AutoTokenizer.from_pretrained(directory), [24, 40, 56, 72, 88, 104, 120, 136])
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vllm_decode(llm, batch8, 4)  # warm both engines before timing anything
     runner.decode(batch8, 4)
-    results = {"new_tokens": N, "pairs": args.pairs, "threads": __import__("torch").get_num_threads(),
+    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "threads": __import__("torch").get_num_threads(),
                "runner_threads": runner.info["threads"], "runner_matvec": runner.info["matvec"],
                "load_before": os.getloadavg()[0]}
     for name, prompts in (("batch1", batch1), ("batch8", batch8)):
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['runner']} tok/s = {r['runner_vs_vllm']:.2f}x vLLM")
         print(f"runner (own process): {results['runner_threads']} threads, decode kernel "
               f"{'on' if results['runner_matvec'] else 'off (F.linear)'}")
-        print(f"threads {results['threads']}, load {results['load_before']:.1f} -> {results['load_after']:.1f}")
+        print(f"dtype {args.dtype}, threads {results['threads']}, load {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0
 
 
