@@ -173,10 +173,14 @@ class ChatTokenizer:
         cfg_path = directory / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the one transformers uses by default
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if template is None and (directory / "chat_template.jinja").is_file():
             template = (directory / "chat_template.jinja").read_text()
         self._template = template
-        self._special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+        # bos_token, eos_token …: a string, or an added token saved with its content
+        self._special = {k: v if isinstance(v, str) else v.get("content") for k, v in cfg.items()
+                         if k.endswith("_token") and isinstance(v, (str, dict))}
 
     def __call__(self, text: str) -> dict[str, list[int]]:
         return {"input_ids": self._tok.encode(text).ids}

@@ -117,3 +117,18 @@ def test_the_chat_tokenizer_gives_transformers_ids(smol):
     assert light(text)["input_ids"] == ids
     assert light.decode(ids + [2], skip_special_tokens=True) == smol.tokenizer.decode(ids + [2], skip_special_tokens=True)
 
+
+
+def test_the_chat_template_comes_from_the_tokenizer_config_in_its_saved_forms(tmp_path, smol):
+    # GIVEN a checkpoint whose tokenizer_config.json holds named templates and its special tokens as
+    # saved added tokens (other exporters' layout), and no chat_template.jinja
+    (tmp_path / "tokenizer.json").write_bytes((smol.path / "tokenizer.json").read_bytes())
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": [{"name": "tool_use", "template": "unused"}, {"name": "default", "template": template}],
+        "bos_token": {"content": "<|im_start|>", "lstrip": False}, "eos_token": "<|im_end|>"}))
+    tok = ChatTokenizer(tmp_path)
+    # THEN the default template renders with the tokens' contents
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|im_start|>user: hi<|im_end|>"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == tok._tok.encode(text, add_special_tokens=False).ids
