@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from ..compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, codec_setting, engine_settings, merge_threshold
+from ..compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, calibrated, codec_setting, engine_settings, merge_threshold
 from ..engine.faults import FAULTS
 from ..engine.model import DTYPES
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from ..trace import TraceWriter
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype)
+        loaded = load_model(args.model, dtype=args.dtype, light=not calibrated(args.codec))  # light: see engine/llama.py
         runner = Runner.create(
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
