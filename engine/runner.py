@@ -151,6 +151,10 @@ class Runner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # Attention of a bf16/fp16 model on CPU in float32: without bf16 arithmetic every small product
+        # converts anyway (bf16 products took ~2 ms a layer at batch 8), and torch's own CPU attention
+        # (transformers' sdpa) accumulates bf16 in float32 too. K/V stay in the cache's dtype.
+        self._attn_dtype = torch.float32 if self.device.type == "cpu" and self.dtype.itemsize < 4 else self.dtype
         self.block_size = cache.config.block_size
         attn = self._layers[0].self_attn  # Qwen3-style q/k norms rotate with the model's own function
         self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb if hasattr(attn, "q_norm") else None
@@ -431,10 +435,10 @@ class Runner:
             # Overlapping rows of one block of one head (bs*D elements), one starting at every element of
             # the layer: a view, no copy.
             rows = kv.as_strided((g.kv_extent, bs * D), (1, 1))
-            kv = rows.index_select(0, g.kv_rows).view(2, B, self.num_kv_heads, nb * bs, D).to(self.dtype)
+            kv = rows.index_select(0, g.kv_rows).view(2, B, self.num_kv_heads, nb * bs, D).to(self._attn_dtype)
             return kv[0, :, :, : g.kv_len], kv[1, :, :, : g.kv_len]
         # Paged gather of every row's blocks at once, decoded by the cache's codec.
-        kb, vb = self.cache.read_blocks(layer, g.table)  # (B, nb, H_kv, bs, D) each
+        kb, vb = (b.to(self._attn_dtype) for b in self.cache.read_blocks(layer, g.table))  # (B, nb, H_kv, bs, D) each
         k = kb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
         v = vb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
         return k, v
@@ -465,9 +469,10 @@ class Runner:
                 o, st = self._attend_sparse(layer, qg, [seqs[i] for i in g.rows], g, scale)
             else:
                 k, v = self._gather_kv(layer, g)  # (B, H_kv, T, D) each
-                o, st = attend(qg, k, v, self._layout(g, layer), scale=scale, scores=scores is not None,
-                               corrupt=corrupt, key_bias=g.key_bias[layer] if g.key_bias is not None else None)
-            o = o.transpose(1, 2).reshape(B * g.q_len, H * D)  # (tokens, H*D)
+                o, st = attend(qg.to(self._attn_dtype), k, v, self._layout(g, layer), scale=scale,
+                               scores=scores is not None, corrupt=corrupt,
+                               key_bias=g.key_bias[layer] if g.key_bias is not None else None)
+            o = o.transpose(1, 2).reshape(B * g.q_len, H * D).to(q.dtype)  # (tokens, H*D)
             if out is None:
                 out = o
             else:
