@@ -234,8 +234,7 @@ def load_model(path: str | os.PathLike[str] | None = None, *, dtype: Any = "floa
             )
         name = directory.name
     # The light modules read a fast tokenizer (tokenizer.json) or none; other tokenizers need transformers.
-    fast_or_none = (directory / "tokenizer.json").is_file() or not (directory / "tokenizer_config.json").is_file()
-    if light and fast_or_none:
+    if light and ((directory / "tokenizer.json").is_file() or not (directory / "tokenizer_config.json").is_file()):
         from .llama import ChatTokenizer, load_llama, unsupported
 
         try:

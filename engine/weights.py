@@ -9,8 +9,8 @@ make them cheaper without changing what they compute:
   once and the model's ``nn.Linear`` weights become views into it, so memory holds one copy.
 - **A bandwidth-bound kernel.** Up to ``matvec.MAX_ROWS`` rows on CPU go to ``matvec`` (each
   weight read once, split over torch's threads: 1.2-1.6x MKL's and oneDNN's float32 products on
-  SmolLM2's shapes; bf16 weights at half the bytes, 2.7x torch's bf16 product at eight rows);
-  more rows (prefill) to ``F.linear`` (MKL's GEMM).
+  SmolLM2's shapes; bf16 weights at half the bytes); more rows (prefill) to ``F.linear`` (MKL's
+  GEMM; a bf16 weight on CPU widened to float32 for it, as torch's bf16 GEMM is slower there).
 
 The kernel sums in a different order than MKL, so logits differ from transformers' in the
 last bits (well inside the 1e-4 the tests allow); the greedy tokens are the same.
@@ -46,7 +46,7 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matvec is not None and x.shape[0] <= MAX_ROWS:
             return self.matvec(x, self.weight, self.bias).to(x.dtype)  # (M, N)
-        if self.matvec is not None and self.weight.dtype == torch.bfloat16:
+        if self.weight.dtype == torch.bfloat16 and self.weight.is_cpu:
             # Many rows (prefill) of a bf16 weight: torch's bf16 GEMM on a CPU without bf16 arithmetic is
             # ~3x slower than widening the weight for the float32 GEMM (800 rows x SmolLM2's gate/up: 279 vs
             # 84 ms); the sums are float32 either way, the result rounded to bf16 as the bf16 product rounds it.
