@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..events import Attn, Batch, SeqId
-from .attention import AttnLayout, attend, attention_stats
+from .attention import AttnLayout, Newest, attend, layer_stats
 from .cache import PagedKVCache
 from .config import EngineConfig
 
@@ -128,7 +128,7 @@ class EngineCache(Cache):
         self._table: torch.Tensor | None = None
         self._kv_len = 0
         self._in_step = False
-        self._scores: list[torch.Tensor] = []  # newest queries' scores per layer, for this step's statistics
+        self._scores: list[Newest] = []  # newest queries' scores per layer, for this step's statistics
         self._keep: torch.Tensor | None = None
         num_layers = cache.config.num_layers
         super().__init__(layers=[_EngineLayer(self, i) for i in range(num_layers)])
@@ -303,7 +303,7 @@ class EngineCache(Cache):
         per_layer, self._scores = self._scores, []
         if len(per_layer) != len(self.layers):
             return  # not the kvdoctor attention implementation, or statistics not due this step
-        st = attention_stats(torch.stack(per_layer), self._keep, sink_tokens=self.engine.block_size,
+        st = layer_stats(per_layer, self._keep, sink_tokens=self.engine.block_size,
                              per_head=self.per_head)
         summary = st.summary.tolist()
         he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
@@ -362,7 +362,7 @@ def kvdoctor_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     scale = scaling if scaling is not None else D ** -0.5
     out, newest = attend(query, key, value, layout, scale=scale, scores=stats, corrupt=corrupt)
     if newest is not None:
-        owner._scores.append(newest.float())
+        owner._scores.append(Newest(newest.scores.float(), newest.probs))
         owner._keep = layout.keep
     return out.transpose(1, 2).contiguous(), None
 

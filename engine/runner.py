@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..events import Attn, Batch, SeqId
-from .attention import AttnLayout, AttnStats, attend, attention_stats, hidden_keys
+from .attention import AttnLayout, AttnStats, Newest, attend, hidden_keys, layer_stats
 from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
@@ -307,7 +307,7 @@ class Runner:
         cos, sin = cos[0], sin[0]  # (N, D)
         N, H, H_kv, D = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
-        scores: list[list[torch.Tensor]] = [[] for _ in groups]
+        scores: list[list[Newest]] = [[] for _ in groups]
         for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
             a = layer.self_attn
             qkv = w.qkv(norm1(x))  # (N, (H + 2 H_kv) * D): q, k, v side by side
@@ -343,7 +343,7 @@ class Runner:
         if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
                 if len(per_layer) == self.num_layers:
-                    self._observe_attention([seqs[i] for i in g.rows], torch.stack(per_layer), g)
+                    self._observe_attention([seqs[i] for i in g.rows], torch.stack([n.scores for n in per_layer]), g)
         for (seq, toks), k in zip(rows, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k, tokens=toks)
@@ -364,7 +364,7 @@ class Runner:
             self._emit_stats(seqs, groups, scores)
             if streaming:  # each row's statistics from the scores of the parts its keys were streamed in
                 for seq, per_layer in self._streamer.step.scores.items():
-                    self._emit_attn([seq], attention_stats(torch.stack(per_layer)[:, None], None,
+                    self._emit_attn([seq], layer_stats([Newest(s[None]) for s in per_layer], None,
                                                            sink_tokens=self.block_size, per_head=self.per_head))
         return logits
 
@@ -458,7 +458,7 @@ class Runner:
         return torch.stack([full if (k := self._layout(g, li).keep) is None else k for li in range(self.num_layers)])
 
     def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], groups: list[_Group], scale: float,
-                       scores: list[list[torch.Tensor]] | None, corrupt: Any) -> torch.Tensor:
+                       scores: list[list[Newest]] | None, corrupt: Any) -> torch.Tensor:
         """Attention output of every token (N, H*D); appends each group's newest-query scores to ``scores``."""
         N, H, D = q.shape
         out = q.new_empty(N, H * D) if len(groups) > 1 else None
@@ -482,7 +482,7 @@ class Runner:
         return out
 
     def _attend_sparse(self, layer: int, qg: torch.Tensor, rows: list[SeqId], g: _Group, scale: float
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor, Newest | None]:
         """Block-sparse attention (and the attention mass importance eviction accumulates). On a statistics
         step it also returns the newest query's scores over the blocks it read (the rest at the lowest
         finite score: no probability), so ``attn`` events come from what attention really saw."""
@@ -496,12 +496,12 @@ class Runner:
                 self._importance.observe(seq, self.cache.block_table(seq), m)
         return o, scores
 
-    def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[list[torch.Tensor]]) -> None:
+    def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[list[Newest]]) -> None:
         """One ``attn`` event per row and layer, from statistics computed once for all layers of a group."""
         for g, per_layer in zip(groups, scores):
             if len(per_layer) != self.num_layers:
                 continue  # a path without scores (block-sparse attention) has no statistics
-            st = attention_stats(torch.stack(per_layer), self._keep(g), sink_tokens=self.block_size,
+            st = layer_stats(per_layer, self._keep(g), sink_tokens=self.block_size,
                                  per_head=self.per_head)
             self._emit_attn([seqs[row] for row in g.rows], st)
 

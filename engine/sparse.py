@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import AttnLayout, attend
+from .attention import AttnLayout, Newest, attend
 
 __all__ = ["block_upper_bound", "quest_bound", "select_blocks", "chunk_block_mask", "KeySummaries", "BlockSparse", "SparseRead"]
 
@@ -292,12 +292,12 @@ class BlockSparse:
 
     def attend(self, layer: int, q: torch.Tensor, seqs: Sequence[Any], table: torch.Tensor, layout: AttnLayout,
                kv_lens: Sequence[int], scale: float, *, want_mass: bool = False, want_scores: bool = False,
-               key_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:
+               key_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor] | None, Newest | None]:
         """Attention of ``q`` (B, H, S, D) for rows ``seqs`` with block ``table`` (B, nb) of device slots.
 
         Returns the output (B, H, S, D); with ``want_mass``, per row the attention mass on each
         of its blocks (nb_row,) summed over heads and queries; with ``want_scores``, each row's
-        newest query's scaled scores (B, H, T) over its keys, the keys it did not read at the
+        newest query's scaled scores (B, H, T) over its keys (``Newest``), the keys it did not read at the
         lowest finite value (no probability, and no non-finite count in the statistics). ``key_bias``
         (B, H_kv, T): token merging's score bias of each key (``engine.merge``), added to what is read.
         """
@@ -344,12 +344,12 @@ class BlockSparse:
     def _dense(self, layer, q, seqs, table, layout, kv_lens, nbs, scale, want_scores=False, key_bias=None):
         """Every block is chosen: the runner's own dense computation, so the two agree exactly."""
         k, v = self._gather(layer, table, max(kv_lens))
-        out, scores = attend(q, k, v, layout, scale=scale, scores=want_scores, key_bias=key_bias)
+        out, newest = attend(q, k, v, layout, scale=scale, scores=want_scores, key_bias=key_bias)
         H_kv = k.shape[1]
         for r, seq in enumerate(seqs):
             self.read.blocks.setdefault(seq, set()).update(range(nbs[r]))
             self.read.rows_read += nbs[r] * H_kv
-        return out, scores
+        return out, newest
 
     def _decode(self, layer: int, q: torch.Tensor, seqs, table, kv_lens, nbs, scale, want_scores=False, key_bias=None):
         """One query per row: gather only the chosen pages' block rows (per KV head) and attend over them."""
@@ -399,7 +399,7 @@ class BlockSparse:
         pos = (sel[..., None] * bs + tok).view(B, H_kv, 1, n * bs)
         pos = pos.masked_fill(~ok.view(B, H_kv, 1, n * bs), T).expand(B, H_kv, g, n * bs)  # unread -> a spare column
         scores = raw.new_full((B, H_kv, g, T + 1), low).scatter_(-1, pos, raw)
-        return out, scores[..., :T].reshape(B, H, T)
+        return out, Newest(scores[..., :T].reshape(B, H, T))
 
     def _masked(self, layer, q, seqs, table, kv_lens, nbs, scale, want_mass, want_scores=False, key_bias=None):
         """Queries choose their own pages (prefill chunks, or any step that needs attention mass)."""
@@ -445,4 +445,4 @@ class BlockSparse:
             nb_max = table.shape[1]
             padded = F.pad(per_tok, (0, nb_max * bs - T)).view(B, nb_max, bs).sum(-1)  # (B, nb)
             mass = [padded[r, : nbs[r]] for r in range(B)]
-        return out, mass, scores[:, :, -1] if want_scores else None
+        return out, mass, Newest(scores[:, :, -1]) if want_scores else None

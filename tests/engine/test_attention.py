@@ -9,7 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.attention import AttnLayout, attend, attention_stats
+from kvdoctor.engine import attention
+from kvdoctor.engine.attention import AttnLayout, Newest, attend, attention_stats, layer_stats
+
+needs_kernel = pytest.mark.skipif(attention._stats_kernel() is None, reason="the statistics kernel does not build here")
 
 
 def _reference(q, k, v, q_len, kv_len, scale):
@@ -41,7 +44,7 @@ def test_padded_batches_match_per_row_reference(rows, stats):
     layout = AttnLayout.build(q_lens, kv_lens, sink_tokens=4)
     # WHEN attention runs on the padded batch (explicit or fused path)
     out, newest = attend(q, k, v, layout, scale=0.3, scores=stats)
-    st_ = attention_stats(newest[None], layout.keep, sink_tokens=4, per_head=True) if stats else None
+    st_ = attention_stats(newest.scores[None], layout.keep, sink_tokens=4, per_head=True) if stats else None
     # THEN every row's valid queries match the per-row reference
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         ref, scores, probs = _reference(q[b], k[b], v[b], ql, kl, 0.3)
@@ -56,6 +59,27 @@ def test_padded_batches_match_per_row_reference(rows, stats):
             torch.testing.assert_close(st_.heads_entropy[0, b], ent, atol=1e-5, rtol=1e-5)
     if not stats:
         assert newest is None
+    elif attention._stats_kernel() is not None:  # AND the compiled statistics agree (from the probabilities in decode)
+        assert (newest.probs is not None) == (max(q_lens) == 1)
+        fast = layer_stats([newest], layout.keep, sink_tokens=4, per_head=True)
+        torch.testing.assert_close(fast.summary, st_.summary, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(fast.heads_entropy, st_.heads_entropy, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@settings(deadline=None, max_examples=40)
+@given(kv_lens=st.lists(st.integers(1, 70), min_size=1, max_size=4), spread=st.floats(0.1, 30), seed=st.integers(0, 999))
+def test_decode_statistics_from_the_probabilities_equal_those_from_the_scores(kv_lens, spread, seed):
+    # GIVEN one new query per row over keys of different lengths (a padded decode batch), sharp or flat
+    q, k, v = _batch([1] * len(kv_lens), kv_lens, seed=seed)
+    layout = AttnLayout.build([1] * len(kv_lens), kv_lens, sink_tokens=4)
+    # WHEN attention hands back its probabilities with the scores
+    _, newest = attend(q * spread, k, v, layout, scale=0.3, scores=True)
+    # THEN statistics taken from them equal torch's passes over the scores alone
+    fast = layer_stats([newest, newest], layout.keep, sink_tokens=4, per_head=True)
+    want = attention_stats(torch.stack([newest.scores] * 2), layout.keep, sink_tokens=4, per_head=True)
+    torch.testing.assert_close(fast.summary, want.summary, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(fast.heads_entropy, want.heads_entropy, atol=3e-5, rtol=3e-5)
 
 
 def test_uniform_attention_has_log_t_entropy_and_sink_share():
@@ -65,7 +89,7 @@ def test_uniform_attention_has_log_t_entropy_and_sink_share():
     layout = AttnLayout.build([1], [32], sink_tokens=16)
     # WHEN the statistics are taken
     _, newest = attend(q, k, v, layout, scale=0.125, scores=True)
-    max_logit, entropy, sink, nonfinite = attention_stats(newest[None], layout.keep, sink_tokens=16).summary[0, 0].tolist()
+    max_logit, entropy, sink, nonfinite = attention_stats(newest.scores[None], layout.keep, sink_tokens=16).summary[0, 0].tolist()
     # THEN attention is uniform: entropy ln 32, half the mass on the first block, logits 0
     assert entropy == pytest.approx(math.log(32), abs=1e-5)
     assert sink == pytest.approx(0.5, abs=1e-6)
@@ -79,7 +103,7 @@ def test_nan_in_keys_is_counted_as_nonfinite():
     layout = AttnLayout.build([1, 1], [5, 5], sink_tokens=16)
     # WHEN attention runs with statistics
     _, newest = attend(q, k, v, layout, scale=0.5, scores=True)
-    summary = attention_stats(newest[None], layout.keep, sink_tokens=16).summary[0]
+    summary = attention_stats(newest.scores[None], layout.keep, sink_tokens=16).summary[0]
     # THEN only the corrupted row reports non-finite values: the key's NaN score in both query heads
     # sharing its KV head, and the 5 probabilities of each head whose softmax it breaks; the other
     # statistics stay finite numbers
@@ -114,20 +138,65 @@ def test_corrupt_hook_sees_scores_before_softmax_and_forces_the_explicit_path():
     assert newest is None and torch.isnan(out[0, 0]).all() and not torch.isnan(out[0, 1:]).any()
 
 
+def _stacked(scores, keep, **kw):
+    return attention_stats(scores, keep, **kw)
+
+
+def _per_layer(scores, keep, **kw):
+    return layer_stats([Newest(s) for s in scores.unbind(0)], keep, **kw)
+
+
+@pytest.mark.parametrize("stats", [_stacked, _per_layer], ids=["torch", "per-layer"])
 @pytest.mark.parametrize("bad", [float("-inf"), float("inf"), float("nan")])
-def test_any_visible_nonfinite_score_is_counted_and_hidden_garbage_is_not(bad):
+def test_any_visible_nonfinite_score_is_counted_and_hidden_garbage_is_not(bad, stats):
     # GIVEN scores of two rows whose second row is shorter: keys past its length hold garbage
     L, B, H, T = 2, 2, 3, 6
     scores = torch.randn(L, B, H, T, generator=torch.Generator().manual_seed(3))
     keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     scores[:, 1, :, 4:] = float("nan")  # hidden: never seen by the query, never counted
-    clean = attention_stats(scores, keep, sink_tokens=2).summary
+    clean = stats(scores, keep, sink_tokens=2).summary
     # WHEN one visible score of layer 1, row 0, head 2 is not finite
     scores[1, 0, 2, 3] = bad
-    summary = attention_stats(scores, keep, sink_tokens=2).summary
+    summary = stats(scores, keep, sink_tokens=2).summary
     # THEN that row counts it (and, for NaN or +inf, the 6 probabilities of the head it breaks), the
     # hidden NaNs count nothing, and every other statistic stays a finite number
     assert summary[1, 0, 3].item() == (1 if bad == float("-inf") else 1 + 6)
     assert summary[:, :, 3].sum().item() == summary[1, 0, 3].item()
     assert torch.isfinite(summary).all()
     torch.testing.assert_close(summary[0], clean[0])
+
+
+@needs_kernel
+@settings(deadline=None, max_examples=60)
+@given(L=st.integers(1, 3), B=st.integers(1, 3), H=st.integers(1, 3), T=st.integers(1, 41), spread=st.floats(0.01, 60),
+       mask=st.sampled_from(["none", "rows", "layers"]), bad=st.sampled_from([None, "nan", "inf", "-inf"]),
+       sink=st.integers(0, 20), seed=st.integers(0, 2**16))
+def test_the_compiled_statistics_equal_torchs_passes(L, B, H, T, spread, mask, bad, sink, seed):
+    # GIVEN each layer's scores as attention leaves them (not stacked), some keys hidden, perhaps a
+    # non-finite score (visible or not), and garbage behind the hidden keys
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(L, B, H, T, generator=g) * spread
+    keep = {"none": None, "rows": torch.rand(B, T, generator=g) > 0.3,
+            "layers": torch.rand(L, B, T, generator=g) > 0.3}[mask]
+    if bad is not None:
+        scores.view(-1)[torch.randint(0, scores.numel(), (2,), generator=g)] = float(bad)
+    # WHEN the statistics are taken by the compiled pass over the layers as they are, and by torch
+    got = layer_stats([Newest(s) for s in scores.unbind(0)], keep, sink_tokens=sink, per_head=True)
+    want = attention_stats(scores, keep, sink_tokens=sink, per_head=True)
+    # THEN every statistic, per row and per head, is the same to float32 rounding
+    for a, b in ((got.summary, want.summary), (got.heads_entropy, want.heads_entropy),
+                 (got.heads_max_logit, want.heads_max_logit)):
+        torch.testing.assert_close(a, b, atol=3e-5, rtol=3e-5)
+
+
+def test_statistics_off_the_cpu_kernels_path_fall_back_to_torch(monkeypatch):
+    # GIVEN no compiled kernel (no compiler here), and bf16 scores (a bf16 model on a GPU)
+    scores = torch.randn(2, 1, 3, 9, generator=torch.Generator().manual_seed(1))
+    want = attention_stats(scores, None, sink_tokens=2).summary
+    monkeypatch.setattr(attention, "_stats_kernel", lambda: None)
+    # THEN layer_stats gives torch's statistics either way
+    torch.testing.assert_close(layer_stats([Newest(s) for s in scores.unbind(0)], None, sink_tokens=2).summary, want)
+    monkeypatch.undo()
+    low = layer_stats([Newest(s) for s in scores.bfloat16().unbind(0)], None, sink_tokens=2).summary
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), want, atol=0.05, rtol=0.02)

@@ -71,14 +71,14 @@ def test_pages_of_several_blocks_are_chosen_whole_with_the_sink_page_and_the_win
     # GIVEN 40 cached tokens in 10 blocks of 4, selected in pages of 2 blocks (5 pages)
     r, sp, q, table = _summarised(make_cache, 40, 2, k=1, sink_blocks=1, local_blocks=1, blocks_per_page=2)
     # WHEN a decode query takes the top page
-    out, scores = sp._decode(1, q, ["a"], table, [40], [10], 0.3, want_scores=True)
+    out, (scores, _) = sp._decode(1, q, ["a"], table, [40], [10], 0.3, want_scores=True)
     # THEN every KV head read the sink page, the newest page and one more: 3 pages of 2 blocks
     assert sp.read.rows_read == 2 * 3 * 2
     read = sorted(sp.read.blocks["a"])
     assert {0, 1, 8, 9} <= set(read) and all({b - b % 2, b - b % 2 + 1} <= set(read) for b in read)
     # ... the output is masked attention over the same pages, and the scores it hands back are
     # the keys' real scores where read and carry no probability elsewhere
-    ref, _, ref_scores = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False, True)
+    ref, _, (ref_scores, _) = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False, True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.softmax(scores, -1), torch.softmax(ref_scores, -1), atol=1e-6, rtol=1e-5)
     assert torch.isfinite(scores).all() and (torch.softmax(scores, -1)[..., 8:32].sum(-1) < 1).all()

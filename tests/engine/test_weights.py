@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.matvec import MAX_ROWS, _library_of, load, probe
+from kvdoctor.engine.matvec import MAX_ROWS, load, probe
+from kvdoctor.engine.native import library_of
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
@@ -138,7 +139,7 @@ def test_the_kernel_runs_in_torchs_own_openmp_runtime():
     # GIVEN the loaded kernel library, WHEN the loader is asked where its OpenMP calls go
     lib = ctypes.CDLL(str(load().path))
     lib.kvdoctor_openmp_symbol.restype = ctypes.c_void_p
-    runtime = _library_of(lib.kvdoctor_openmp_symbol())
+    runtime = library_of(lib.kvdoctor_openmp_symbol())
     # THEN it is the libgomp torch's wheel ships (one thread pool for torch's ops and the kernel)
     bundled = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     assert runtime == (os.path.realpath(bundled) if bundled.exists() else runtime) and "libgomp" in runtime

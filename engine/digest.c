@@ -1,0 +1,42 @@
+/* Unit sums of content digests (digest.py): weighted wrapping sums of stored elements as integers.
+ *
+ * out[l * so + c] += sum over h < H, w < W of x_l[h * sh + c * sc + w] * wt[h * W + w]   (mod 2^64)
+ *
+ * x_l = base[l], of itemsize 1 (unsigned: codes), 2 or 4 bytes (signed: a float's bit pattern), strides
+ * in elements. The same sums numpy's einsum takes over integer views, without gathering the layers into
+ * one array first (a decode step's K and V are 60 small tensors) or numpy's per-call overhead; unsigned
+ * arithmetic wraps as numpy's int64 does. */
+#include <omp.h>
+#include <stdint.h>
+
+#define SUMS(NAME, T)                                                                                       \
+  static void NAME(const void *const *base, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,      \
+                   int64_t sc, const int64_t *wt, uint64_t *out, int64_t so, int threads) {              \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (L * H * C * W > (1 << 16))")      \
+    for (int64_t l = 0; l < L; l++) {                                                                    \
+      const T *x = (const T *)base[l];                                                                   \
+      for (int64_t c = 0; c < C; c++) {                                                                  \
+        uint64_t acc = 0;                                                                                \
+        for (int64_t h = 0; h < H; h++) {                                                                \
+          const T *row = x + h * sh + c * sc;                                                            \
+          const int64_t *w = wt + h * W;                                                                 \
+          for (int64_t i = 0; i < W; i++) acc += (uint64_t)(int64_t)row[i] * (uint64_t)w[i];             \
+        }                                                                                                \
+        out[l * so + c] += acc;                                                                          \
+      }                                                                                                  \
+    }                                                                                                    \
+  }
+
+SUMS(sums_u8, uint8_t)
+SUMS(sums_i16, int16_t)
+SUMS(sums_i32, int32_t)
+
+void kvdoctor_unit_sums(const void *const *base, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,
+                        int64_t sc, int64_t itemsize, const int64_t *wt, uint64_t *out, int64_t so, int threads) {
+  if (itemsize == 1) sums_u8(base, L, H, C, W, sh, sc, wt, out, so, threads);
+  else if (itemsize == 2) sums_i16(base, L, H, C, W, sh, sc, wt, out, so, threads);
+  else sums_i32(base, L, H, C, W, sh, sc, wt, out, so, threads);
+}
+
+/* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */
+void *kvdoctor_openmp_symbol(void) { return (void *)&omp_get_max_threads; }

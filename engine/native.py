@@ -1,0 +1,103 @@
+"""C kernels compiled for this CPU on first use, run on torch's own OpenMP threads.
+
+Some hot loops are a few lines of C and many passes of torch: the decode step's matrix products
+(``matvec``), the attention statistics of a step (``attention``), the content digests of the K/V a
+step writes (``digest``). Each lives in a C file beside its module and is compiled here with the
+system's C compiler for this CPU (``-march=native``), cached under ``~/.cache/kvdoctor/kernels``,
+keyed by its source, the flags and the CPU's feature flags.
+
+A library links ``libgomp.so.1``, the OpenMP runtime torch's wheel loads, so its threads are torch's
+threads: a second runtime would have two pools spinning against each other on the same cores.
+``load`` asks the dynamic loader which runtime the library's OpenMP calls reach (each source defines
+``kvdoctor_openmp_symbol`` for that) and uses it only if that is a ``libgomp.so.1`` mapped before it
+was loaded (torch's; other packages' private copies, such as sentencepiece's renamed libgomp, do not
+count). Where that cannot hold (no compiler, not Linux, another runtime) ``load`` says why, and the
+caller uses torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .model import models_dir
+
+__all__ = ["library_of", "load"]
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cc: str, source: Path) -> Path:
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join([cc, *_FLAGS]).encode(), _cpu_flags().encode()])).hexdigest()
+    out = models_dir().parent / "kernels" / f"{source.stem}-{key[:16]}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(source), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)  # atomic: a process racing this one loads a whole library or builds its own
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _mapped_libgomp() -> set[str]:
+    with open("/proc/self/maps") as fh:
+        return {os.path.realpath(line.split()[-1]) for line in fh if "/libgomp" in line}
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
+                ("saddr", ctypes.c_void_p)]
+
+
+def library_of(address: int) -> str | None:
+    """The path of the shared library that holds ``address`` (glibc's ``dladdr``)."""
+    info = _DlInfo()
+    libc = ctypes.CDLL(None)
+    if not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.fname:
+        return None
+    return os.path.realpath(info.fname.decode())
+
+
+def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | str:
+    """``source`` built for this CPU and loaded, its functions in ``signatures`` (name -> argument
+    ctypes; they return nothing) typed; or why it cannot run here on torch's threads."""
+    if not torch.backends.openmp.is_available():
+        return "this torch build has no OpenMP thread pool to share"
+    cc = os.environ.get("CC", "cc")
+    try:
+        before = _mapped_libgomp()  # torch's, loaded with torch
+        lib = ctypes.CDLL(str(_build(cc, source)))
+        lib.kvdoctor_openmp_symbol.restype = ctypes.c_void_p
+        runtime = library_of(lib.kvdoctor_openmp_symbol())
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+    except FileNotFoundError as exc:
+        return f"no C compiler: {exc.filename or cc} not found"
+    except subprocess.CalledProcessError as exc:
+        return f"{cc} failed to build {source.name}: {exc.stderr.decode(errors='replace').strip()[-300:]}"
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        return f"cannot build or load {source.name}: {exc}"
+    if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
+        return f"its OpenMP calls reach {runtime}, not the libgomp torch loaded: two thread pools would fight"
+    return lib
