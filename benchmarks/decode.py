@@ -8,7 +8,9 @@ run decodes the same number of tokens:
 - batch 8: eight prompts of different lengths, continuously batched by the runner and
   left-padded into one batch for transformers;
 - events: the runner with events off (nobody listening: no statistics, no trace) against
-  every event, attention statistics included, written to a trace file;
+  every event, attention statistics included, written to a trace file; and, timed around their
+  entry points, the milliseconds a listened step spends inside each part of the event path
+  (statistics, staging for digests, booking writes, reads, the step's end and its sink);
 - digests: with every event on, the time spent inside the content-digest code (staging at
   ``store``, folding and booking at ``commit``, verifying reads and swaps), timed around its
   entry points with the timers' own cost subtracted, as a share of the decode steps' time,
@@ -24,16 +26,20 @@ comparison run alternately in this process (ABBA), and what is reported is the m
 of the per-pair ratios with its quartiles: a burst of load from other processes hits
 one pair, not the figure. Events on/off alternates step by step inside one continuous
 batch (off, on, on, off, …) and reports the median extra time of a listened step over its
-neighbour, by CPU time and wall clock, with quartiles. Peak RSS of the process is reported. Usage::
+neighbour, by CPU time and wall clock, with quartiles; ``--compiled-events both`` also runs it with the
+attention statistics and digest sums by torch and numpy instead of their compiled passes, run for run
+alternately, as the baseline of what those passes save. Peak RSS of the process is reported. Usage::
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
-        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--mixed-outputs] [--no-matvec] [--dtype bfloat16]
+        [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--compiled-events both]
+        [--mixed-outputs] [--no-matvec] [--dtype bfloat16]
         [--profile N] [--bound-repeats 7] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -41,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -149,58 +155,126 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
     return {k: v[:n] for k, v in times.items()}
 
 
-def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
-                 mode: str) -> dict[str, Any]:
-    """Time inside the digest code per decode step, and its share of the step, with every event on."""
-    from kvdoctor.engine.scheduler import Request, Scheduler
+@contextlib.contextmanager
+def compiled_events(on: bool) -> Iterator[None]:
+    """Attention statistics and digest unit sums by their compiled passes (``on``), or by the torch and
+    numpy passes they replaced: the baseline of ``--compiled-events both``."""
+    from kvdoctor.engine import attention, digest
 
-    book, tiers = runner.cache.digests, runner.cache.tiers
-    spent = [0.0, 0]  # seconds inside, calls
-    # the wall clock (a vDSO read, ~50 ns): the process CPU clock is a system call whose own cost, several
-    # times a timed call's, would swamp it; a section preempted by another process only inflates the figure
-    clock = time.perf_counter
+    saved = attention._stats_kernel, digest._sums_kernel
+    if not on:
+        attention._stats_kernel = digest._sums_kernel = lambda: None
+    try:
+        yield
+    finally:
+        attention._stats_kernel, digest._sums_kernel = saved
 
-    def timed(f: Callable[..., Any]) -> Callable[..., Any]:
+
+class _Timers:
+    """Wall-clock seconds spent inside chosen methods, per label, while in effect: each method is wrapped
+    on its instance (``targets``: label -> [(object, method name)]) and the wrapper's own cost subtracted.
+
+    The wall clock is a vDSO read (~50 ns): the process CPU clock is a system call whose own cost, several
+    times a timed call's, would swamp it; a section preempted by another process only inflates the figure."""
+
+    def __init__(self, targets: dict[str, list[tuple[Any, str]]]) -> None:
+        self.targets = targets
+        self.reset()
+        label = next(iter(targets))
+        probe = self._wrap(lambda: None, label)  # what the timer itself adds to each interval
+        for _ in range(20000):
+            probe()
+        self.per_call = self.spent[label] / self.calls[label]
+        self.reset()
+
+    def _wrap(self, f: Callable[..., Any], label: str) -> Callable[..., Any]:
         def g(*a: Any, **k: Any) -> Any:
-            t0 = clock()
+            t0 = time.perf_counter()
             try:
                 return f(*a, **k)
             finally:
-                spent[0] += clock() - t0
-                spent[1] += 1
+                self.spent[label] += time.perf_counter() - t0
+                self.calls[label] += 1
         return g
 
-    # what the timer itself adds to each timed interval, to subtract: the same wrapper around a no-op
-    noop = timed(lambda: None)
-    for _ in range(20000):
-        noop()
-    per_call = spent[0] / spent[1]
-    wrapped = {(book, "stage"), (book, "record_write"), (tiers, "verify"), (tiers, "retake")}
-    originals = {(o, n): getattr(o, n) for o, n in wrapped}
-    before = book.mode
-    book.mode = mode
+    def reset(self) -> None:
+        self.spent = dict.fromkeys(self.targets, 0.0)
+        self.calls = dict.fromkeys(self.targets, 0)
+
+    def inside(self, label: str) -> float:
+        """Seconds inside ``label``'s methods since the last reset, less the timers' own share."""
+        return max(self.spent[label] - self.calls[label] * self.per_call, 0.0)
+
+    def __enter__(self) -> _Timers:
+        for label, methods in self.targets.items():
+            for o, n in methods:
+                setattr(o, n, self._wrap(getattr(o, n), label))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for methods in self.targets.values():
+            for o, n in methods:
+                delattr(o, n)  # the instance attribute goes; the class's method shows again
+
+
+def _listened_decode(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
+                     timers: _Timers, each_step: Callable[[], None] = lambda: None) -> tuple[int, float]:
+    """Decode ``prompts`` with ``sink`` listening, ``timers`` reset after the prefill; decode steps and seconds."""
+    from kvdoctor.engine.scheduler import Request, Scheduler
+
     runner.bus.subscribe(sink)
     try:
-        for o, n in wrapped:
-            setattr(o, n, timed(originals[(o, n)]))
         sched = Scheduler(runner, max_batch=len(prompts))
         for p in prompts:
             sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
         sched.step()  # prefill
-        spent[0] = spent[1] = 0
-        steps, t0 = 0, clock()
+        timers.reset()
+        steps, t0 = 0, time.perf_counter()
         while sched.live:
             sched.step()
+            each_step()
             steps += 1
-        total = clock() - t0
+        return steps, time.perf_counter() - t0
     finally:
         runner.bus.unsubscribe(sink)
-        for o, n in wrapped:
-            delattr(o, n)  # the instance attribute goes; the class's method shows again
+
+
+def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
+                 mode: str) -> dict[str, Any]:
+    """Time inside the digest code per decode step, and its share of the step, with every event on."""
+    book, tiers = runner.cache.digests, runner.cache.tiers
+    before = book.mode
+    book.mode = mode
+    try:
+        with _Timers({"digest": [(book, "stage"), (book, "record_write"), (tiers, "verify"), (tiers, "retake")]}) as t:
+            steps, total = _listened_decode(runner, sink, prompts, new_tokens, t)
+    finally:
         book.mode = before
-    inside = max(spent[0] - spent[1] * per_call, 0.0)
+    inside = t.inside("digest")
     return {"steps": steps, "step_ms": round(1e3 * total / steps, 2), "digest_ms": round(1e3 * inside / steps, 3),
-            "share": round(inside / total, 4), "calls_per_step": round(spent[1] / steps, 1)}
+            "share": round(inside / total, 4), "calls_per_step": round(t.calls["digest"] / steps, 1)}
+
+
+def event_parts(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int
+                ) -> dict[str, float]:
+    """Milliseconds a listened decode step spends inside each part of the event path (medians over the
+    steps): attention statistics and their events, staging the written K/V for digests, booking writes
+    (digest fold and records), read events (and sampled verification), and the step's end (the sink)."""
+    cache = runner.cache
+    targets = {"stats": [(runner, "_emit_stats")], "stage": [(cache.digests, "stage")],
+               "writes": [(cache.digests, "record_write")], "reads": [(cache, "emit_read")],
+               "step_end": [(runner.bus, "end_step")]}
+    per_step: dict[str, list[float]] = {label: [] for label in [*targets, "total"]}
+
+    def note() -> None:
+        for label in targets:
+            per_step[label].append(t.inside(label))
+        per_step["total"].append(sum(t.inside(label) for label in targets))
+        t.reset()
+
+    with _Timers(targets) as t:
+        _listened_decode(runner, sink, prompts, new_tokens, t, note)
+    return {label: round(1e3 * _median(v), 3) for label, v in per_step.items()}
 
 
 def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
@@ -313,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also ABBA pairs of whole runs per digest comparison (off vs sample, off vs full): a "
                     "cross-check, too noisy on a shared machine to resolve 1%% (default 0: skipped)")
     ap.add_argument("--only-events", action="store_true", help="skip the transformers speed comparison")
+    ap.add_argument("--compiled-events", choices=("on", "off", "both"), default="on",
+                    help="events runs with the attention statistics and digest sums compiled (on), by torch and "
+                         "numpy (off), or both, alternating run by run (results named *_torch for off)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batch-lengths", default="24,40,56,72,88,104,120,136",
                     help="prompt lengths of the batch-8 run (comma separated)")
@@ -377,19 +454,30 @@ def main(argv: list[str] | None = None) -> int:
                                  "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]} for clock, v in r.items()}
     E = args.event_tokens
     writer = TraceWriter(trace_path, runner.cache.header())
+    kernels = {"on": (True,), "off": (False,), "both": (True, False)}[args.compiled_events]
     for name, prompts in (("events_batch1", batch1), ("events_batch8", batch8)) if args.event_runs else ():
-        steps: dict[str, list[float]] = {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []}
+        steps = {on: {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []} for on in kernels}
         for _ in range(args.event_runs):
-            for k, v in events_by_step(runner, writer.write_many, prompts, E).items():
-                steps[k] += v
-        results[name] = {"pairs": len(steps["off_cpu"])}
-        for clock in ("cpu", "wall"):
-            off, on = steps[f"off_{clock}"], steps[f"on_{clock}"]
-            ratios = [b / a - 1 for a, b in zip(off, on)]  # extra time of the listened step
-            lo, hi = _quartiles(ratios)
-            results[name][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(on), 2),
-                                    "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
-                                    "overhead_q3": round(hi, 4)}
+            for on in kernels:  # with both, the two kinds of run alternate
+                with compiled_events(on):
+                    for k, v in events_by_step(runner, writer.write_many, prompts, E).items():
+                        steps[on][k] += v
+        parts: dict[bool, list[dict[str, float]]] = {on: [] for on in kernels}  # where a listened step's time goes
+        for _ in range(args.event_runs):
+            for on in kernels:
+                with compiled_events(on):
+                    parts[on].append(event_parts(runner, writer.write_many, prompts, E))
+        for on in kernels:
+            key = name if on else f"{name}_torch"
+            results[f"{key}_parts"] = {label: _median([p[label] for p in parts[on]]) for label in parts[on][0]}
+            results[key] = {"pairs": len(steps[on]["off_cpu"])}
+            for clock in ("cpu", "wall"):
+                off, listened = steps[on][f"off_{clock}"], steps[on][f"on_{clock}"]
+                ratios = [b / a - 1 for a, b in zip(off, listened)]  # extra time of the listened step
+                lo, hi = _quartiles(ratios)
+                results[key][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(listened), 2),
+                                       "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
+                                       "overhead_q3": round(hi, 4)}
     for name, prompts in (("digests_batch1", batch1), ("digests_batch8", batch8)):
         for mode in ("sample", "full"):
             results[f"{name}_{mode}_share"] = digest_share(runner, writer.write_many, prompts, E, mode)
@@ -413,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} ({clock} clock): transformers {r['transformers']:.2f} tok/s, runner {r['runner']:.2f} tok/s, "
                   f"speedup {r['speedup']:.2f}x (median of {args.repeats} pairs; quartiles "
                   f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
-    for name in ("events_batch1", "events_batch8") if args.event_runs else ():
+    for name in [n for n in results if n.startswith("events_batch") and not n.endswith("_parts")]:
+        p = results[f"{name}_parts"]
+        print(f"{name} inside the event path: {p['total']:.3f} ms a listened step (" +
+              ", ".join(f"{label} {ms:.3f}" for label, ms in p.items() if label != "total") + "; medians)")
         for clock in ("cpu", "wall"):
             r = results[name][clock]
             print(f"{name} on vs off ({clock} clock): step {r['off_ms']:.1f} ms off, {r['on_ms']:.1f} ms on, "
