@@ -12,8 +12,10 @@ one vectorized pass: the largest scaled logit, the mean over heads of the Shanno
 entropy in nats, the probability mass on the sequence's first block (attention
 sinks), and the number of non-finite scores or probabilities. ``layer_stats`` takes the
 same statistics from each layer's scores as they are, without stacking them, on CPU in
-one compiled pass per head (``attn_stats.c``, built by ``native``): the dozen torch
-passes cost 0.6 ms of a 40 ms SmolLM2 step at batch 1 and 2 ms at batch 8. When they are not
+two compiled vector passes per head (``attn_stats.c``, built by ``native``), in decode from
+the probabilities attention computed, with no exponential: the dozen torch passes cost
+0.7 ms of a 38 ms SmolLM2 step at batch 1 and 1.7 ms at batch 8, the compiled ones 0.24 and
+0.62 ms with their events (docs/benchmarks.md). When they are not
 due, prefill takes PyTorch's fused ``scaled_dot_product_attention``; decode (one
 query per row) is explicit either way, as fast as the fused kernel at that size, so
 a step with statistics attends no slower than one without.
@@ -34,7 +36,8 @@ import torch.nn.functional as F
 
 from . import native
 
-__all__ = ["AttnLayout", "AttnStats", "attend", "attention_stats", "layer_stats", "hidden_keys", "Newest", "STAT_FIELDS"]
+__all__ = ["AttnLayout", "AttnStats", "Newest", "attend", "attention_stats", "layer_stats", "hidden_keys",
+           "STAT_FIELDS"]
 
 STAT_FIELDS = ("max_logit", "entropy", "sink", "nonfinite")
 _EXP_FLOOR = -80.0  # exp() of anything lower is treated as exp(-80): see _finite_stats
@@ -150,9 +153,9 @@ def attend(
     """Attention of ``q`` (B, H, S, D) over ``k``, ``v`` (B, H_kv, T, D); returns (B, H, S, D) and the scores.
 
     With ``scores`` the scaled pre-softmax scores of each row's newest query come back as
-    (B, H, T) for ``layer_stats``, with their probabilities in decode. Decode (``S == 1``) is always computed explicitly: at one
-    query per row two matmuls are as fast as the fused kernel, so statistics cost nothing extra
-    there. Longer queries use the fused SDPA kernel unless scores or ``corrupt`` need the explicit
+    (B, H, T) for ``layer_stats``, with their probabilities in decode. Decode (``S == 1``) is always
+    computed explicitly: at one query per row two matmuls are as fast as the fused kernel, so
+    statistics cost nothing extra there. Longer queries use the fused SDPA kernel unless scores or ``corrupt`` need the explicit
     path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan
     fault's hook). ``key_bias`` (B, H_kv, T) is added to every query's scaled score of each key (token merging:
     ``log(count)`` of a merged slot, a large negative number for a dead one; see ``engine.merge``); the scores

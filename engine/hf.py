@@ -303,8 +303,7 @@ class EngineCache(Cache):
         per_layer, self._scores = self._scores, []
         if len(per_layer) != len(self.layers):
             return  # not the kvdoctor attention implementation, or statistics not due this step
-        st = layer_stats(per_layer, self._keep, sink_tokens=self.engine.block_size,
-                             per_head=self.per_head)
+        st = layer_stats(per_layer, self._keep, sink_tokens=self.engine.block_size, per_head=self.per_head)
         summary = st.summary.tolist()
         he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
         hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None

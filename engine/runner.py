@@ -365,7 +365,7 @@ class Runner:
             if streaming:  # each row's statistics from the scores of the parts its keys were streamed in
                 for seq, per_layer in self._streamer.step.scores.items():
                     self._emit_attn([seq], layer_stats([Newest(s[None]) for s in per_layer], None,
-                                                           sink_tokens=self.block_size, per_head=self.per_head))
+                                                       sink_tokens=self.block_size, per_head=self.per_head))
         return logits
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
@@ -501,8 +501,7 @@ class Runner:
         for g, per_layer in zip(groups, scores):
             if len(per_layer) != self.num_layers:
                 continue  # a path without scores (block-sparse attention) has no statistics
-            st = layer_stats(per_layer, self._keep(g), sink_tokens=self.block_size,
-                                 per_head=self.per_head)
+            st = layer_stats(per_layer, self._keep(g), sink_tokens=self.block_size, per_head=self.per_head)
             self._emit_attn([seqs[row] for row in g.rows], st)
 
     def _emit_attn(self, rows: list[SeqId], st: AttnStats) -> None:
