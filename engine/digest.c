@@ -2,19 +2,19 @@
  *
  * out[l * so + c] += sum over h < H, w < W of x_l[h * sh + c * sc + w] * wt[h * W + w]   (mod 2^64)
  *
- * x_l = base[l], of itemsize 1 (unsigned: codes), 2 or 4 bytes (signed: a float's bit pattern), strides
- * in elements. The same sums numpy's einsum takes over integer views, without gathering the layers into
- * one array first (a decode step's K and V are 60 small tensors) or numpy's per-call overhead; unsigned
- * arithmetic wraps as numpy's int64 does. */
+ * x_l starts ls bytes after x_(l-1), at base for l = 0; elements of itemsize 1 (unsigned: codes), 2 or 4
+ * bytes (signed: a float's bit pattern), strides in elements. The same sums numpy's einsum takes over
+ * integer views, in one call without numpy's per-call cost (after a decode step has streamed the weights
+ * through the caches, each numpy call costs ~15 us); unsigned arithmetic wraps as numpy's int64 does. */
 #include <omp.h>
 #include <stdint.h>
 
 #define SUMS(NAME, T)                                                                                       \
-  static void NAME(const void *const *base, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,      \
+  static void NAME(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,  \
                    int64_t sc, const int64_t *wt, uint64_t *out, int64_t so, int threads) {              \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (L * H * C * W > (1 << 16))")      \
     for (int64_t l = 0; l < L; l++) {                                                                    \
-      const T *x = (const T *)base[l];                                                                   \
+      const T *x = (const T *)(base + l * ls);                                                           \
       for (int64_t c = 0; c < C; c++) {                                                                  \
         uint64_t acc = 0;                                                                                \
         for (int64_t h = 0; h < H; h++) {                                                                \
@@ -31,11 +31,11 @@ SUMS(sums_u8, uint8_t)
 SUMS(sums_i16, int16_t)
 SUMS(sums_i32, int32_t)
 
-void kvdoctor_unit_sums(const void *const *base, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,
+void kvdoctor_unit_sums(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,
                         int64_t sc, int64_t itemsize, const int64_t *wt, uint64_t *out, int64_t so, int threads) {
-  if (itemsize == 1) sums_u8(base, L, H, C, W, sh, sc, wt, out, so, threads);
-  else if (itemsize == 2) sums_i16(base, L, H, C, W, sh, sc, wt, out, so, threads);
-  else sums_i32(base, L, H, C, W, sh, sc, wt, out, so, threads);
+  if (itemsize == 1) sums_u8(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
+  else if (itemsize == 2) sums_i16(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
+  else sums_i32(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
 }
 
 /* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */

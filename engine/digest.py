@@ -142,10 +142,9 @@ class _Layout:
             for r in self.regions:
                 first = self.num_pos if r.group else 0
                 if kernel is not None and raw.device.type == "cpu" and raw.stride(1) % r.itemsize == 0:
-                    layers = raw.data_ptr() + r.offset + raw.stride(0) * np.arange(L, dtype=np.int64)
-                    kernel(layers.ctypes.data, L, H, r.count, r.width, raw.stride(1) // r.itemsize, r.width,
-                           r.itemsize, self._w[r.name].ctypes.data, out[i].ctypes.data + 8 * first, out.shape[2],
-                           torch.get_num_threads())
+                    kernel(raw.data_ptr() + r.offset, raw.stride(0), L, H, r.count, r.width, raw.stride(1) // r.itemsize,
+                           r.width, r.itemsize, self._w[r.name].ctypes.data, out[i].ctypes.data + 8 * first,
+                           out.shape[2], torch.get_num_threads())
                     continue
                 part = _as_ints(raw)[..., r.offset: r.offset + r.count * r.width * r.itemsize]
                 if r.itemsize > 1:
@@ -164,10 +163,10 @@ class _Layout:
             return np.einsum("lknhd,khd->ln", x, self._w_kv)
         L2, N, H, D = kv.shape
         out = np.zeros((L2 // 2, N), dtype=np.int64)
-        rows = kv.data_ptr() + kv.stride(0) * kv.element_size() * np.arange(L2, dtype=np.int64)  # K0, V0, K1, …
-        for at, w in ((rows[0::2].copy(), self._w["k"]), (rows[1::2].copy(), self._w["v"])):  # every K, then every V
-            kernel(at.ctypes.data, L2 // 2, H, N, D, D, H * D, kv.element_size(), w.ctypes.data, out.ctypes.data, N,
-                   torch.get_num_threads())
+        tensor = kv.stride(0) * kv.element_size()  # bytes from one (N, H, D) tensor to the next: K0, V0, K1, …
+        for first, w in ((0, self._w["k"]), (tensor, self._w["v"])):  # every layer's K, then every V
+            kernel(kv.data_ptr() + first, 2 * tensor, L2 // 2, H, N, D, D, H * D, kv.element_size(), w.ctypes.data,
+                   out.ctypes.data, N, torch.get_num_threads())
         return out
 
     def part_units(self, parts: dict[str, torch.Tensor]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -191,7 +190,7 @@ class _Layout:
 @functools.cache
 def _sums_kernel() -> Callable[..., None] | None:
     c = ctypes
-    signature = [c.c_void_p] + [c.c_int64] * 7 + [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]
+    signature = [c.c_void_p] + [c.c_int64] * 8 + [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]
     lib = native.load(Path(__file__).with_name("digest.c"), {"kvdoctor_unit_sums": signature})
     return None if isinstance(lib, str) else lib.kvdoctor_unit_sums
 
