@@ -53,9 +53,11 @@ def test_int8_error_is_half_a_step_of_the_channel_or_token_scale(seed, spread):
     k, v = _kv(seed, spread)
     cal = _calibration(k)
     k2, v2 = make_codec("int8", BS, D, calibration=cal).roundtrip(k, v)
-    # THEN a key is off by at most half a step of its channel's scale (keys per channel) ...
+    # THEN a key is off by at most half a step of its channel's scale (keys per channel), give or take the
+    # float32 rounding of k / step and back (a key of 22.45 at a step of 0.314 sits on a half step: the
+    # quotient rounds either way and the error reads 5e-6 over the half step; seed 181, spread 3.36) ...
     step_k = cal.key_scale[0][None, :, None, :] / 127  # (1, H, 1, D)
-    assert ((k2 - k).abs() <= step_k * 0.5 + 1e-6).all()
+    assert ((k2 - k).abs() <= step_k * 0.5 + 4 * torch.finfo(torch.float32).eps * k.abs() + 1e-6).all()
     # ... and a value by at most half a step of its token's absmax (values per token; FP16 scale)
     step_v = v.abs().amax(dim=-1, keepdim=True) / 127
     assert ((v2 - v).abs() <= step_v * 0.51 + 1e-6).all()
