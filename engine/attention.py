@@ -155,8 +155,8 @@ def attend(
     With ``scores`` the scaled pre-softmax scores of each row's newest query come back as
     (B, H, T) for ``layer_stats``, with their probabilities in decode. Decode (``S == 1``) is always
     computed explicitly: at one query per row two matmuls are as fast as the fused kernel, so
-    statistics cost nothing extra there. Longer queries use the fused SDPA kernel unless scores or ``corrupt`` need the explicit
-    path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan
+    statistics cost nothing extra there. Longer queries use the fused SDPA kernel unless scores or
+    ``corrupt`` need the explicit path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan
     fault's hook). ``key_bias`` (B, H_kv, T) is added to every query's scaled score of each key (token merging:
     ``log(count)`` of a merged slot, a large negative number for a dead one; see ``engine.merge``); the scores
     handed back include it, so statistics describe the distribution attention used.
@@ -256,13 +256,24 @@ def layer_stats(per_layer: Sequence[Newest], keep: torch.Tensor | None, *, sink_
     scores = [n.scores.contiguous() for n in per_layer]
     probs = [n.probs.contiguous() for n in per_layer] \
         if all(n.probs is not None and n.probs.dtype == torch.float32 for n in per_layer) else None
-    mask = None if keep is None else keep.to(torch.int32)  # a lane per key, as the kernel's vectors take it
+    if any(t.shape != first.shape for t in (*scores, *(probs or ()))):  # the kernel reads (B, H, T) of each
+        raise ValueError(f"every layer's scores and probabilities must be {tuple(first.shape)}")
+    mask = _key_lanes(keep, L, B, T)
     summary = torch.empty(L, B, 4)
     heads = (torch.empty(L, B, H), torch.empty(L, B, H)) if per_head else (None, None)
     kernel(_pointers(scores), None if probs is None else _pointers(probs), None if mask is None else mask.data_ptr(),
            B * T if mask is not None and mask.dim() == 3 else 0, L, B, H, T, sink_tokens, summary.data_ptr(),
            *(None if t is None else t.data_ptr() for t in heads), torch.get_num_threads())
     return AttnStats(summary, *heads) if per_head else AttnStats(summary)
+
+
+def _key_lanes(keep: torch.Tensor | None, L: int, B: int, T: int) -> torch.Tensor | None:
+    """``keep`` as the kernel reads it: an int32 lane per key, (B, T) for every layer or (L, B, T) per layer,
+    contiguous (a (1, B, T) mask spreads over the layers; a shape that does not fit raises, as a broadcast would)."""
+    if keep is None:
+        return None
+    lanes = keep.to(torch.int32)
+    return (lanes.expand(L, B, T) if keep.dim() == 3 else lanes.expand(B, T)).contiguous()
 
 
 def _pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array:

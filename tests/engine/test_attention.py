@@ -200,3 +200,20 @@ def test_statistics_off_the_cpu_kernels_path_fall_back_to_torch(monkeypatch):
     low = layer_stats([Newest(s) for s in scores.bfloat16().unbind(0)], None, sink_tokens=2).summary
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), want, atol=0.05, rtol=0.02)
+
+
+@needs_kernel
+def test_the_compiled_statistics_refuse_shapes_they_would_read_past():
+    # GIVEN layers whose scores do not share one shape, and a mask of the wrong length
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(1, 3, 9, generator=g), torch.randn(1, 3, 7, generator=g)
+    # THEN each is a clear error, not a read past the end of a tensor
+    with pytest.raises(ValueError, match="must be"):
+        layer_stats([Newest(a), Newest(b)], None, sink_tokens=2)
+    with pytest.raises(RuntimeError):
+        layer_stats([Newest(a), Newest(a)], torch.ones(1, 5, dtype=torch.bool), sink_tokens=2)
+    # AND one mask given for one layer (1, B, T) spreads over every layer, as torch's passes broadcast it
+    keep = torch.rand(1, 1, 9, generator=g) > 0.3
+    got = layer_stats([Newest(a), Newest(a * 2)], keep, sink_tokens=2).summary
+    torch.testing.assert_close(got, attention_stats(torch.stack([a, a * 2]), keep, sink_tokens=2).summary,
+                               atol=3e-5, rtol=3e-5)
