@@ -156,10 +156,11 @@ def attend(
     (B, H, T) for ``layer_stats``, with their probabilities in decode. Decode (``S == 1``) is always
     computed explicitly: at one query per row two matmuls are as fast as the fused kernel, so
     statistics cost nothing extra there. Longer queries use the fused SDPA kernel unless scores or
-    ``corrupt`` need the explicit path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the softmax (the attention-nan
-    fault's hook). ``key_bias`` (B, H_kv, T) is added to every query's scaled score of each key (token merging:
-    ``log(count)`` of a merged slot, a large negative number for a dead one; see ``engine.merge``); the scores
-    handed back include it, so statistics describe the distribution attention used.
+    ``corrupt`` need the explicit path. ``corrupt`` sees the scaled scores ``(B, H, S, T)`` before the
+    softmax (the attention-nan fault's hook). ``key_bias`` (B, H_kv, T) is added to every query's scaled
+    score of each key (token merging: ``log(count)`` of a merged slot, a large negative number for a dead
+    one; see ``engine.merge``); the scores handed back include it, so statistics describe the distribution
+    attention used.
     """
     B, H, S, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
@@ -283,9 +284,8 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
 @functools.cache
 def _stats_kernel() -> Callable[..., None] | None:
     c = ctypes
-    signature = [c.c_void_p] * 3 + [c.c_int64] * 6 + [c.c_void_p] * 3 + [c.c_int]
-    lib = native.load(Path(__file__).with_name("attn_stats.c"), {"kvdoctor_attn_stats": signature})
-    return None if isinstance(lib, str) else lib.kvdoctor_attn_stats
+    return native.function(Path(__file__).with_name("attn_stats.c"), "kvdoctor_attn_stats",
+                           (c.c_void_p,) * 3 + (c.c_int64,) * 6 + (c.c_void_p,) * 3 + (c.c_int,))
 
 
 def hidden_keys(keep: torch.Tensor | None) -> torch.Tensor | None:

@@ -190,9 +190,8 @@ class _Layout:
 @functools.cache
 def _sums_kernel() -> Callable[..., None] | None:
     c = ctypes
-    signature = [c.c_void_p] + [c.c_int64] * 8 + [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]
-    lib = native.load(Path(__file__).with_name("digest.c"), {"kvdoctor_unit_sums": signature})
-    return None if isinstance(lib, str) else lib.kvdoctor_unit_sums
+    return native.function(Path(__file__).with_name("digest.c"), "kvdoctor_unit_sums",
+                           (c.c_void_p,) + (c.c_int64,) * 8 + (c.c_void_p, c.c_void_p, c.c_int64, c.c_int))
 
 
 class BlockRecord:

@@ -23,12 +23,13 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
 from .model import models_dir
 
-__all__ = ["library_of", "load"]
+__all__ = ["function", "library_of", "load"]
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -101,3 +102,10 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | str:
     if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
         return f"its OpenMP calls reach {runtime}, not the libgomp torch loaded: two thread pools would fight"
     return lib
+
+
+def function(source: Path, name: str, argtypes: Sequence[type]) -> Callable[..., None] | None:
+    """The one function ``name`` of ``source``, typed and loaded (see ``load``), or None where it cannot
+    run here: the caller, which keeps it for the process, then takes its torch path."""
+    lib = load(source, {name: list(argtypes)})
+    return None if isinstance(lib, str) else getattr(lib, name)
