@@ -23,27 +23,32 @@ import struct
 import time
 
 
-def serve(lm, trace: str, report_fd: int, seed: int) -> None:
-    """The child: serve random requests forever on a small device tier (so blocks swap), reporting
-    every completed step."""
+def serve(lm, seed: int, *, trace: str | None = None, report_fd: int | None = None, steps: int | None = None) -> None:
+    """Serve random requests on a small device tier (so blocks swap), reporting every completed step to
+    ``report_fd``: forever in a child that writes ``trace``; for ``steps`` steps in the parent, untraced,
+    to warm it (a process's first steps and first swaps pay one-time costs, up to ~0.4 s on a busy machine,
+    which every forked child would otherwise pay again, leaving few cuts while the engine swaps)."""
     from kvdoctor.engine.runner import Runner, SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
 
-    os.environ.update(KVDOCTOR_TRACE=trace, KVDOCTOR_PROBES="1", KVDOCTOR_PROBES_INTERVAL="0.01")
+    if trace is not None:
+        os.environ.update(KVDOCTOR_TRACE=trace, KVDOCTOR_PROBES="1", KVDOCTOR_PROBES_INTERVAL="0.01")
     runner = Runner.create(lm.model, tokenizer=lm.tokenizer, block_size=16, device_blocks=12, host_blocks=256,
                            extra={"model": lm.name})
     sched = Scheduler(runner, max_batch=6)
     rng = random.Random(seed)
     vocab = lm.config.vocab_size
     completed = 0
-    while True:
+    while steps is None or completed < steps:
         while len(sched.live) < 6:
             ids = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 48))]
             sched.submit(Request(ids, max_new_tokens=rng.randint(4, 32),
                                  sampling=SamplingParams(greedy=False, seed=rng.randrange(1 << 30))))
         sched.step()
         completed += 1
-        os.write(report_fd, struct.pack("<I", completed))
+        if report_fd is not None:
+            os.write(report_fd, struct.pack("<I", completed))
+    runner.close()
 
 
 def cut(lm, trace: str, moment: float, seed: int, *, from_first_step: bool = False) -> int:
@@ -54,7 +59,7 @@ def cut(lm, trace: str, moment: float, seed: int, *, from_first_step: bool = Fal
     if pid == 0:  # the child: never returns
         os.close(read_end)
         try:
-            serve(lm, trace, write_end, seed)
+            serve(lm, seed, trace=trace, report_fd=write_end)
         finally:
             os._exit(1)
     os.close(write_end)
@@ -92,6 +97,7 @@ def main() -> None:
     from kvdoctor.engine.model import load_model, tiny_llama
 
     lm = tiny_llama(num_layers=2, max_position_embeddings=2048) if a.model == "tiny" else load_model(None)
+    serve(lm, a.seed, steps=40)
     rng = random.Random(a.seed)
     for i in range(a.cuts):
         trace = os.path.join(a.out, f"cut{i:02d}.kvtrace")
