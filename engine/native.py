@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,9 +43,16 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(cc: str, source: Path) -> Path:
+def _texts(source: Path) -> list[bytes]:
+    """``source`` and the local files it includes (``#include "matvec.c"``): all of them make the build's key,
+    so editing an included file rebuilds every library that includes it."""
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join([cc, *_FLAGS]).encode(), _cpu_flags().encode()])).hexdigest()
+    included = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
+    return [text] + [t for name in included for t in _texts(source.with_name(name.decode()))]
+
+
+def _build(cc: str, source: Path) -> Path:
+    key = hashlib.sha256(b"\0".join([*_texts(source), " ".join([cc, *_FLAGS]).encode(), _cpu_flags().encode()])).hexdigest()
     out = models_dir().parent / "kernels" / f"{source.stem}-{key[:16]}.so"
     if out.is_file():
         return out

@@ -25,6 +25,7 @@ from .attention import AttnLayout, AttnStats, Newest, attend, hidden_keys, layer
 from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
+from .decode_layer import DecodeLayers, DecodeStep
 from .importance import ImportanceEviction
 from .merge import TokenMerging, key_bias
 from .prefix import model_salt
@@ -167,6 +168,8 @@ class Runner:
         self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in self._layers]
         self._final_norm = rms_norm(self._base.norm)
+        # Decode steps of a plain Llama model on CPU: each layer in two compiled calls around the K/V store.
+        self._decode = DecodeLayers.for_model(model, self._layers, self._weights)
         if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
             self.num_layers, self.num_kv_heads, self.head_dim
         ):
@@ -308,7 +311,15 @@ class Runner:
         N, H, H_kv, D = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[list[Newest]] = [[] for _ in groups]
+        compiled = self._decode_step(groups, kv_lens, stats or observe)
         for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
+            if compiled is not None and cache.score_hook(li) is None:
+                k, v = compiled.pre(li, x, cos, sin)
+                cache.store(li, slots, k, v)
+                newest = compiled.post(li, x, cache.layer_kv(li))  # x updated in place
+                if newest is not None:
+                    scores[0].append(newest)
+                continue
             a = layer.self_attn
             qkv = w.qkv(norm1(x))  # (N, (H + 2 H_kv) * D): q, k, v side by side
             v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)
@@ -367,6 +378,16 @@ class Runner:
                     self._emit_attn([seq], layer_stats([Newest(s[None]) for s in per_layer], None,
                                                        sink_tokens=self.block_size, per_head=self.per_head))
         return logits
+
+    def _decode_step(self, groups: list[_Group], kv_lens: list[int], keep_scores: bool) -> DecodeStep | None:
+        """The compiled layers' buffers for a step of decode rows only, over K/V the cache holds as the
+        model's dtype, with nothing that changes attention; None: the torch path."""
+        if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].kv_rows is None
+                or self._sparse is not None or self._window is not None or self._merging is not None
+                or self.cache.layer_kv(0).dtype != self._decode.dtype):
+            return None
+        g = groups[0]
+        return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, keep_scores)
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
         """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""

@@ -104,6 +104,13 @@ def test_chunk_pages_keep_each_querys_window_and_sink_page():
     assert mask[0].int().tolist() == [[1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 1, 1]]
 
 
+@pytest.fixture(autouse=True)
+def _dense_by_torch(monkeypatch):
+    """Dense decode by the runner's torch path, whose every operation block-sparse reads share, so "equal to
+    dense" can be exact (the compiled decode layers sum in another order: equal to the last bits only)."""
+    monkeypatch.setenv("KVDOCTOR_DECODE_LAYER", "0")
+
+
 @pytest.fixture(scope="module")
 def model():
     from kvdoctor.engine.model import tiny_llama

@@ -1,0 +1,163 @@
+/* One decoder layer of a decode step (one new token per row) in two calls around the K/V store, for a
+ * plain Llama layer (RMSNorm, q/k/v/o without biases, rotate-half RoPE, SwiGLU) in float32 or bfloat16.
+ *
+ * The products are matvec.c's. What this adds is the glue between them, which as torch calls cost more
+ * than the bf16 weights' streaming at batch 1 (~60 small ops a layer, 1.5-5 us each, a third of them
+ * dtype conversions): here it is a few passes over rows of a few hundred floats.
+ *
+ * bf16 follows torch's bf16 arithmetic step by step: each elementwise op computes in float and rounds
+ * its result to bf16 (round to nearest even), as torch's CPU kernels do and as the runner's torch path
+ * did, so the same values are rounded at the same places (RMSNorm in float, scaled in bf16; each
+ * product's float sums rounded once; RoPE's two products and their sum each rounded; SiLU, the SwiGLU
+ * product and the residual additions each rounded). Attention runs in float32 over the K/V the cache
+ * holds, as the runner's CPU attention does. Sums run in another order than torch's: float32 results
+ * differ in the last bits, bf16 ones rarely.
+ *
+ * layer_pre:  x -> RMSNorm -> qkv product -> RoPE on q and k  => qkv (M, (H + 2 H_kv) D) in the model's dtype
+ * layer_post: attention of q over the layer's K/V (the new token's K/V already stored by the caller),
+ *             o product, residual, RMSNorm, gate/up product, SiLU(gate) * up, down product, residual => x
+ *
+ * ``kv`` is the layer's device arena; ``kv_rows[((c * M + b) * H_kv + h) * nb + j]`` the element offset in
+ * it of row b's block j of kv head h, keys (c = 0) or values (c = 1); a block's ``bs`` positions of one
+ * head lie contiguously, D elements each. Row b has ``lens[b]`` keys. Each row's newest-query scaled
+ * scores and their probabilities go to ``scores`` and ``probs`` (M, H, T) for the attention statistics;
+ * keys past a row's length get the lowest finite score and probability 0. */
+#include "matvec.c"
+
+#include <float.h>
+#include <math.h>
+
+#define HOT static inline __attribute__((always_inline, optimize("fp-contract=off")))
+
+HOT float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* float -> bf16, round to nearest even; NaN stays a (quiet) NaN: c10::BFloat16's conversion. */
+HOT uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (f != f) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Values of the model's dtype: bf (a compile-time constant in each instantiation) picks bf16 or float. */
+HOT float ld(const void *p, int64_t i, const int bf) { return bf ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i]; }
+HOT void st(void *p, int64_t i, float v, const int bf) {
+  if (bf) ((uint16_t *)p)[i] = to_bf16(v); else ((float *)p)[i] = v;
+}
+HOT float rnd(float v, const int bf) { return bf ? from_bf16(to_bf16(v)) : v; }
+
+static void matvec(const float *x, const void *w, float *y, float *scratch, int64_t M, int64_t N, int64_t K,
+                   int threads, const int bf) {
+  if (bf) kvdoctor_matvec_bf16(x, w, NULL, y, scratch, M, N, K, threads);
+  else kvdoctor_matvec_f32(x, w, NULL, y, scratch, M, N, K, threads);
+}
+
+/* RMSNorm of x's M rows into float32 ``out`` (values of the model's dtype): transformers' LlamaRMSNorm in
+ * bf16 (normalised in float, rounded, times the weight, rounded), F.rms_norm's x * rsqrt(mean + eps) * w
+ * in float32. */
+HOT void rms_norm(const void *x, const void *w, float eps, float *out, int64_t M, int64_t K, const int bf) {
+  for (int64_t m = 0; m < M; m++) {
+    float ss = 0.f;
+    for (int64_t k = 0; k < K; k++) { const float h = ld(x, m * K + k, bf); ss += h * h; }
+    const float rs = 1.f / sqrtf(ss / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) {
+      const float h = ld(x, m * K + k, bf) * rs;
+      out[m * K + k] = bf ? rnd(ld(w, k, bf) * rnd(h, bf), bf) : h * ld(w, k, bf);
+    }
+  }
+}
+
+/* x += y, rounded to the model's dtype (the residual addition). */
+HOT void residual(void *x, const float *y, int64_t n, const int bf) {
+  for (int64_t i = 0; i < n; i++) st(x, i, ld(x, i, bf) + rnd(y[i], bf), bf);
+}
+
+HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
+                   const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
+                   float *scratch, int threads) {
+  const int64_t Q = (H + 2 * Hkv) * D, half = D / 2;
+  float *xn = scratch, *y = xn + M * hidden, *mv = y + M * Q;
+  rms_norm(x, norm_w, eps, xn, M, hidden, bf);
+  matvec(xn, wqkv, y, mv, M, Q, hidden, threads, bf);
+  for (int64_t m = 0; m < M; m++) {
+    const float *ym = y + m * Q;
+    for (int64_t h = 0; h < H + Hkv; h++) /* q and k heads, rotated */
+      for (int64_t i = 0; i < D; i++) {
+        const float a = rnd(ym[h * D + i], bf);
+        const float r = i < half ? -rnd(ym[h * D + i + half], bf) : rnd(ym[h * D + i - half], bf);
+        const float c = ld(cos, m * D + i, bf), s = ld(sin, m * D + i, bf);
+        st(qkv, m * Q + h * D + i, rnd(a * c, bf) + rnd(r * s, bf), bf);
+      }
+    for (int64_t i = (H + Hkv) * D; i < Q; i++) st(qkv, m * Q + i, ym[i], bf); /* v */
+  }
+}
+
+/* Row b, query head h: scores, softmax and the weighted sum of V into o (D floats). */
+HOT void attend_head(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D, const void *qkv, const void *kv,
+                     const int64_t *kv_rows, int64_t nb, int64_t bs, const int32_t *lens, float scale,
+                     float *scores, float *probs, int64_t T, int64_t b, int64_t h, float *o) {
+  const int64_t Q = (H + 2 * Hkv) * D, kh = h / (H / Hkv), len = lens[b];
+  const int64_t *krow = kv_rows + (b * Hkv + kh) * nb, *vrow = kv_rows + ((M + b) * Hkv + kh) * nb;
+  float q[D], *s = scores + (b * H + h) * T, *p = probs + (b * H + h) * T;
+  for (int64_t i = 0; i < D; i++) q[i] = ld(qkv, b * Q + h * D + i, bf);
+  float mx = -FLT_MAX;
+  for (int64_t t = 0; t < len; t++) {
+    const int64_t at = krow[t / bs] + (t % bs) * D;
+    float acc[8] = {0}; /* eight independent sums: one vector (D is a multiple of 8) */
+    for (int64_t i = 0; i < D; i += 8)
+      for (int j = 0; j < 8; j++) acc[j] += q[i + j] * ld(kv, at + i + j, bf);
+    s[t] = ((acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) * scale;
+    mx = s[t] > mx ? s[t] : mx;
+  }
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; t++) { p[t] = expf(s[t] - mx); sum += p[t]; }
+  for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+  for (int64_t t = 0; t < len; t++) {
+    p[t] /= sum;
+    const int64_t at = vrow[t / bs] + (t % bs) * D;
+    for (int64_t i = 0; i < D; i++) o[i] += p[t] * ld(kv, at + i, bf);
+  }
+  for (int64_t t = len; t < T; t++) { s[t] = -FLT_MAX; p[t] = 0.f; }
+}
+
+HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
+                    const void *qkv, const void *kv, const int64_t *kv_rows, int64_t nb, int64_t bs,
+                    const int32_t *lens, float scale, float *scores, float *probs, int64_t T, const void *wo,
+                    const void *norm_w, float eps, const void *wgu, const void *wd, float *scratch, int threads) {
+  float *o = scratch, *y = o + M * H * D, *xn = y + M * 2 * I, *mv = xn + M * (I > hidden ? I : hidden);
+  const int64_t work = M * H * T * D;
+#pragma omp parallel for schedule(static) num_threads(threads) if (work > 65536)
+  for (int64_t bh = 0; bh < M * H; bh++)
+    attend_head(bf, M, H, Hkv, D, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, bh / H, bh % H,
+                o + bh * D);
+  for (int64_t i = 0; i < M * H * D; i++) o[i] = rnd(o[i], bf);
+  matvec(o, wo, y, mv, M, hidden, H * D, threads, bf);
+  residual(x, y, M * hidden, bf);
+  rms_norm(x, norm_w, eps, xn, M, hidden, bf);
+  matvec(xn, wgu, y, mv, M, 2 * I, hidden, threads, bf);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t i = 0; i < I; i++) {
+      const float g = rnd(y[m * 2 * I + i], bf), u = rnd(y[m * 2 * I + I + i], bf);
+      xn[m * I + i] = rnd(rnd(g / (1.f + expf(-g)), bf) * u, bf);
+    }
+  matvec(xn, wd, y, mv, M, hidden, I, threads, bf);
+  residual(x, y, M * hidden, bf);
+}
+
+void kvdoctor_layer_pre(int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
+                        const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
+                        float *scratch, int threads) {
+  if (bf) layer_pre(1, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, scratch, threads);
+  else layer_pre(0, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, scratch, threads);
+}
+
+void kvdoctor_layer_post(int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
+                         const void *qkv, const void *kv, const int64_t *kv_rows, int64_t nb, int64_t bs,
+                         const int32_t *lens, float scale, float *scores, float *probs, int64_t T, const void *wo,
+                         const void *norm_w, float eps, const void *wgu, const void *wd, float *scratch,
+                         int threads) {
+  if (bf) layer_post(1, M, hidden, H, Hkv, D, I, x, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, wo,
+                     norm_w, eps, wgu, wd, scratch, threads);
+  else layer_post(0, M, hidden, H, Hkv, D, I, x, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, wo,
+                  norm_w, eps, wgu, wd, scratch, threads);
+}

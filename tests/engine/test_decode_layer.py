@@ -1,0 +1,90 @@
+"""The compiled decode layers: what the runner's torch path computes, on the steps where they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdoctor.engine.decode_layer import DecodeLayers
+from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.runner import Runner
+from kvdoctor.events import Attn
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]  # different lengths: hidden keys
+
+
+def _runner(model, compiled: bool, monkeypatch, **config) -> Runner:
+    monkeypatch.setenv("KVDOCTOR_DECODE_LAYER", "1" if compiled else "0")
+    runner = Runner.create(model, block_size=4, device_blocks=96, host_blocks=0, **config)
+    if compiled and runner._decode is None:
+        pytest.skip("no compiled decode layers here (no C compiler, or not torch's OpenMP runtime)")
+    assert (runner._decode is not None) == compiled
+    return runner
+
+
+def _run(model, compiled: bool, monkeypatch, **config):
+    """Every prompt decoded greedily together, with the attention statistics of every step; and how many
+    steps took the compiled layers."""
+    events: list = []
+    with _runner(model, compiled, monkeypatch, **config) as runner:
+        runner.bus.subscribe(events.extend)
+        used = []
+        step = runner._decode_step
+        runner._decode_step = lambda *a: used.append(step(*a)) or used[-1]
+        outs = runner.generate(PROMPTS, max_new_tokens=10, keep_logits=True)
+    attn = {(e.step, e.seq, e.layer): e for e in events if isinstance(e, Attn)}
+    return outs, attn, sum(u is not None for u in used)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_layers_give_the_torch_paths_tokens_logits_and_statistics(monkeypatch, dtype):
+    # GIVEN a random Llama and four prompts of different lengths decoded together (padded rows, hidden keys,
+    # K/V crossing blocks of 4), with the attention statistics every step
+    model = tiny_llama(hidden_size=128, intermediate_size=256, dtype=dtype).model
+    # WHEN they are decoded by the runner's torch path, then with the compiled layers
+    want, want_attn, none = _run(model, False, monkeypatch)
+    got, got_attn, used = _run(model, True, monkeypatch)
+    # THEN the compiled layers ran every decode step (and not the prefill), the torch path none
+    assert none == 0 and used == 9
+    # AND the tokens are the same and the logits agree: to float32's last bits, or to bf16's rounding
+    tol = 1e-4 if dtype == "float32" else 0.05
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), atol=tol, rtol=0)
+    # AND every row's attention statistics of every layer are the same (the scores attention used)
+    assert want_attn.keys() == got_attn.keys() and len(got_attn) == 10 * 4 * 2
+    for key, a in want_attn.items():
+        b = got_attn[key]
+        assert b.nonfinite == a.nonfinite == 0
+        for field in ("max_logit", "entropy", "sink"):
+            assert getattr(b, field) == pytest.approx(getattr(a, field), abs=1e-4 if dtype == "float32" else 0.03), (key, field)
+
+
+def test_a_layer_with_the_attention_nan_fault_takes_the_torch_path(monkeypatch):
+    # GIVEN the attention-nan fault (on the middle layer, 1 of 2, from step 2)
+    model = tiny_llama(hidden_size=128, intermediate_size=256).model
+    events: list = []
+    with _runner(model, True, monkeypatch, fault="attention-nan") as runner:
+        runner.bus.subscribe(events.extend)
+        runner.generate(PROMPTS[:2], max_new_tokens=6)
+    # THEN the corrupted scores reach the statistics of that layer, as on the torch path
+    bad = {(e.layer, e.step) for e in events if isinstance(e, Attn) and e.nonfinite}
+    assert bad and all(layer == 1 and step >= 2 for layer, step in bad)
+
+
+def test_the_compiled_layers_apply_only_to_plain_llama_layers(monkeypatch):
+    # GIVEN models the C layers do not compute: a bias on q/k/v, an activation other than SiLU
+    model = tiny_llama(hidden_size=128, intermediate_size=256).model
+    layers = list(model.model.layers)
+    with _runner(model, True, monkeypatch) as runner:
+        assert DecodeLayers.for_model(model, layers, runner._weights) is not None
+        gelu = torch.nn.GELU()
+        saved, layers[1].mlp.act_fn = layers[1].mlp.act_fn, gelu
+        try:
+            # THEN they are not used for the model
+            assert DecodeLayers.for_model(model, layers, runner._weights) is None
+        finally:
+            layers[1].mlp.act_fn = saved
+    # AND a switched-off environment (KVDOCTOR_DECODE_LAYER=0) leaves the torch path
+    monkeypatch.setenv("KVDOCTOR_DECODE_LAYER", "0")
+    assert DecodeLayers.for_model(model, layers, runner._weights) is None
