@@ -33,7 +33,7 @@ import datetime
 import importlib.metadata
 import os
 import threading
-from typing import Any, Callable, Iterable, Sequence as Seq
+from typing import Any, Callable, Iterable, NamedTuple, Sequence as Seq
 
 import torch
 
@@ -60,6 +60,15 @@ TRACE_ENV = "KVDOCTOR_TRACE"
 # Entry points called with the cache when a trace is switched on by TRACE_ENV: consumers that
 # must run inside the workload (kvdoctor's memory probes) attach so, as the engine may not import them.
 HOOKS_GROUP = "kvdoctor.engine_hooks"
+
+class _StorePlan(NamedTuple):
+    """Where one step's reserved slots are written (see ``PagedKVCache._plan_store``)."""
+
+    blk: torch.Tensor  # (N,) device slot of each token's block
+    off: torch.Tensor  # (N,) its position in the block
+    rows: torch.Tensor | None  # (2 * N * H,) rows of D elements in a layer's arena; None: index by blk/off
+    extent: int  # rows in a layer's arena view
+
 
 _traced: dict[str, int] = {}  # absolute trace path -> caches of this process that traced to it
 _traced_lock = threading.Lock()
@@ -124,6 +133,7 @@ class PagedKVCache:
         self.rows_from_device = 0  # long context: (layer, block) reads served by a copy already on the device
         self.rows_from_slower = 0  # ... and those that had to be copied up from a slower tier
         self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
+        self._store_plan: tuple[torch.Tensor, _StorePlan] | None = None  # the last ``slots`` stored and its plan
         self.tiers = TierManager(
             config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
             protected=self._is_protected, evictable=self._is_evictable, evict=self._evict,
@@ -175,6 +185,7 @@ class PagedKVCache:
             new = arenas.get(index).grow()
             if tier == Tier.DEVICE and index == 0:
                 self._kv = None
+                self._store_plan = None
             return new
 
         return grow
@@ -490,7 +501,8 @@ class PagedKVCache:
         meant = slots
         if self.faults.row_off_by_one:
             slots = self._row_off_by_one(layer, slots)
-        blk, off = slots // self.block_size, slots % self.block_size
+        plan = self._plan_store(slots)
+        blk, off = plan.blk, plan.off
         digest = self.bus.enabled and self.digests.recording
         if self._dev_slots.used_by[0] != self._dev_slots.used:  # some device blocks are in other codecs' arenas
             self._store_mixed(layer, blk, off, k, v, meant if digest else None)
@@ -501,11 +513,36 @@ class PagedKVCache:
                 self._stage(id(meant), layer, self.codec.name, meant, parts, 0)
             return
         kv = self._layer_kv(layer)  # (P, H, 2, bs, D)
-        dtype = kv.dtype
-        kv[blk, :, 0, off] = k.to(dtype)
-        kv[blk, :, 1, off] = v.to(dtype)
+        if plan.rows is not None:  # one copy of every head's K and V row into the arena as (rows, D)
+            kv.as_strided((plan.extent, kv.shape[-1]), (kv.shape[-1], 1)).index_copy_(
+                0, plan.rows, torch.stack((k, v)).to(kv.dtype).view(-1, kv.shape[-1]))
+        else:
+            kv[blk, :, 0, off] = k.to(kv.dtype)
+            kv[blk, :, 1, off] = v.to(kv.dtype)
         if digest:
             self.digests.stage(id(meant), layer, self.codec.name, meant, (k, v))
+
+    def _plan_store(self, slots: torch.Tensor) -> _StorePlan:
+        """Where ``slots`` lie: block and offset, and for the device arena's own layout the (K/V, token, head)
+        rows of D elements each token's heads go to in a layer's arena seen as (rows, D). The same for every
+        layer (they share strides), so a step's layers reuse the plan of the one ``slots`` tensor they store."""
+        if self._store_plan is not None and self._store_plan[0] is slots:
+            return self._store_plan[1]
+        blk, off = slots // self.block_size, slots % self.block_size
+        rows, extent = None, 0
+        if self.codec.native:
+            kv = self._layer_kv(0)
+            D = kv.shape[-1]
+            strides = kv.stride()
+            if strides[-1] == 1 and strides[-2] == D and all(st % D == 0 for st in strides[:-1]):
+                s_blk, s_head, s_kv, s_pos = (st // D for st in strides[:-1])
+                heads = torch.arange(kv.shape[1], device=slots.device)
+                at = (blk * s_blk + off * s_pos)[:, None] + heads[None, :] * s_head  # (N, H) rows of K
+                rows = torch.stack((at, at + s_kv)).view(-1)  # (2 * N * H,): K rows, then V rows
+                extent = ((kv.shape[0] - 1) * s_blk + (kv.shape[1] - 1) * s_head + s_kv + (kv.shape[3] - 1) * s_pos) + 1
+        plan = _StorePlan(blk, off, rows, extent)
+        self._store_plan = (slots, plan)
+        return plan
 
     def _stage(self, key: Any, layer: int, codec: str, meant: torch.Tensor, parts: dict[str, torch.Tensor],
                base: int) -> None:
