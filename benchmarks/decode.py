@@ -7,6 +7,8 @@ run decodes the same number of tokens:
 - batch 1: one prompt;
 - batch 8: eight prompts of different lengths, continuously batched by the runner and
   left-padded into one batch for transformers;
+- layers (``--layer-pairs N``): the runner with its compiled decode layers (``engine/decode_layer.py``)
+  against a second runner on the same model with its torch path (``KVDOCTOR_DECODE_LAYER=0``), ABBA;
 - events: the runner with events off (nobody listening: no statistics, no trace) against
   every event, attention statistics included, written to a trace file; and, timed around their
   entry points, the milliseconds a listened step spends inside each part of the event path
@@ -32,7 +34,7 @@ alternately, as the baseline of what those passes save. Peak RSS of the process 
 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
         [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--compiled-events both]
-        [--mixed-outputs] [--no-matvec] [--dtype bfloat16]
+        [--mixed-outputs] [--no-matvec] [--dtype bfloat16] [--layer-pairs 3]
         [--profile N] [--bound-repeats 7] [--json]
 """
 
@@ -153,6 +155,20 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
         i += 1
     n = min(len(times["off_cpu"]), len(times["on_cpu"]))
     return {k: v[:n] for k, v in times.items()}
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``name`` set to ``value`` for the block, then as it was."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 @contextlib.contextmanager
@@ -315,16 +331,28 @@ def _rss_mb(field: str = "VmRSS") -> float:
 def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     """The batch-1 ceiling the weights set: the time one row takes through every projection of a step
     (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
-    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
+    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes. With the C
+    kernel it is timed alone on buffers allocated once (nothing of a call's Python around it, which the
+    compiled decode layers do not pay either); otherwise through the projections as the runner calls them."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
     nbytes = sum(p.weight.nbytes for p in projections)
-    xs = [torch.randn(1, p.weight.shape[1], dtype=p.weight.dtype, device=p.weight.device) for p in projections]
+    calls = []
+    for p in projections:
+        N, K = p.weight.shape
+        x = torch.randn(1, K, dtype=torch.float32 if p.matvec is not None else p.weight.dtype, device=p.weight.device)
+        if p.matvec is None:
+            calls.append(lambda p=p, x=x: p(x))
+            continue
+        y, scratch, fn = torch.empty(1, N), torch.empty(1, K), p.matvec.kernels[p.weight.dtype]
+        args = (x.data_ptr(), p.weight.data_ptr(), None, y.data_ptr(), scratch.data_ptr(), 1, N, K,
+                torch.get_num_threads())
+        calls.append(lambda fn=fn, args=args, keep=(x, y, scratch): fn(*args))
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             t = _clocks()[0]
-            for p, x in zip(projections, xs):
-                p(x)
+            for call in calls:
+                call()
             times.append(_clocks()[0] - t)
     s = _median(times[1:])  # the first pass warms caches and kernels
     return {"weight_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * s, 3), "gb_s": round(nbytes / s / 1e9, 2),
@@ -395,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt lengths of the batch-8 run (comma separated)")
     ap.add_argument("--mixed-outputs", action="store_true",
                     help="also run batch 8 with different output budgets per request (continuous batching's case)")
+    ap.add_argument("--layer-pairs", type=int, default=0,
+                    help="also ABBA pairs of the runner with its compiled decode layers against its torch path "
+                         "(engine/decode_layer.py; same model, a second runner with KVDOCTOR_DECODE_LAYER=0)")
     ap.add_argument("--no-matvec", action="store_true", help="runner with F.linear (MKL) for every projection, not the C kernel")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both sides (default float32)")
@@ -452,6 +483,18 @@ def main(argv: list[str] | None = None) -> int:
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
         results[name] = {clock: {"transformers": v["a"], "runner": v["b"], "speedup": v["ratio"],
                                  "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]} for clock, v in r.items()}
+    if args.layer_pairs:
+        with _environ("KVDOCTOR_DECODE_LAYER", "0"):
+            torch_path = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0,
+                                       native_matvec=not args.no_matvec)
+        runner_decode(torch_path, batch1, [4])
+        for name, prompts, budgets in scenarios:
+            r = paired(lambda p=prompts, b=budgets: runner_decode(torch_path, p, b),
+                       lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.layer_pairs)
+            results[f"{name}_layers"] = {clock: {"torch_path": v["a"], "compiled": v["b"], "speedup": v["ratio"],
+                                                 "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]}
+                                         for clock, v in r.items()}
+        torch_path.close()
     E = args.event_tokens
     writer = TraceWriter(trace_path, runner.cache.header())
     kernels = {"on": (True,), "off": (False,), "both": (True, False)}[args.compiled_events]
@@ -501,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} ({clock} clock): transformers {r['transformers']:.2f} tok/s, runner {r['runner']:.2f} tok/s, "
                   f"speedup {r['speedup']:.2f}x (median of {args.repeats} pairs; quartiles "
                   f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
+    for name, _, _ in scenarios if args.layer_pairs else ():
+        r = results[f"{name}_layers"]["wall"]
+        print(f"{name} decode layers (wall clock): torch path {r['torch_path']:.2f} tok/s, compiled {r['compiled']:.2f} "
+              f"tok/s, speedup {r['speedup']:.2f}x (median of {args.layer_pairs} pairs; quartiles "
+              f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
     for name in [n for n in results if n.startswith("events_batch") and not n.endswith("_parts")]:
         p = results[f"{name}_parts"]
         print(f"{name} inside the event path: {p['total']:.3f} ms a listened step (" +

@@ -127,18 +127,28 @@ HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t H
   matvec(xn, wqkv, y, mv, M, Q, hidden, threads, bf);
   for (int64_t m = 0; m < M; m++) {
     const float *ym = y + m * Q;
-    for (int64_t h = 0; h < H + Hkv; h++) /* q and k heads, rotated */
+    for (int64_t h = 0; h < H + Hkv; h++) /* q and k heads, rotated: x cos + rotate_half(x) sin */
       for (int64_t i = 0; i < D; i++) {
-        const float a = rnd(ym[h * D + i], bf);
-        const float r = i < half ? -rnd(ym[h * D + i + half], bf) : rnd(ym[h * D + i - half], bf);
+        const int64_t at = h * D + i, other = i < half ? at + half : at - half; /* a select: loops vectorize */
+        const float sign = i < half ? -1.f : 1.f;
+        const float a = rnd(ym[at], bf), r = sign * rnd(ym[other], bf);
         const float c = ld(cos, m * D + i, bf), s = ld(sin, m * D + i, bf);
-        st(qkv, m * Q + h * D + i, rnd(a * c, bf) + rnd(r * s, bf), bf);
+        st(qkv, m * Q + at, rnd(a * c, bf) + rnd(r * s, bf), bf);
       }
     for (int64_t i = (H + Hkv) * D; i < Q; i++) st(qkv, m * Q + i, ym[i], bf); /* v */
   }
 }
 
-/* Row b, query head h: scores, softmax and the weighted sum of V into o (D floats). */
+/* 8 values of the model's dtype at p[i..i+8) as floats. */
+HOT v8 load8(const void *p, int64_t i, const int bf) {
+  if (!bf) return load_f32((const float *)p + i);
+  v8u u;
+  for (int j = 0; j < 8; j++) u[j] = ((const uint16_t *)p)[i + j];
+  return (v8)(u << 16);
+}
+
+/* Row b, query head h: scores, softmax and the weighted sum of V into o (D floats, D a multiple of 8).
+ * Keys are visited block by block (j), position by position (u) within a block. */
 HOT void attend_head(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D, const void *qkv, const void *kv,
                      const int64_t *kv_rows, int64_t nb, int64_t bs, const int32_t *lens, float scale,
                      float *scores, float *probs, int64_t T, int64_t b, int64_t h, float *o) {
@@ -147,24 +157,27 @@ HOT void attend_head(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D,
   float q[D], *s = scores + (b * H + h) * T, *p = probs + (b * H + h) * T;
   for (int64_t i = 0; i < D; i++) q[i] = ld(qkv, b * Q + h * D + i, bf);
   float mx = -FLT_MAX;
-  for (int64_t t = 0; t < len; t++) {
-    const int64_t at = krow[t / bs] + (t % bs) * D;
-    float acc[8] = {0}; /* eight independent sums: one vector (D is a multiple of 8) */
-    for (int64_t i = 0; i < D; i += 8)
-      for (int j = 0; j < 8; j++) acc[j] += q[i + j] * ld(kv, at + i + j, bf);
-    s[t] = ((acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) * scale;
-    mx = s[t] > mx ? s[t] : mx;
-  }
-  float sum = 0.f;
+  for (int64_t j = 0, t = 0; t < len; j++)
+    for (int64_t u = 0; u < bs && t < len; u++, t++) {
+      v8 acc = {0};
+      for (int64_t i = 0; i < D; i += 8) acc += load_f32(q + i) * load8(kv, krow[j] + u * D + i, bf);
+      s[t] = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) * scale;
+      mx = s[t] > mx ? s[t] : mx;
+    }
   for (int64_t t = 0; t < len; t++) p[t] = s[t] - mx;
   EACH8(p, p, len, exp8);
+  float sum = 0.f;
   for (int64_t t = 0; t < len; t++) sum += p[t];
   for (int64_t i = 0; i < D; i++) o[i] = 0.f;
-  for (int64_t t = 0; t < len; t++) {
-    p[t] /= sum;
-    const int64_t at = vrow[t / bs] + (t % bs) * D;
-    for (int64_t i = 0; i < D; i++) o[i] += p[t] * ld(kv, at + i, bf);
-  }
+  for (int64_t j = 0, t = 0; t < len; j++)
+    for (int64_t u = 0; u < bs && t < len; u++, t++) {
+      p[t] /= sum;
+      const v8 pt = (v8){0} + p[t];
+      for (int64_t i = 0; i < D; i += 8) {
+        const v8 r = load_f32(o + i) + pt * load8(kv, vrow[j] + u * D + i, bf);
+        memcpy(o + i, &r, sizeof r);
+      }
+    }
   for (int64_t t = len; t < T; t++) { s[t] = -FLT_MAX; p[t] = 0.f; }
 }
 
