@@ -9,6 +9,8 @@ run decodes the same number of tokens:
   left-padded into one batch for transformers;
 - layers (``--layer-pairs N``): the runner with its compiled decode layers (``engine/decode_layer.py``)
   against a second runner on the same model with its torch path (``KVDOCTOR_DECODE_LAYER=0``), ABBA;
+- bound: one row through every projection (the kernel alone), the batch-1 ceiling the weights' bytes set,
+  and batch-1 runs each paired with a bound measured next to it (the runner's share of the bound);
 - events: the runner with events off (nobody listening: no statistics, no trace) against
   every event, attention statistics included, written to a trace file; and, timed around their
   entry points, the milliseconds a listened step spends inside each part of the event path
@@ -328,14 +330,11 @@ def _rss_mb(field: str = "VmRSS") -> float:
         return 0.0
 
 
-def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
-    """The batch-1 ceiling the weights set: the time one row takes through every projection of a step
-    (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
-    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes. With the C
-    kernel it is timed alone on buffers allocated once (nothing of a call's Python around it, which the
-    compiled decode layers do not pay either); otherwise through the projections as the runner calls them."""
+def _projection_calls(runner: Any) -> tuple[list[Callable[[], None]], int]:
+    """One row through every projection of a step, as calls, and the bytes their weights hold. With the C
+    kernel each call is the kernel alone on buffers allocated once (nothing of a call's Python around it,
+    which the compiled decode layers do not pay either); otherwise the projection as the runner calls it."""
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
-    nbytes = sum(p.weight.nbytes for p in projections)
     calls = []
     for p in projections:
         N, K = p.weight.shape
@@ -347,16 +346,42 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
         args = (x.data_ptr(), p.weight.data_ptr(), None, y.data_ptr(), scratch.data_ptr(), 1, N, K,
                 torch.get_num_threads())
         calls.append(lambda fn=fn, args=args, keep=(x, y, scratch): fn(*args))
+    return calls, sum(p.weight.nbytes for p in projections)
+
+
+def _bound_seconds(calls: list[Callable[[], None]], passes: int) -> tuple[float, float]:
+    """Median seconds (wall, CPU) of ``passes`` passes over ``calls``, after one that warms caches and kernels."""
     times = []
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t = _clocks()[0]
+        for _ in range(passes + 1):
+            t = _clocks()
             for call in calls:
                 call()
-            times.append(_clocks()[0] - t)
-    s = _median(times[1:])  # the first pass warms caches and kernels
+            end = _clocks()
+            times.append((end[0] - t[0], end[1] - t[1]))
+    return _median([w for w, _ in times[1:]]), _median([c for _, c in times[1:]])
+
+
+def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
+    """The batch-1 ceiling the weights set: the time one row takes through every projection of a step
+    (the matrix-vector products a decode step cannot avoid; each reads its whole weight once), as
+    GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
+    calls, nbytes = _projection_calls(runner)
+    s = _bound_seconds(calls, repeats)[0]
     return {"weight_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * s, 3), "gb_s": round(nbytes / s / 1e9, 2),
             "tok_s": round(1 / s, 1)}
+
+
+def share_of_bound(runner: Any, prompt: list[int], new_tokens: int, pairs: int) -> dict[str, Any]:
+    """Batch-1 decode tokens/s as a share of the bound, each runner run paired (ABBA) with a bound
+    measured next to it (tokens/s of 5 passes' median): a machine's load moves both alike."""
+    calls, _ = _projection_calls(runner)
+
+    def bound() -> tuple[float, float]:
+        wall, cpu = _bound_seconds(calls, 5)
+        return 1 / wall, 1 / cpu
+
+    return paired(bound, lambda: runner_decode(runner, [prompt], [new_tokens]), pairs)
 
 
 def profile_batch8(runner: Any, prompts: list[list[int]], new_tokens: int) -> int:
@@ -431,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights, activations and KV cache of both sides (default float32)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model, the cache and transformers run")
     ap.add_argument("--bound-repeats", type=int, default=7,
-                    help="timed passes over every projection at one row for the bandwidth bound (0 skips it)")
+                    help="timed passes over every projection at one row for the bandwidth bound (0 skips it); with it, "
+                         "also --repeats batch-1 runs each paired with a bound measured beside it (share of the bound)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="only profile the runner on the batch-8 prompts for N new tokens (torch.profiler, ops by self CPU)")
     ap.add_argument("--json", action="store_true")
@@ -478,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
                                "rss_after_load_mb": rss_loaded, "load_before": os.getloadavg()[0]}
     if args.bound_repeats:
         results["bound"] = weight_bound(runner, args.bound_repeats)
+        r = share_of_bound(runner, batch1[0], N, args.repeats)
+        results["batch1_bound_share"] = {clock: {"bound": v["a"], "runner": v["b"], "share": v["ratio"],
+                                                 "share_q1": v["ratio_q1"], "share_q3": v["ratio_q3"]}
+                                         for clock, v in r.items()}
     for name, prompts, budgets in scenarios if not args.only_events else ():
         r = paired(lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
@@ -575,6 +605,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bandwidth bound ({args.dtype}): one row through every projection reads {b['weight_mb']:.0f} MB in "
               f"{b['ms']:.2f} ms (median of {args.bound_repeats}): {b['gb_s']:.1f} GB/s, so batch 1 <= "
               f"{b['tok_s']:.1f} tok/s")
+        r = results["batch1_bound_share"]["wall"]
+        print(f"batch1 against the bound measured beside each run (wall clock): bound {r['bound']:.1f} tok/s, runner "
+              f"{r['runner']:.1f} tok/s, {100 * r['share']:.0f}% of the bound (median of {args.repeats} pairs; "
+              f"quartiles {100 * r['share_q1']:.0f}-{100 * r['share_q3']:.0f}%)")
     print(f"peak RSS {results['peak_rss_mb']} MB (after loading {results['rss_after_load_mb']} MB, at the end "
           f"{results['rss_end_mb']} MB: {results['rss_end_anon_mb']} MB own, {results['rss_end_file_mb']} MB of mapped "
           f"files), dtype {args.dtype}, threads {results['threads']}, new tokens {N}, "

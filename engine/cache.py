@@ -522,6 +522,21 @@ class PagedKVCache:
         if digest:
             self.digests.stage(id(meant), layer, self.codec.name, meant, (k, v))
 
+    def store_rows(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Where ``store`` writes each token's K and V heads in every layer's device arena, seen from
+        ``layer_kv(layer)``'s first element as rows of ``head_dim`` elements, ordered (K/V, token, head): for
+        a caller that writes them itself (the compiled decode layers) and then calls ``stored``. None where
+        a store must go through ``store``: codes, blocks in several codecs, a fault that moves rows."""
+        if self.faults.row_off_by_one or not self.codec.native or self._dev_slots.used_by[0] != self._dev_slots.used:
+            return None
+        return self._plan_store(slots).rows
+
+    def stored(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What ``store`` does besides copying, for ``k``, ``v`` a caller wrote at ``store_rows(slots)``:
+        staging them for the blocks' digests while someone listens."""
+        if self.bus.enabled and self.digests.recording:
+            self.digests.stage(id(slots), layer, self.codec.name, slots, (k, v))
+
     def _plan_store(self, slots: torch.Tensor) -> _StorePlan:
         """Where ``slots`` lie: block and offset, and for the device arena's own layout the (K/V, token, head)
         rows of D elements each token's heads go to in a layer's arena seen as (rows, D). The same for every

@@ -13,7 +13,9 @@
  * holds, as the runner's CPU attention does. Sums run in another order than torch's: float32 results
  * differ in the last bits, bf16 ones rarely.
  *
- * layer_pre:  x -> RMSNorm -> qkv product -> RoPE on q and k  => qkv (M, (H + 2 H_kv) D) in the model's dtype
+ * layer_pre:  x -> RMSNorm -> qkv product -> RoPE on q and k  => qkv (M, (H + 2 H_kv) D) in the model's dtype;
+ *             with ``rows``, also each token's new K and V heads into the layer's arena ``kv`` seen as rows of D
+ *             elements: rows[(c * M + m) * H_kv + h] (the cache's store plan, when it allows a direct store)
  * layer_post: attention of q over the layer's K/V (the new token's K/V already stored by the caller),
  *             o product, residual, RMSNorm, gate/up product, SiLU(gate) * up, down product, residual => x
  *
@@ -120,8 +122,8 @@ HOT void residual(void *x, const float *y, int64_t n, const int bf) {
 
 HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
                    const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
-                   float *scratch, int threads) {
-  const int64_t Q = (H + 2 * Hkv) * D, half = D / 2;
+                   void *kv, const int64_t *rows, float *scratch, int threads) {
+  const int64_t Q = (H + 2 * Hkv) * D, half = D / 2, size = bf ? 2 : 4;
   float *xn = scratch, *y = xn + M * hidden, *mv = y + M * Q;
   rms_norm(x, norm_w, eps, xn, M, hidden, bf);
   matvec(xn, wqkv, y, mv, M, Q, hidden, threads, bf);
@@ -136,6 +138,10 @@ HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t H
         st(qkv, m * Q + at, rnd(a * c, bf) + rnd(r * s, bf), bf);
       }
     for (int64_t i = (H + Hkv) * D; i < Q; i++) st(qkv, m * Q + i, ym[i], bf); /* v */
+    for (int64_t c = 0; rows && c < 2; c++) /* k, then v, of each kv head */
+      for (int64_t h = 0; h < Hkv; h++)
+        memcpy((char *)kv + rows[(c * M + m) * Hkv + h] * D * size, (const char *)qkv + (m * Q + (H + c * Hkv + h) * D) * size,
+               D * size);
   }
 }
 
@@ -209,9 +215,9 @@ HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t 
 
 void kvdoctor_layer_pre(int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
                         const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
-                        float *scratch, int threads) {
-  if (bf) layer_pre(1, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, scratch, threads);
-  else layer_pre(0, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, scratch, threads);
+                        void *kv, const int64_t *rows, float *scratch, int threads) {
+  if (bf) layer_pre(1, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, kv, rows, scratch, threads);
+  else layer_pre(0, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, kv, rows, scratch, threads);
 }
 
 void kvdoctor_layer_post(int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,

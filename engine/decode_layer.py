@@ -36,7 +36,7 @@ __all__ = ["DecodeLayers", "DecodeStep"]
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_PRE = [ctypes.c_int] + [_I64] * 5 + [_PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
+_PRE = [ctypes.c_int] + [_I64] * 5 + [_PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
 _POST = ([ctypes.c_int] + [_I64] * 6 + [_PTR] * 4 + [_I64, _I64, _PTR, _F32, _PTR, _PTR, _I64]
          + [_PTR, _PTR, _F32, _PTR, _PTR, _PTR, ctypes.c_int])
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
@@ -146,12 +146,15 @@ class DecodeStep:
         self.threads = torch.get_num_threads()
         self._bf = int(L.dtype == torch.bfloat16)
 
-    def pre(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm, q/k/v and RoPE of layer ``li`` for ``x`` (M, hidden); the new K and V (M, H_kv, D) to store."""
+    def pre(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor | None = None,
+            rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm, q/k/v and RoPE of layer ``li`` for ``x`` (M, hidden); the new K and V (M, H_kv, D), stored
+        into the layer's arena ``kv`` at ``rows`` when given (the cache's ``store_rows``), else for the caller to store."""
         L, w = self.L, self.L._layers[li]
         qkv = self.qkv[li]
         L._pre(self._bf, self.M, L.hidden, L.heads, L.kv_heads, L.head_dim, x.data_ptr(), w.norm1, w.eps1, w.qkv,
-               cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(), self.scratch.data_ptr(), self.threads)
+               cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(), kv.data_ptr() if rows is not None else None,
+               rows.data_ptr() if rows is not None else None, self.scratch.data_ptr(), self.threads)
         H, H_kv, D = L.heads, L.kv_heads, L.head_dim
         return (qkv[:, H * D : (H + H_kv) * D].view(self.M, H_kv, D), qkv[:, (H + H_kv) * D :].view(self.M, H_kv, D))
 

@@ -312,11 +312,16 @@ class Runner:
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[list[Newest]] = [[] for _ in groups]
         compiled = self._decode_step(groups, kv_lens, stats or observe)
+        direct = cache.store_rows(slots) if compiled is not None else None
         for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
             if compiled is not None and cache.score_hook(li) is None:
-                k, v = compiled.pre(li, x, cos, sin)
-                cache.store(li, slots, k, v)
-                newest = compiled.post(li, x, cache.layer_kv(li))  # x updated in place
+                kv = cache.layer_kv(li)
+                k, v = compiled.pre(li, x, cos, sin, kv, direct)  # K/V stored by the kernel where the cache allows
+                if direct is None:
+                    cache.store(li, slots, k, v)
+                else:
+                    cache.stored(li, slots, k, v)
+                newest = compiled.post(li, x, kv)  # x updated in place
                 if newest is not None:
                     scores[0].append(newest)
                 continue

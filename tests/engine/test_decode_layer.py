@@ -88,3 +88,27 @@ def test_the_compiled_layers_apply_only_to_plain_llama_layers(monkeypatch):
     # AND a switched-off environment (KVDOCTOR_DECODE_LAYER=0) leaves the torch path
     monkeypatch.setenv("KVDOCTOR_DECODE_LAYER", "0")
     assert DecodeLayers.for_model(model, layers, runner._weights) is None
+
+
+@pytest.mark.parametrize("fault", [None, "bit-flip"])
+def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tmp_path, fault):
+    # GIVEN a traced run whose decode steps store K/V from the compiled layers (the cache's direct-store rows),
+    # every read verified against the blocks' digests, with or without a bit flipped in a block after a write
+    from tests.engine.engine_support import findings_of
+
+    model = tiny_llama(hidden_size=128, intermediate_size=256).model
+    path = tmp_path / "run.kvtrace"
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    with _runner(model, True, monkeypatch, verify="full", fault=fault) as runner:
+        direct = []
+        rows = runner.cache.store_rows
+        runner.cache.store_rows = lambda slots: direct.append(rows(slots)) or direct[-1]
+        runner.generate(PROMPTS, max_new_tokens=8)
+    monkeypatch.delenv("KVDOCTOR_TRACE")
+    _, _, findings = findings_of(path)
+    # THEN the decode steps stored directly, and a clean run gives no finding at all
+    assert len(direct) == 7 and all(r is not None for r in direct)
+    if fault is None:
+        assert findings == []
+    else:  # AND the flipped bit is found by the digests, as for K/V the cache stored itself
+        assert [f.check for f in findings] == ["integrity"] and "bytes changed without a write" in findings[0].message
