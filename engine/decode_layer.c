@@ -1,5 +1,5 @@
-/* One decoder layer of a decode step (one new token per row) in two calls around the K/V store, for a
- * plain Llama layer (RMSNorm, q/k/v/o without biases, rotate-half RoPE, SwiGLU) in float32 or bfloat16.
+/* Every decoder layer of a decode step (one new token per row) in one call, for plain Llama layers
+ * (RMSNorm, q/k/v/o without biases, rotate-half RoPE, SwiGLU) in float32 or bfloat16.
  *
  * The products are matvec.c's. What this adds is the glue between them, which as torch calls cost more
  * than the bf16 weights' streaming at batch 1 (~60 small ops a layer, 1.5-5 us each, a third of them
@@ -13,10 +13,10 @@
  * holds, as the runner's CPU attention does. Sums run in another order than torch's: float32 results
  * differ in the last bits, bf16 ones rarely.
  *
- * layer_pre:  x -> RMSNorm -> qkv product -> RoPE on q and k  => qkv (M, (H + 2 H_kv) D) in the model's dtype;
- *             with ``rows``, also each token's new K and V heads into the layer's arena ``kv`` seen as rows of D
- *             elements: rows[(c * M + m) * H_kv + h] (the cache's store plan, when it allows a direct store)
- * layer_post: attention of q over the layer's K/V (the new token's K/V already stored by the caller),
+ * layer_pre:  x -> RMSNorm -> qkv product -> RoPE on q and k  => qkv (M, (H + 2 H_kv) D) in the model's dtype,
+ *             and each token's new K and V heads into the layer's arena ``kv`` seen as rows of D elements at
+ *             rows[(c * M + m) * H_kv + h] (the cache's store plan: ``PagedKVCache.store_rows``)
+ * layer_post: attention of q over the layer's K/V (the new token's K/V stored),
  *             o product, residual, RMSNorm, gate/up product, SiLU(gate) * up, down product, residual => x
  *
  * ``kv`` is the layer's device arena; ``kv_rows[((c * M + b) * H_kv + h) * nb + j]`` the element offset in
@@ -138,7 +138,7 @@ HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t H
         st(qkv, m * Q + at, rnd(a * c, bf) + rnd(r * s, bf), bf);
       }
     for (int64_t i = (H + Hkv) * D; i < Q; i++) st(qkv, m * Q + i, ym[i], bf); /* v */
-    for (int64_t c = 0; rows && c < 2; c++) /* k, then v, of each kv head */
+    for (int64_t c = 0; c < 2; c++) /* k, then v, of each kv head */
       for (int64_t h = 0; h < Hkv; h++)
         memcpy((char *)kv + rows[(c * M + m) * Hkv + h] * D * size, (const char *)qkv + (m * Q + (H + c * Hkv + h) * D) * size,
                D * size);
@@ -213,20 +213,37 @@ HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t 
   residual(x, y, M * hidden, bf);
 }
 
-void kvdoctor_layer_pre(int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
-                        const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
-                        void *kv, const int64_t *rows, float *scratch, int threads) {
-  if (bf) layer_pre(1, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, kv, rows, scratch, threads);
-  else layer_pre(0, M, hidden, H, Hkv, D, x, norm_w, eps, wqkv, cos, sin, qkv, kv, rows, scratch, threads);
+/* One layer's weights: what Python builds once per model (decode_layer.py's _LayerC). */
+typedef struct {
+  const void *norm1, *qkv, *o, *norm2, *gate_up, *down;
+  float eps1, eps2, scale;
+} layer_weights;
+
+HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv, const void *cos,
+                       const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
+                       const int32_t *lens, float *newest, int keep, int64_t T, float *scratch, int threads) {
+  const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
+  for (int64_t l = 0; l < L; l++) {
+    const layer_weights *w = layers + l;
+    void *q = (char *)qkv + l * M * Q * size;
+    float *scores = newest + (keep ? l : 0) * 2 * M * H * T, *probs = scores + M * H * T;
+    layer_pre(bf, M, hidden, H, Hkv, D, x, w->norm1, w->eps1, w->qkv, cos, sin, q, kv[l], rows, scratch, threads);
+    layer_post(bf, M, hidden, H, Hkv, D, I, x, q, kv[l], kv_rows, nb, bs, lens, w->scale, scores, probs, T, w->o,
+               w->norm2, w->eps2, w->gate_up, w->down, scratch, threads);
+  }
 }
 
-void kvdoctor_layer_post(int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
-                         const void *qkv, const void *kv, const int64_t *kv_rows, int64_t nb, int64_t bs,
-                         const int32_t *lens, float scale, float *scores, float *probs, int64_t T, const void *wo,
-                         const void *norm_w, float eps, const void *wgu, const void *wd, float *scratch,
-                         int threads) {
-  if (bf) layer_post(1, M, hidden, H, Hkv, D, I, x, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, wo,
-                     norm_w, eps, wgu, wd, scratch, threads);
-  else layer_post(0, M, hidden, H, Hkv, D, I, x, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, wo,
-                  norm_w, eps, wgu, wd, scratch, threads);
+/* Every layer of a decode step: x (M, hidden) in place; each layer's q/k/v into qkv (L, M, Q), its new K/V
+ * into kv[l] at rows; its newest-query scores and probabilities into newest (L, 2, M, H, T), or all into
+ * one (2, M, H, T) when keep is 0. */
+void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
+                            const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
+                            int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, float *scratch,
+                            int threads) {
+  if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
+                        newest, keep, T, scratch, threads);
+  else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
+                     newest, keep, T, scratch, threads);
 }

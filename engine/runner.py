@@ -308,43 +308,16 @@ class Runner:
         x = self._base.embed_tokens(ids)  # (N, hidden)
         cos, sin = self._base.rotary_emb(x[None], pos[None])  # (1, N, D) each
         cos, sin = cos[0], sin[0]  # (N, D)
-        N, H, H_kv, D = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[list[Newest]] = [[] for _ in groups]
-        compiled = self._decode_step(groups, kv_lens, stats or observe)
-        direct = cache.store_rows(slots) if compiled is not None else None
-        for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
-            if compiled is not None and cache.score_hook(li) is None:
-                kv = cache.layer_kv(li)
-                k, v = compiled.pre(li, x, cos, sin, kv, direct)  # K/V stored by the kernel where the cache allows
-                if direct is None:
-                    cache.store(li, slots, k, v)
-                else:
-                    cache.stored(li, slots, k, v)
-                newest = compiled.post(li, x, kv)  # x updated in place
-                if newest is not None:
-                    scores[0].append(newest)
-                continue
-            a = layer.self_attn
-            qkv = w.qkv(norm1(x))  # (N, (H + 2 H_kv) * D): q, k, v side by side
-            v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)
-            if hasattr(a, "q_norm"):  # Qwen3-style per-head norms before RoPE
-                q, k = qkv[:, : H * D].view(N, H, D), qkv[:, H * D : (H + H_kv) * D].view(N, H_kv, D)
-                q, k = self._apply_rope(a.q_norm(q), a.k_norm(k), cos, sin, unsqueeze_dim=1)
-            else:  # q and k heads are adjacent: one rotation for both, half the elementwise calls
-                qk = _rope(qkv[:, : (H + H_kv) * D].view(N, H + H_kv, D), cos[:, None], sin[:, None])
-                q, k = qk[:, :H], qk[:, H:]  # (N, H, D), (N, H_kv, D)
-            cache.store(li, slots, k, v)
-            if self._sparse is not None:
-                self._sparse.after_store(li, seqs)
-            if streaming:
-                out = self._streamer.attend(li, q, starts, a.scaling)
-            else:
-                out = self._attend_groups(li, q, seqs, groups, a.scaling, scores if stats or observe else None,
-                                          cache.score_hook(li))
-            x = x + w.o(out)
-            gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
-            x = x + w.down(layer.mlp.act_fn(gate) * up)
+        compiled = self._decode_step(groups, kv_lens, slots, stats or observe)
+        if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
+            scores[0] += compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)])
+            for li in range(self.num_layers) if bus.enabled else ():
+                cache.stored(li, slots, *compiled.kv(li))
+        else:
+            x = self._layers_by_torch(x, cos, sin, slots, seqs, groups, starts, streaming,
+                                      scores if stats or observe else None)
         if all_logits:
             logits = self._lm_head(self._final_norm(x)).float()  # (N, V)
         else:
@@ -384,15 +357,49 @@ class Runner:
                                                        sink_tokens=self.block_size, per_head=self.per_head))
         return logits
 
-    def _decode_step(self, groups: list[_Group], kv_lens: list[int], keep_scores: bool) -> DecodeStep | None:
+    def _layers_by_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                         seqs: list[SeqId], groups: list[_Group], starts: list[int], streaming: bool,
+                         scores: list[list[Newest]] | None) -> torch.Tensor:
+        """Every layer of a step by torch ops and the model's own modules (any step, any feature); appends each
+        group's newest-query scores of every layer to ``scores`` when given."""
+        cache = self.cache
+        N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
+            a = layer.self_attn
+            qkv = w.qkv(norm1(x))  # (N, (H + 2 H_kv) * D): q, k, v side by side
+            v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)
+            if hasattr(a, "q_norm"):  # Qwen3-style per-head norms before RoPE
+                q, k = qkv[:, : H * D].view(N, H, D), qkv[:, H * D : (H + H_kv) * D].view(N, H_kv, D)
+                q, k = self._apply_rope(a.q_norm(q), a.k_norm(k), cos, sin, unsqueeze_dim=1)
+            else:  # q and k heads are adjacent: one rotation for both, half the elementwise calls
+                qk = _rope(qkv[:, : (H + H_kv) * D].view(N, H + H_kv, D), cos[:, None], sin[:, None])
+                q, k = qk[:, :H], qk[:, H:]  # (N, H, D), (N, H_kv, D)
+            cache.store(li, slots, k, v)
+            if self._sparse is not None:
+                self._sparse.after_store(li, seqs)
+            if streaming:
+                out = self._streamer.attend(li, q, starts, a.scaling)
+            else:
+                out = self._attend_groups(li, q, seqs, groups, a.scaling, scores, cache.score_hook(li))
+            x = x + w.o(out)
+            gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
+            x = x + w.down(layer.mlp.act_fn(gate) * up)
+        return x
+
+    def _decode_step(self, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor, keep_scores: bool
+                     ) -> DecodeStep | None:
         """The compiled layers' buffers for a step of decode rows only, over K/V the cache holds as the
-        model's dtype, with nothing that changes attention; None: the torch path."""
+        model's dtype and lets them store, with nothing that changes attention; None: the torch path."""
         if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].kv_rows is None
                 or self._sparse is not None or self._window is not None or self._merging is not None
-                or self.cache.layer_kv(0).dtype != self._decode.dtype):
+                or self.cache.layer_kv(0).dtype != self._decode.dtype
+                or any(self.cache.score_hook(li) is not None for li in range(self.num_layers))):
+            return None
+        rows = self.cache.store_rows(slots)
+        if rows is None:
             return None
         g = groups[0]
-        return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, keep_scores)
+        return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, rows, keep_scores)
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
         """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""

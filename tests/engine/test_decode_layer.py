@@ -60,7 +60,7 @@ def test_compiled_layers_give_the_torch_paths_tokens_logits_and_statistics(monke
             assert getattr(b, field) == pytest.approx(getattr(a, field), abs=1e-4 if dtype == "float32" else 0.03), (key, field)
 
 
-def test_a_layer_with_the_attention_nan_fault_takes_the_torch_path(monkeypatch):
+def test_steps_with_the_attention_nan_faults_hook_take_the_torch_path(monkeypatch):
     # GIVEN the attention-nan fault (on the middle layer, 1 of 2, from step 2)
     model = tiny_llama(hidden_size=128, intermediate_size=256).model
     events: list = []
