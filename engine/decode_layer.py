@@ -4,18 +4,19 @@ At batch 1 a bf16 SmolLM2 step spent as long in the glue between its products as
 ~60 small torch ops a layer (norms, rotations, dtype conversions, the SwiGLU product, residuals, the
 attention's gathers and softmax), 1.5-5 us each. ``decode_layer.c`` does a layer's glue in a few
 passes over rows of a few hundred floats: RMSNorm, the q/k/v product, RoPE, the new K/V into the
-cache's arena where the cache's store plan puts them (``PagedKVCache.store_rows``; the runner then books
-them with ``stored``, so digests are the cache's as always), attention over the layer's paged K/V, the o
-product, residual, RMSNorm, the gate/up product, SiLU, the down product, residual; every layer of the step
-in one call (a call per layer and half-layer cost ~0.5 ms a step in ctypes and Python). It computes what the torch path computes, rounding
-bf16 where torch's bf16 ops round (see the C file); it hands back each row's newest-query scores and
-probabilities, so attention statistics see what attention used.
+cache's arena where the cache's store plan puts them (``PagedKVCache.store_rows``; the runner then
+books them with ``stored``, so digests are the cache's as always), attention over the layer's paged
+K/V, the o product, residual, RMSNorm, the gate/up product, SiLU, the down product, residual; every
+layer of the step in one call (a call per half-layer cost ~0.5 ms a step in ctypes and Python). It
+computes what the torch path computes, rounding bf16 where torch's bf16 ops round (see the C file);
+it hands back each row's newest-query scores and probabilities, so attention statistics see what
+attention used.
 
 It applies to a step whose rows are all decode rows over K/V the cache holds in the model's dtype,
 with none of the features that change attention (block-sparse reads, sliding windows, token merging,
-long-context streaming, the attention-nan fault's hook, a store the cache must do itself), and to models
-whose layers are plain Llama
-layers in float32 or bfloat16 (no q/k norms, no biases, SiLU); elsewhere the runner's torch path runs.
+long-context streaming, the attention-nan fault's hook) and a store the cache lets it do, and to models
+whose layers are plain Llama layers in float32 or bfloat16 (no q/k norms, no biases, SiLU); elsewhere
+the runner's torch path runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
