@@ -428,6 +428,12 @@ def paired(a: Callable[[], tuple[float, float]], b: Callable[[], tuple[float, fl
     return out
 
 
+def _named(r: dict[str, Any], a: str, b: str, ratio: str) -> dict[str, Any]:
+    """``paired``'s result per clock with its sides and ratio named as the report names them."""
+    return {clock: {a: v["a"], b: v["b"], ratio: v["ratio"], f"{ratio}_q1": v["ratio_q1"], f"{ratio}_q3": v["ratio_q3"]}
+            for clock, v in r.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a local checkpoint directory (default: the embedded SmolLM2)")
@@ -505,14 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.bound_repeats:
         results["bound"] = weight_bound(runner, args.bound_repeats)
         r = share_of_bound(runner, batch1[0], N, args.repeats)
-        results["batch1_bound_share"] = {clock: {"bound": v["a"], "runner": v["b"], "share": v["ratio"],
-                                                 "share_q1": v["ratio_q1"], "share_q3": v["ratio_q3"]}
-                                         for clock, v in r.items()}
+        results["batch1_bound_share"] = _named(r, "bound", "runner", "share")
     for name, prompts, budgets in scenarios if not args.only_events else ():
         r = paired(lambda p=prompts, b=budgets: hf_decode(model, p, b, pad),
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
-        results[name] = {clock: {"transformers": v["a"], "runner": v["b"], "speedup": v["ratio"],
-                                 "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]} for clock, v in r.items()}
+        results[name] = _named(r, "transformers", "runner", "speedup")
     if args.layer_pairs:
         with _environ("KVDOCTOR_DECODE_LAYER", "0"):
             torch_path = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0,
@@ -521,9 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, prompts, budgets in scenarios:
             r = paired(lambda p=prompts, b=budgets: runner_decode(torch_path, p, b),
                        lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.layer_pairs)
-            results[f"{name}_layers"] = {clock: {"torch_path": v["a"], "compiled": v["b"], "speedup": v["ratio"],
-                                                 "speedup_q1": v["ratio_q1"], "speedup_q3": v["ratio_q3"]}
-                                         for clock, v in r.items()}
+            results[f"{name}_layers"] = _named(r, "torch_path", "compiled", "speedup")
         torch_path.close()
     E = args.event_tokens
     writer = TraceWriter(trace_path, runner.cache.header())

@@ -31,8 +31,6 @@
 
 #define HOT static inline __attribute__((always_inline))
 
-HOT float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
 /* float -> bf16, round to nearest even; NaN stays a (quiet) NaN: c10::BFloat16's conversion, without a
  * branch, so loops over it vectorize. */
 HOT uint16_t to_bf16(float f) {
@@ -43,11 +41,14 @@ HOT uint16_t to_bf16(float f) {
 }
 
 /* Values of the model's dtype: bf (a compile-time constant in each instantiation) picks bf16 or float. */
-HOT float ld(const void *p, int64_t i, const int bf) { return bf ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i]; }
+HOT float ld(const void *p, int64_t i, const int bf) { return bf ? bf16((const uint16_t *)p + i) : ((const float *)p)[i]; }
 HOT void st(void *p, int64_t i, float v, const int bf) {
   if (bf) ((uint16_t *)p)[i] = to_bf16(v); else ((float *)p)[i] = v;
 }
-HOT float rnd(float v, const int bf) { return bf ? from_bf16(to_bf16(v)) : v; }
+HOT float rnd(float v, const int bf) {
+  const uint16_t h = to_bf16(v);
+  return bf ? bf16(&h) : v;
+}
 
 /* e^x of 8 floats to about 1 ulp (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial
  * in r, times 2^n made in the exponent bits), in vector operations: glibc's expf is a call per value,

@@ -37,8 +37,7 @@ from .weights import LayerWeights
 __all__ = ["DecodeLayers", "DecodeStep"]
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_INT = ctypes.c_int
+_INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGS = [_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _INT]
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 

@@ -168,7 +168,7 @@ class Runner:
         self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in self._layers]
         self._final_norm = rms_norm(self._base.norm)
-        # Decode steps of a plain Llama model on CPU: each layer in two compiled calls around the K/V store.
+        # Decode steps of a plain Llama model on CPU: every layer in one compiled call (engine/decode_layer.py).
         self._decode = DecodeLayers.for_model(model, self._layers, self._weights)
         if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
             self.num_layers, self.num_kv_heads, self.head_dim
