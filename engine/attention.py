@@ -133,7 +133,8 @@ class AttnStats:
 
 class Newest(NamedTuple):
     """What statistics need of each row's newest query in one layer: its scaled pre-softmax scores
-    (B, H, T) and, in decode, the float32 probabilities attention took of them (None elsewhere)."""
+    (B, H, T) and, in decode, the float32 probabilities attention took of them (None elsewhere); or the
+    same of every layer at once, (L, B, H, T) each (the compiled decode layers' buffer)."""
 
     scores: torch.Tensor
     probs: torch.Tensor | None = None

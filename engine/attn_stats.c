@@ -16,7 +16,7 @@
  * finite scores, and the count of the non-finite ones, plus every visible key when one is NaN or +inf
  * (they break the whole softmax), as attention.py's torch passes define them. */
 #include <math.h>
-#include <omp.h>
+#include "openmp.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -196,6 +196,26 @@ static Head head_stats(const float *s, const float *p, const int32_t *keep, int6
   return (Head){m, logf(z) - sd / z, zs / z, 0.f};
 }
 
+/* A row's summary from its heads' statistics, in head order: the largest score of any head, the mean
+ * entropy and sink mass, the count of non-finite scores; each head's entropy and largest score into hent
+ * and hmax when they are not NULL. */
+static void row_summary(const Head *heads, int64_t H, float *summary, float *hent, float *hmax) {
+  float mx = -INFINITY, ent = 0.f, snk = 0.f, bad = 0.f;
+  for (int64_t h = 0; h < H; h++) {
+    const Head r = heads[h];
+    mx = r.max > mx ? r.max : mx;
+    ent += r.entropy;
+    snk += r.sink;
+    bad += r.nonfinite;
+    if (hent) hent[h] = r.entropy;
+    if (hmax) hmax[h] = r.max;
+  }
+  summary[0] = mx;
+  summary[1] = ent / (float)H;
+  summary[2] = snk / (float)H;
+  summary[3] = bad;
+}
+
 void kvdoctor_attn_stats(const float *const *scores, const float *const *probs, const int32_t *keep, int64_t keep_ls,
                          int64_t L, int64_t B, int64_t H, int64_t T, int64_t sink, float *summary, float *hent,
                          float *hmax, int threads) {
@@ -203,24 +223,11 @@ void kvdoctor_attn_stats(const float *const *scores, const float *const *probs, 
   for (int64_t lb = 0; lb < L * B; lb++) {
     const int64_t l = lb / B, b = lb % B;
     const int32_t *k = keep ? keep + l * keep_ls + b * T : NULL;
-    float mx = -INFINITY, ent = 0.f, snk = 0.f, bad = 0.f;
+    Head heads[H];
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = (b * H + h) * T;
-      const Head r = head_stats(scores[l] + row, probs ? probs[l] + row : NULL, k, T, sink);
-      mx = r.max > mx ? r.max : mx;
-      ent += r.entropy;
-      snk += r.sink;
-      bad += r.nonfinite;
-      if (hent) hent[lb * H + h] = r.entropy;
-      if (hmax) hmax[lb * H + h] = r.max;
+      heads[h] = head_stats(scores[l] + row, probs ? probs[l] + row : NULL, k, T, sink);
     }
-    float *out = summary + lb * SUMMARY;
-    out[0] = mx;
-    out[1] = ent / (float)H;
-    out[2] = snk / (float)H;
-    out[3] = bad;
+    row_summary(heads, H, summary + lb * SUMMARY, hent ? hent + lb * H : NULL, hmax ? hmax + lb * H : NULL);
   }
 }
-
-/* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */
-void *kvdoctor_openmp_symbol(void) { return (void *)&omp_get_max_threads; }

@@ -531,11 +531,11 @@ class PagedKVCache:
             return None
         return self._plan_store(slots).rows
 
-    def stored(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """What ``store`` does besides copying, for ``k``, ``v`` a caller wrote at ``store_rows(slots)``:
-        staging them for the blocks' digests while someone listens."""
+    def stored(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What ``store`` does besides copying, for every layer's ``k``, ``v`` ``(L, N, H, D)`` a caller wrote
+        at ``store_rows(slots)``: staging them for the blocks' digests while someone listens."""
         if self.bus.enabled and self.digests.recording:
-            self.digests.stage(id(slots), layer, self.codec.name, slots, (k, v))
+            self.digests.stage_layers(id(slots), self.codec.name, slots, k, v)
 
     def _plan_store(self, slots: torch.Tensor) -> _StorePlan:
         """Where ``slots`` lie: block and offset, and for the device arena's own layout the (K/V, token, head)

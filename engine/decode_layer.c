@@ -22,9 +22,12 @@
  * ``kv`` is the layer's device arena; ``kv_rows[((c * M + b) * H_kv + h) * nb + j]`` the element offset in
  * it of row b's block j of kv head h, keys (c = 0) or values (c = 1); a block's ``bs`` positions of one
  * head lie contiguously, D elements each. Row b has ``lens[b]`` keys. Each row's newest-query scaled
- * scores and their probabilities go to ``scores`` and ``probs`` (M, H, T) for the attention statistics;
- * keys past a row's length get the lowest finite score and probability 0. */
+ * scores and their probabilities go to ``scores`` and ``probs`` (M, H, T) (the hybrid eviction policy
+ * weighs blocks by them); keys past a row's length get the lowest finite score and probability 0. Each
+ * head's attention statistics are taken right there, from those scores and probabilities still in the
+ * core's cache (attn_stats.c's head_stats: what its kernel computes over the same buffers afterwards). */
 #include "matvec.c"
+#include "attn_stats.c"
 
 #include <float.h>
 #include <math.h>
@@ -158,7 +161,7 @@ HOT v8 load8(const void *p, int64_t i, const int bf) {
  * Keys are visited block by block (j), position by position (u) within a block. */
 HOT void attend_head(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D, const void *qkv, const void *kv,
                      const int64_t *kv_rows, int64_t nb, int64_t bs, const int32_t *lens, float scale,
-                     float *scores, float *probs, int64_t T, int64_t b, int64_t h, float *o) {
+                     float *scores, float *probs, int64_t T, int64_t b, int64_t h, float *o, Head *stat, int64_t sink) {
   const int64_t Q = (H + 2 * Hkv) * D, kh = h / (H / Hkv), len = lens[b];
   const int64_t *krow = kv_rows + (b * Hkv + kh) * nb, *vrow = kv_rows + ((M + b) * Hkv + kh) * nb;
   float q[D], *s = scores + (b * H + h) * T, *p = probs + (b * H + h) * T;
@@ -186,18 +189,20 @@ HOT void attend_head(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D,
       }
     }
   for (int64_t t = len; t < T; t++) { s[t] = -FLT_MAX; p[t] = 0.f; }
+  if (stat) *stat = head_stats(s, p, NULL, len, sink); /* over the row's own keys: no mask to read */
 }
 
 HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
                     const void *qkv, const void *kv, const int64_t *kv_rows, int64_t nb, int64_t bs,
-                    const int32_t *lens, float scale, float *scores, float *probs, int64_t T, const void *wo,
-                    const void *norm_w, float eps, const void *wgu, const void *wd, float *scratch, int threads) {
+                    const int32_t *lens, float scale, float *scores, float *probs, int64_t T, Head *stats,
+                    int64_t sink, const void *wo, const void *norm_w, float eps, const void *wgu, const void *wd,
+                    float *scratch, int threads) {
   float *o = scratch, *y = o + M * H * D, *xn = y + M * 2 * I, *mv = xn + M * (I > hidden ? I : hidden);
   const int64_t work = M * H * T * D;
 #pragma omp parallel for schedule(static) num_threads(threads) if (work > 65536)
   for (int64_t bh = 0; bh < M * H; bh++)
     attend_head(bf, M, H, Hkv, D, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, bh / H, bh % H,
-                o + bh * D);
+                o + bh * D, stats ? stats + bh : NULL, sink);
   for (int64_t i = 0; i < M * H * D; i++) o[i] = rnd(o[i], bf);
   matvec(o, wo, y, mv, M, hidden, H * D, threads, bf);
   residual(x, y, M * hidden, bf);
@@ -223,28 +228,33 @@ typedef struct {
 HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                        int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv, const void *cos,
                        const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
-                       const int32_t *lens, float *newest, int keep, int64_t T, float *scratch, int threads) {
+                       const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
+                       float *summary, float *hent, float *hmax, float *scratch, int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
     void *q = (char *)qkv + l * M * Q * size;
     float *scores = newest + (keep ? l : 0) * 2 * M * H * T, *probs = scores + M * H * T;
     layer_pre(bf, M, hidden, H, Hkv, D, x, w->norm1, w->eps1, w->qkv, cos, sin, q, kv[l], rows, scratch, threads);
-    layer_post(bf, M, hidden, H, Hkv, D, I, x, q, kv[l], kv_rows, nb, bs, lens, w->scale, scores, probs, T, w->o,
-               w->norm2, w->eps2, w->gate_up, w->down, scratch, threads);
+    layer_post(bf, M, hidden, H, Hkv, D, I, x, q, kv[l], kv_rows, nb, bs, lens, w->scale, scores, probs, T,
+               heads ? heads + l * M * H : NULL, sink, w->o, w->norm2, w->eps2, w->gate_up, w->down, scratch, threads);
   }
+  for (int64_t lm = 0; heads && lm < L * M; lm++)
+    row_summary(heads + lm * H, H, summary + lm * SUMMARY, hent ? hent + lm * H : NULL, hmax ? hmax + lm * H : NULL);
 }
 
 /* Every layer of a decode step: x (M, hidden) in place; each layer's q/k/v into qkv (L, M, Q), its new K/V
  * into kv[l] at rows; its newest-query scores and probabilities into newest (L, 2, M, H, T), or all into
- * one (2, M, H, T) when keep is 0. */
+ * one (2, M, H, T) when keep is 0. With heads (scratch of L * M * H Head), the attention statistics of
+ * every layer and row (attn_stats.c's, over each row's keys, the first sink of them the sink) into summary
+ * (L, M, 4), and each head's entropy and largest score into hent and hmax (L, M, H) when not NULL. */
 void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                             int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
                             const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
-                            int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, float *scratch,
-                            int threads) {
+                            int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
+                            int64_t sink, float *summary, float *hent, float *hmax, float *scratch, int threads) {
   if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, scratch, threads);
+                        newest, keep, T, heads, sink, summary, hent, hmax, scratch, threads);
   else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, scratch, threads);
+                     newest, keep, T, heads, sink, summary, hent, hmax, scratch, threads);
 }

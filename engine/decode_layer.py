@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from . import native
-from .attention import Newest
+from .attention import AttnStats, Newest
 from .matvec import MAX_ROWS
 from .weights import LayerWeights
 
@@ -38,7 +38,7 @@ __all__ = ["DecodeLayers", "DecodeStep"]
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGS = [_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _INT]
+_ARGS = [_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT]
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
 
@@ -112,23 +112,27 @@ class DecodeLayers:
         return cls(layers, tensors, (cfg.hidden_size, H, H_kv, D, intermediate), param.dtype, kernel)
 
     def step(self, kv_lens: Sequence[int], kv_rows: torch.Tensor, blocks: int, block_size: int,
-             store_rows: torch.Tensor, scores: bool) -> DecodeStep | None:
+             store_rows: torch.Tensor, scores: bool, sink: int | None = None, per_head: bool = False
+             ) -> DecodeStep | None:
         """The buffers of one decode step over rows with ``kv_lens`` keys (None above ``MAX_ROWS`` rows), whose
         new K/V go to ``store_rows``; with ``scores`` each layer keeps its rows' newest-query scores and
-        probabilities."""
+        probabilities; with ``sink`` (the keys that count as the attention sink) the step's ``stats`` hold
+        every layer's and row's attention statistics (each head's too with ``per_head``)."""
         M = len(kv_lens)
         if M > MAX_ROWS:
             return None
         return DecodeStep(self, M, max(kv_lens), torch.tensor(kv_lens, dtype=torch.int32), kv_rows, blocks,
-                          block_size, store_rows, scores)
+                          block_size, store_rows, scores, sink, per_head)
 
 
 class DecodeStep:
     """One step's buffers: q/k/v of every layer (the cache stages views of them for digests), float scratch,
-    and the scores and probabilities attention leaves for the statistics (every layer's, or one reused)."""
+    the scores and probabilities attention leaves (every layer's, or one reused), and the attention
+    statistics of every layer and row (``stats``) when a ``sink`` is given."""
 
     def __init__(self, layers: DecodeLayers, M: int, T: int, lens: torch.Tensor, kv_rows: torch.Tensor,
-                 blocks: int, block_size: int, store_rows: torch.Tensor, keep_scores: bool) -> None:
+                 blocks: int, block_size: int, store_rows: torch.Tensor, keep_scores: bool, sink: int | None,
+                 per_head: bool) -> None:
         L = layers
         H, H_kv, D, hidden, inter = L.heads, L.kv_heads, L.head_dim, L.hidden, L.intermediate
         self.L, self.M, self.T, self.lens, self.kv_rows, self.store_rows = L, M, T, lens, kv_rows, store_rows
@@ -137,21 +141,34 @@ class DecodeStep:
         widest = max(inter, hidden, H * D)
         self.scratch = torch.empty(M * (H * D + 2 * inter + 2 * widest + 2 * hidden + self.qkv.shape[-1]))
         self.newest = torch.empty(L.num_layers if keep_scores else 1, 2, M, H, T)
+        self.sink = sink
+        self._heads = torch.empty(L.num_layers, M, H, 4) if sink is not None else None  # attn_stats.c's Head
+        self.stats = None if sink is None else AttnStats(
+            torch.empty(L.num_layers, M, 4), *((torch.empty(L.num_layers, M, H), torch.empty(L.num_layers, M, H))
+                                               if per_head else ()))
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]) -> list[Newest]:
-        """Every layer for ``x`` (M, hidden), in place, over the layers' arenas ``kv`` (``layer_kv``); each
-        layer's rows' newest-query scores and probabilities when the step keeps them."""
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]) -> Newest | None:
+        """Every layer for ``x`` (M, hidden), in place, over the layers' arenas ``kv`` (``layer_kv``); every
+        layer's rows' newest-query scores and probabilities, (L, M, H, T) each, when the step keeps them."""
         L = self.L
         arenas = (_PTR * L.num_layers)(*(a.data_ptr() for a in kv))
         L._kernel(int(L.dtype == torch.bfloat16), L.num_layers, self.M, L.hidden, L.heads, L.kv_heads, L.head_dim,
                   L.intermediate, ctypes.byref(L._table), arenas, x.data_ptr(), self.qkv.data_ptr(), cos.data_ptr(),
                   sin.data_ptr(), self.store_rows.data_ptr(), self.kv_rows.data_ptr(), self.blocks, self.block_size,
                   self.lens.data_ptr(), self.newest.data_ptr(), int(self.keep_scores), self.T,
-                  self.scratch.data_ptr(), torch.get_num_threads())
-        return [Newest(n[0], n[1]) for n in self.newest] if self.keep_scores else []
+                  *self._stats_pointers(), self.scratch.data_ptr(), torch.get_num_threads())
+        return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new K and V (M, H_kv, D) ``layer`` stored."""
+    def _stats_pointers(self) -> tuple[int | None, int, int | None, int | None, int | None]:
+        """The kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score."""
+        st, sink = self.stats, self.sink
+        if st is None or self._heads is None or sink is None:
+            return None, 0, None, None, None
+        return (self._heads.data_ptr(), sink, st.summary.data_ptr(),
+                *(None if t is None else t.data_ptr() for t in (st.heads_entropy, st.heads_max_logit)))
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new K and V ``(L, M, H_kv, D)`` every layer stored: views of the q/k/v rows."""
         H, H_kv, D = self.L.heads, self.L.kv_heads, self.L.head_dim
-        qkv = self.qkv[layer]
-        return qkv[:, H * D : (H + H_kv) * D].view(self.M, H_kv, D), qkv[:, (H + H_kv) * D :].view(self.M, H_kv, D)
+        shape = (self.L.num_layers, self.M, H_kv, D)
+        return self.qkv[..., H * D : (H + H_kv) * D].view(shape), self.qkv[..., (H + H_kv) * D :].view(shape)

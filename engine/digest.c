@@ -6,7 +6,7 @@
  * bytes (signed: a float's bit pattern), strides in elements. The same sums numpy's einsum takes over
  * integer views, in one call without numpy's per-call cost (after a decode step has streamed the weights
  * through the caches, each numpy call costs ~15 us); unsigned arithmetic wraps as numpy's int64 does. */
-#include <omp.h>
+#include "openmp.h"
 #include <stdint.h>
 
 #define SUMS(NAME, T)                                                                                       \
@@ -38,5 +38,3 @@ void kvdoctor_unit_sums(const char *base, int64_t ls, int64_t L, int64_t H, int6
   else sums_i32(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
 }
 
-/* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */
-void *kvdoctor_openmp_symbol(void) { return (void *)&omp_get_max_threads; }

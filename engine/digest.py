@@ -129,7 +129,6 @@ class _Layout:
         self.num_groups = next((r.count for r in self.regions if r.group), 0)
         self.tokens_per_group = codec.block_size // self.num_groups if self.num_groups else 0
         self._w = {r.name: _odd_weights((num_heads, r.width), i) for i, r in enumerate(self.regions)}
-        self._w_kv = np.stack([self._w["k"], self._w["v"]]) if codec.native else None  # (2, H, D)
 
     def stored_units(self, rows: Sequence[torch.Tensor]) -> np.ndarray:
         """``(n, L, U)`` unit sums of stored blocks, each ``(L, H, R)`` in the arena dtype (views of the
@@ -153,19 +152,20 @@ class _Layout:
                     "lhcw,hw->lc", part.reshape(L, H, r.count, r.width), self._w[r.name])
         return out
 
-    def kv_units(self, kv: torch.Tensor) -> np.ndarray:
-        """``(L, N)`` token sums of a native codec's K and V, given as ``(2L, N, H, D)`` (K, V of layer 0, …)."""
-        kv = kv.to(self.codec.arena_dtype)  # what the arena holds: K/V rounded to its dtype
+    def kv_units(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+        """``(L, N)`` token sums of a native codec's K and V, each ``(L, N, H, D)``: stacked layers, or views
+        into a buffer that holds every layer's (the compiled decode layers' q/k/v rows), read in place."""
+        dt = self.codec.arena_dtype
+        k, v = k.to(dt), v.to(dt)  # what the arena holds: K/V rounded to its dtype
         kernel = _sums_kernel()
-        if kernel is None or kv.device.type != "cpu" or not kv.is_contiguous():
-            x = _as_ints(kv)
-            x = x.reshape(x.shape[0] // 2, 2, *x.shape[1:])  # (L, 2, N, H, D); N may be 0 (an empty store)
-            return np.einsum("lknhd,khd->ln", x, self._w_kv)
-        L2, N, H, D = kv.shape
-        out = np.zeros((L2 // 2, N), dtype=np.int64)
-        tensor = kv.stride(0) * kv.element_size()  # bytes from one (N, H, D) tensor to the next: K0, V0, K1, …
-        for first, w in ((0, self._w["k"]), (tensor, self._w["v"])):  # every layer's K, then every V
-            kernel(kv.data_ptr() + first, 2 * tensor, L2 // 2, H, N, D, D, H * D, kv.element_size(), w.ctypes.data,
+        if kernel is None or k.device.type != "cpu" or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return (np.einsum("lnhd,hd->ln", _as_ints(k), self._w["k"])
+                    + np.einsum("lnhd,hd->ln", _as_ints(v), self._w["v"]))
+        L, N, H, D = k.shape
+        out = np.zeros((L, N), dtype=np.int64)
+        size = k.element_size()
+        for x, w in ((k, self._w["k"]), (v, self._w["v"])):
+            kernel(x.data_ptr(), x.stride(0) * size, L, H, N, D, x.stride(2), x.stride(1), size, w.ctypes.data,
                    out.ctypes.data, N, torch.get_num_threads())
         return out
 
@@ -223,6 +223,7 @@ class _Staged:
     slots: torch.Tensor  # (N,) flat tier slots ``slot * block_size + offset`` the tokens were meant for
     groups: torch.Tensor | None  # (G,) ``slot * num_groups + group`` of the key groups re-encoded
     layers: dict[int, Any]
+    units: np.ndarray | None = None  # (L, N) token sums of every layer, when staged at once (``stage_layers``)
 
 
 class DigestBook:
@@ -269,34 +270,48 @@ class DigestBook:
         if slots.numel() > _STAGE_PARTS_MAX:  # a prefill: sum now rather than hold every layer's K/V
             layout = self.layouts[codec]
             if isinstance(parts, tuple):
-                parts = _Sums(layout.kv_units(torch.stack(parts))[0], None)  # (N,)
+                parts = _Sums(layout.kv_units(parts[0][None], parts[1][None])[0], None)  # (N,)
             else:
                 parts = _Sums(*layout.part_units(parts))
         st.layers[layer] = parts
 
+    def stage_layers(self, key: Any, codec: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``stage`` of every layer at once: K and V ``(L, N, H, D)`` of a native codec, summed now (views into
+        the compiled decode layers' buffer, still in the CPU's caches: no per-layer tensors to hold or stack)."""
+        if self._folded:
+            self.end_step()
+        self._staged[key] = _Staged(codec, slots, None, {}, self.layouts[codec].kv_units(k, v))
+
     def _fold(self) -> None:
         """Unit sums of every staged token, all layers at once (the hot path: one stack per region)."""
         self._folded = True
-        L = self.num_layers
         for st in self._staged.values():
-            if sorted(st.layers) != list(range(L)):
+            sums = self._layer_sums(st)
+            if sums is None:
                 continue  # not every layer was stored: these tokens get no record
-            first = st.layers[0]
-            if isinstance(first, _Sums):
-                pos = np.stack([st.layers[i].pos for i in range(L)]) if first.pos is not None else None
-                grp = np.stack([st.layers[i].grp for i in range(L)]) if first.grp is not None else None
-            elif isinstance(first, tuple):  # native K, V: one stack and one sum for every layer
-                pos = self.layouts[st.codec].kv_units(torch.stack([t for i in range(L) for t in st.layers[i]]))
-                grp = None
-            else:
-                stacked = {name: torch.stack([st.layers[i][name] for i in range(L)]) for name in first}
-                pos, grp = self.layouts[st.codec].part_units(stacked)  # (L, N), (L, G)
+            pos, grp = sums
             for sums, ids, table in ((pos, st.slots, self._pos), (grp, st.groups, self._grp)):
                 if sums is None or ids is None:
                     continue
                 arr = np.ascontiguousarray(sums)
                 for col, flat in enumerate(ids.tolist()):
                     table[flat] = (arr, col)  # a later store to the same slot wins, as in the arena
+
+    def _layer_sums(self, st: _Staged) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+        """``(L, N)`` token and ``(L, G)`` group sums of one store's every layer; None if a layer is missing."""
+        if st.units is not None:
+            return st.units, None
+        L = self.num_layers
+        if sorted(st.layers) != list(range(L)):
+            return None
+        first = st.layers[0]
+        if isinstance(first, _Sums):
+            return (np.stack([st.layers[i].pos for i in range(L)]) if first.pos is not None else None,
+                    np.stack([st.layers[i].grp for i in range(L)]) if first.grp is not None else None)
+        if isinstance(first, tuple):  # native K, V: one stack each and one sum for every layer
+            return self.layouts[st.codec].kv_units(*(torch.stack([st.layers[i][j] for i in range(L)]) for j in (0, 1))), None
+        stacked = {name: torch.stack([st.layers[i][name] for i in range(L)]) for name in first}
+        return self.layouts[st.codec].part_units(stacked)  # (L, N), (L, G)
 
     def record_write(self, b: Any, pos: int, n: int) -> int | None:
         """Book tokens ``pos … pos+n-1`` committed into block ``b`` (at its device slot); its new digest,

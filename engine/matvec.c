@@ -13,7 +13,7 @@
  * operations widen 16 weights (a per-element conversion took six instructions for 8, and made the
  * one-row product compute-bound at 8.5 GB/s). x's rows are reordered to match once per call, into
  * ``scratch``: per 16 elements, the 8 even ones then the 8 odd ones. */
-#include <omp.h>
+#include "openmp.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -150,5 +150,3 @@ static const float *even_odd(const float *x, float *scratch, int64_t M, int64_t 
 MATVEC(kvdoctor_matvec_f32, float, block_f32, as_is)
 MATVEC(kvdoctor_matvec_bf16, uint16_t, block_bf16, even_odd)
 
-/* Where this library's OpenMP calls go: the loader tells which runtime this address lies in. */
-void *kvdoctor_openmp_symbol(void) { return (void *)&omp_get_max_threads; }

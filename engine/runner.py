@@ -108,6 +108,16 @@ class Generation:
     error: Exception | None = None  # with "error": the engine's typed error (a StorageError, ChecksumMismatch)
 
 
+# A group's newest-query scores: one ``Newest`` per layer (the torch path appends them layer by layer), or
+# one of every layer's at once (the compiled decode layers' buffer).
+LayerScores = list[Newest] | Newest
+
+
+def _every_layer(scores: LayerScores, num_layers: int) -> bool:
+    """Whether ``scores`` cover every layer (a path without scores, block-sparse attention, leaves none)."""
+    return isinstance(scores, Newest) or len(scores) == num_layers
+
+
 @dataclass
 class _Group:
     """Rows attended together: all one-token decode rows, or one multi-token row."""
@@ -309,12 +319,12 @@ class Runner:
         cos, sin = self._base.rotary_emb(x[None], pos[None])  # (1, N, D) each
         cos, sin = cos[0], sin[0]  # (N, D)
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
-        scores: list[list[Newest]] = [[] for _ in groups]
-        compiled = self._decode_step(groups, kv_lens, slots, stats or observe)
+        scores: list[LayerScores] = [[] for _ in groups]
+        compiled = self._decode_step(groups, kv_lens, slots, observe, stats)
         if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
-            scores[0] += compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)])
-            for li in range(self.num_layers) if bus.enabled else ():
-                cache.stored(li, slots, *compiled.kv(li))
+            scores[0] = compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)]) or []
+            if bus.enabled:
+                cache.stored(slots, *compiled.kv())
         else:
             x = self._layers_by_torch(x, cos, sin, slots, seqs, groups, starts, streaming,
                                       scores if stats or observe else None)
@@ -331,8 +341,9 @@ class Runner:
                 cache.observe_attention(seq, None, mass)
         if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
-                if len(per_layer) == self.num_layers:
-                    self._observe_attention([seqs[i] for i in g.rows], torch.stack([n.scores for n in per_layer]), g)
+                if _every_layer(per_layer, self.num_layers):
+                    self._observe_attention([seqs[i] for i in g.rows], per_layer.scores if isinstance(per_layer, Newest)
+                                            else torch.stack([n.scores for n in per_layer]), g)
         for (seq, toks), k in zip(rows, n):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k, tokens=toks)
@@ -350,7 +361,7 @@ class Runner:
         if self._window is not None:
             self._window.enforce(cache, seqs)
         if stats:
-            self._emit_stats(seqs, groups, scores)
+            self._emit_stats(seqs, groups, scores, compiled.stats if compiled is not None else None)
             if streaming:  # each row's statistics from the scores of the parts its keys were streamed in
                 for seq, per_layer in self._streamer.step.scores.items():
                     self._emit_attn([seq], layer_stats([Newest(s[None]) for s in per_layer], None,
@@ -359,7 +370,7 @@ class Runner:
 
     def _layers_by_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                          seqs: list[SeqId], groups: list[_Group], starts: list[int], streaming: bool,
-                         scores: list[list[Newest]] | None) -> torch.Tensor:
+                         scores: list[LayerScores] | None) -> torch.Tensor:
         """Every layer of a step by torch ops and the model's own modules (any step, any feature); appends each
         group's newest-query scores of every layer to ``scores`` when given."""
         cache = self.cache
@@ -386,10 +397,11 @@ class Runner:
             x = x + w.down(layer.mlp.act_fn(gate) * up)
         return x
 
-    def _decode_step(self, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor, keep_scores: bool
-                     ) -> DecodeStep | None:
+    def _decode_step(self, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor, keep_scores: bool,
+                     stats: bool) -> DecodeStep | None:
         """The compiled layers' buffers for a step of decode rows only, over K/V the cache holds as the
-        model's dtype and lets them store, with nothing that changes attention; None: the torch path."""
+        model's dtype and lets them store, with nothing that changes attention; None: the torch path.
+        ``keep_scores``: every layer's newest-query scores (the hybrid policy's); ``stats``: the statistics."""
         if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].kv_rows is None
                 or self._sparse is not None or self._window is not None or self._merging is not None
                 or self.cache.layer_kv(0).dtype != self._decode.dtype
@@ -399,7 +411,8 @@ class Runner:
         if rows is None:
             return None
         g = groups[0]
-        return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, rows, keep_scores)
+        return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, rows, keep_scores,
+                                 self.block_size if stats else None, self.per_head)
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
         """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""
@@ -491,7 +504,7 @@ class Runner:
         return torch.stack([full if (k := self._layout(g, li).keep) is None else k for li in range(self.num_layers)])
 
     def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], groups: list[_Group], scale: float,
-                       scores: list[list[Newest]] | None, corrupt: Any) -> torch.Tensor:
+                       scores: list[LayerScores] | None, corrupt: Any) -> torch.Tensor:
         """Attention output of every token (N, H*D); appends each group's newest-query scores to ``scores``."""
         N, H, D = q.shape
         out = q.new_empty(N, H * D) if len(groups) > 1 else None
@@ -529,12 +542,16 @@ class Runner:
                 self._importance.observe(seq, self.cache.block_table(seq), m)
         return o, scores
 
-    def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[list[Newest]]) -> None:
-        """One ``attn`` event per row and layer, from statistics computed once for all layers of a group."""
+    def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[LayerScores],
+                    taken: AttnStats | None) -> None:
+        """One ``attn`` event per row and layer, from statistics computed once for all layers of a group, or
+        ``taken`` inside the compiled layers' attention (their step's one group)."""
         for g, per_layer in zip(groups, scores):
-            if len(per_layer) != self.num_layers:
-                continue  # a path without scores (block-sparse attention) has no statistics
-            st = layer_stats(per_layer, self._keep(g), sink_tokens=self.block_size, per_head=self.per_head)
+            st = taken
+            if st is None:
+                if not _every_layer(per_layer, self.num_layers):
+                    continue  # a path without scores (block-sparse attention) has no statistics
+                st = layer_stats(per_layer, self._keep(g), sink_tokens=self.block_size, per_head=self.per_head)
             self._emit_attn([seqs[row] for row in g.rows], st)
 
     def _emit_attn(self, rows: list[SeqId], st: AttnStats) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvdoctor.engine.attention import Newest, layer_stats
 from kvdoctor.engine.decode_layer import DecodeLayers
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
@@ -58,6 +59,28 @@ def test_compiled_layers_give_the_torch_paths_tokens_logits_and_statistics(monke
         assert b.nonfinite == a.nonfinite == 0
         for field in ("max_logit", "entropy", "sink"):
             assert getattr(b, field) == pytest.approx(getattr(a, field), abs=1e-4 if dtype == "float32" else 0.03), (key, field)
+
+
+def test_statistics_taken_inside_attention_equal_the_stats_kernels_over_the_same_scores(monkeypatch):
+    # GIVEN the compiled layers keeping every layer's scores and probabilities, with per-head statistics
+    model = tiny_llama(hidden_size=128, intermediate_size=256).model
+    steps = []
+    with _runner(model, True, monkeypatch, per_head=True) as runner:
+        runner.bus.subscribe(lambda events: None)
+        step = runner._decode_step
+        runner._decode_step = lambda groups, lens, slots, keep, stats: steps.append(
+            step(groups, lens, slots, True, stats)) or steps[-1]
+        runner.generate(PROMPTS, max_new_tokens=6)
+    # WHEN the statistics kernel reads each step's kept scores, probabilities and row lengths afterwards
+    steps = [d for d in steps if d is not None]
+    assert len(steps) == 5
+    for d in steps:
+        keep = torch.arange(d.T)[None] < d.lens[:, None].long()
+        want = layer_stats([Newest(n[0], n[1]) for n in d.newest], keep, sink_tokens=4, per_head=True)
+        # THEN the statistics taken inside attention, each head's included, are the same to the bit
+        assert torch.equal(d.stats.summary, want.summary)
+        assert torch.equal(d.stats.heads_entropy, want.heads_entropy)
+        assert torch.equal(d.stats.heads_max_logit, want.heads_max_logit)
 
 
 def test_steps_with_the_attention_nan_faults_hook_take_the_torch_path(monkeypatch):
