@@ -35,6 +35,7 @@ import os
 import threading
 from typing import Any, Callable, Iterable, NamedTuple, Sequence as Seq
 
+import numpy as np
 import torch
 
 from ..events import (PREFIX_CACHE, Evict, Header, Merge, PrefetchUse, Read, Recode, Rollback, SeqEnd, SeqStart,
@@ -531,11 +532,18 @@ class PagedKVCache:
             return None
         return self._plan_store(slots).rows
 
-    def stored(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """What ``store`` does besides copying, for every layer's ``k``, ``v`` ``(L, N, H, D)`` a caller wrote
-        at ``store_rows(slots)``: staging them for the blocks' digests while someone listens."""
+    def digest_weights(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The digests' weights of K and of V ``(H_kv, D)`` while stores are recorded (someone listens), else
+        None: a caller that writes K/V at ``store_rows`` itself sums each token's units by them (digest.c)."""
+        if not (self.bus.enabled and self.digests.recording):
+            return None
+        return self.digests.layouts[self.codec.name].kv_weights
+
+    def stored(self, slots: torch.Tensor, units: np.ndarray) -> None:
+        """What ``store`` does besides copying, for tokens a caller wrote at ``store_rows(slots)``: staging
+        every layer's unit sums ``(L, N)`` of them (by ``digest_weights``) for the blocks' digests."""
         if self.bus.enabled and self.digests.recording:
-            self.digests.stage_layers(id(slots), self.codec.name, slots, k, v)
+            self.digests.stage_units(id(slots), self.codec.name, slots, units)
 
     def _plan_store(self, slots: torch.Tensor) -> _StorePlan:
         """Where ``slots`` lie: block and offset, and for the device arena's own layout the (K/V, token, head)

@@ -28,6 +28,7 @@
  * core's cache (attn_stats.c's head_stats: what its kernel computes over the same buffers afterwards). */
 #include "matvec.c"
 #include "attn_stats.c"
+#include "digest.c"
 
 #include <float.h>
 #include <math.h>
@@ -229,7 +230,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
                        int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv, const void *cos,
                        const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
                        const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
-                       float *summary, float *hent, float *hmax, float *scratch, int threads) {
+                       float *summary, float *hent, float *hmax, const int64_t *wk, const int64_t *wv,
+                       uint64_t *units, float *scratch, int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
@@ -241,20 +243,29 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
   }
   for (int64_t lm = 0; heads && lm < L * M; lm++)
     row_summary(heads + lm * H, H, summary + lm * SUMMARY, hent ? hent + lm * H : NULL, hmax ? hmax + lm * H : NULL);
+  if (units) { /* the new tokens' digest unit sums (digest.c), every layer's K then V, read from the qkv rows */
+    memset(units, 0, (size_t)(L * M) * sizeof *units);
+    for (int64_t c = 0; c < 2; c++)
+      kvdoctor_unit_sums((const char *)qkv + (H + c * Hkv) * D * size, M * Q * size, L, Hkv, M, D, D, Q, size,
+                         c ? wv : wk, units, M, threads);
+  }
 }
 
 /* Every layer of a decode step: x (M, hidden) in place; each layer's q/k/v into qkv (L, M, Q), its new K/V
  * into kv[l] at rows; its newest-query scores and probabilities into newest (L, 2, M, H, T), or all into
  * one (2, M, H, T) when keep is 0. With heads (scratch of L * M * H Head), the attention statistics of
  * every layer and row (attn_stats.c's, over each row's keys, the first sink of them the sink) into summary
- * (L, M, 4), and each head's entropy and largest score into hent and hmax (L, M, H) when not NULL. */
+ * (L, M, 4), and each head's entropy and largest score into hent and hmax (L, M, H) when not NULL. With
+ * units, the digest unit sums (digest.c) of each layer's new tokens' K and V, weighted by wk and wv (Hkv, D),
+ * into units (L, M): what the cache's digests would sum from them (digest.py, _Layout.kv_units). */
 void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                             int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
                             const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
                             int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
-                            int64_t sink, float *summary, float *hent, float *hmax, float *scratch, int threads) {
+                            int64_t sink, float *summary, float *hent, float *hmax, const int64_t *wk,
+                            const int64_t *wv, uint64_t *units, float *scratch, int threads) {
   if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, heads, sink, summary, hent, hmax, scratch, threads);
+                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, scratch, threads);
   else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, heads, sink, summary, hent, hmax, scratch, threads);
+                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, scratch, threads);
 }

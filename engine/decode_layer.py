@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from . import native
@@ -38,7 +39,7 @@ __all__ = ["DecodeLayers", "DecodeStep"]
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGS = [_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT]
+_ARGS = [_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 7 + [_INT]
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
 
@@ -112,27 +113,29 @@ class DecodeLayers:
         return cls(layers, tensors, (cfg.hidden_size, H, H_kv, D, intermediate), param.dtype, kernel)
 
     def step(self, kv_lens: Sequence[int], kv_rows: torch.Tensor, blocks: int, block_size: int,
-             store_rows: torch.Tensor, scores: bool, sink: int | None = None, per_head: bool = False
-             ) -> DecodeStep | None:
+             store_rows: torch.Tensor, scores: bool, sink: int | None = None, per_head: bool = False,
+             digest_weights: tuple[np.ndarray, np.ndarray] | None = None) -> DecodeStep | None:
         """The buffers of one decode step over rows with ``kv_lens`` keys (None above ``MAX_ROWS`` rows), whose
         new K/V go to ``store_rows``; with ``scores`` each layer keeps its rows' newest-query scores and
         probabilities; with ``sink`` (the keys that count as the attention sink) the step's ``stats`` hold
-        every layer's and row's attention statistics (each head's too with ``per_head``)."""
+        every layer's and row's attention statistics (each head's too with ``per_head``); with
+        ``digest_weights`` (the cache's, of K and V) its ``units`` the digest unit sums of the new K/V."""
         M = len(kv_lens)
         if M > MAX_ROWS:
             return None
         return DecodeStep(self, M, max(kv_lens), torch.tensor(kv_lens, dtype=torch.int32), kv_rows, blocks,
-                          block_size, store_rows, scores, sink, per_head)
+                          block_size, store_rows, scores, sink, per_head, digest_weights)
 
 
 class DecodeStep:
     """One step's buffers: q/k/v of every layer (the cache stages views of them for digests), float scratch,
-    the scores and probabilities attention leaves (every layer's, or one reused), and the attention
-    statistics of every layer and row (``stats``) when a ``sink`` is given."""
+    the scores and probabilities attention leaves (every layer's, or one reused), the attention statistics
+    of every layer and row (``stats``) when a ``sink`` is given, and the new K/V's digest unit sums
+    (``units``, (L, M)) when digest weights are."""
 
     def __init__(self, layers: DecodeLayers, M: int, T: int, lens: torch.Tensor, kv_rows: torch.Tensor,
                  blocks: int, block_size: int, store_rows: torch.Tensor, keep_scores: bool, sink: int | None,
-                 per_head: bool) -> None:
+                 per_head: bool, digest_weights: tuple[np.ndarray, np.ndarray] | None) -> None:
         L = layers
         H, H_kv, D, hidden, inter = L.heads, L.kv_heads, L.head_dim, L.hidden, L.intermediate
         self.L, self.M, self.T, self.lens, self.kv_rows, self.store_rows = L, M, T, lens, kv_rows, store_rows
@@ -146,6 +149,8 @@ class DecodeStep:
         self.stats = None if sink is None else AttnStats(
             torch.empty(L.num_layers, M, 4), *((torch.empty(L.num_layers, M, H), torch.empty(L.num_layers, M, H))
                                                if per_head else ()))
+        self._weights = digest_weights
+        self.units = np.empty((L.num_layers, M), dtype=np.int64) if digest_weights is not None else None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]) -> Newest | None:
         """Every layer for ``x`` (M, hidden), in place, over the layers' arenas ``kv`` (``layer_kv``); every
@@ -156,7 +161,7 @@ class DecodeStep:
                   L.intermediate, ctypes.byref(L._table), arenas, x.data_ptr(), self.qkv.data_ptr(), cos.data_ptr(),
                   sin.data_ptr(), self.store_rows.data_ptr(), self.kv_rows.data_ptr(), self.blocks, self.block_size,
                   self.lens.data_ptr(), self.newest.data_ptr(), int(self.keep_scores), self.T,
-                  *self._stats_pointers(), self.scratch.data_ptr(), torch.get_num_threads())
+                  *self._stats_pointers(), *self._digest_pointers(), self.scratch.data_ptr(), torch.get_num_threads())
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
     def _stats_pointers(self) -> tuple[int | None, int, int | None, int | None, int | None]:
@@ -167,8 +172,9 @@ class DecodeStep:
         return (self._heads.data_ptr(), sink, st.summary.data_ptr(),
                 *(None if t is None else t.data_ptr() for t in (st.heads_entropy, st.heads_max_logit)))
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new K and V ``(L, M, H_kv, D)`` every layer stored: views of the q/k/v rows."""
-        H, H_kv, D = self.L.heads, self.L.kv_heads, self.L.head_dim
-        shape = (self.L.num_layers, self.M, H_kv, D)
-        return self.qkv[..., H * D : (H + H_kv) * D].view(shape), self.qkv[..., (H + H_kv) * D :].view(shape)
+    def _digest_pointers(self) -> tuple[int | None, int | None, int | None]:
+        """The kernel's digest arguments: the weights of K and V, the unit sums out."""
+        if self._weights is None or self.units is None:
+            return None, None, None
+        wk, wv = self._weights
+        return wk.ctypes.data, wv.ctypes.data, self.units.ctypes.data

@@ -152,9 +152,13 @@ class _Layout:
                     "lhcw,hw->lc", part.reshape(L, H, r.count, r.width), self._w[r.name])
         return out
 
+    @property
+    def kv_weights(self) -> tuple[np.ndarray, np.ndarray]:
+        """A native codec's weights of K and of V, ``(H, D)`` int64 each: a token's unit sums K and V by them."""
+        return self._w["k"], self._w["v"]
+
     def kv_units(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
-        """``(L, N)`` token sums of a native codec's K and V, each ``(L, N, H, D)``: stacked layers, or views
-        into a buffer that holds every layer's (the compiled decode layers' q/k/v rows), read in place."""
+        """``(L, N)`` token sums of a native codec's K and V, each ``(L, N, H, D)`` (D contiguous: read in place)."""
         dt = self.codec.arena_dtype
         k, v = k.to(dt), v.to(dt)  # what the arena holds: K/V rounded to its dtype
         kernel = _sums_kernel()
@@ -223,7 +227,7 @@ class _Staged:
     slots: torch.Tensor  # (N,) flat tier slots ``slot * block_size + offset`` the tokens were meant for
     groups: torch.Tensor | None  # (G,) ``slot * num_groups + group`` of the key groups re-encoded
     layers: dict[int, Any]
-    units: np.ndarray | None = None  # (L, N) token sums of every layer, when staged at once (``stage_layers``)
+    units: np.ndarray | None = None  # (L, N) token sums of every layer, when staged at once (``stage_units``)
 
 
 class DigestBook:
@@ -275,12 +279,12 @@ class DigestBook:
                 parts = _Sums(*layout.part_units(parts))
         st.layers[layer] = parts
 
-    def stage_layers(self, key: Any, codec: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``stage`` of every layer at once: K and V ``(L, N, H, D)`` of a native codec, summed now (views into
-        the compiled decode layers' buffer, still in the CPU's caches: no per-layer tensors to hold or stack)."""
+    def stage_units(self, key: Any, codec: str, slots: torch.Tensor, units: np.ndarray) -> None:
+        """``stage`` of every layer at once, as the ``(L, N)`` token sums a caller took of a native codec's K
+        and V (the compiled decode layers, with ``_Layout.kv_weights``, while the rows were in its caches)."""
         if self._folded:
             self.end_step()
-        self._staged[key] = _Staged(codec, slots, None, {}, self.layouts[codec].kv_units(k, v))
+        self._staged[key] = _Staged(codec, slots, None, {}, units)
 
     def _fold(self) -> None:
         """Unit sums of every staged token, all layers at once (the hot path: one stack per region)."""

@@ -323,8 +323,8 @@ class Runner:
         compiled = self._decode_step(groups, kv_lens, slots, observe, stats)
         if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
             scores[0] = compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)]) or []
-            if bus.enabled:
-                cache.stored(slots, *compiled.kv())
+            if compiled.units is not None:
+                cache.stored(slots, compiled.units)
         else:
             x = self._layers_by_torch(x, cos, sin, slots, seqs, groups, starts, streaming,
                                       scores if stats or observe else None)
@@ -412,7 +412,7 @@ class Runner:
             return None
         g = groups[0]
         return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, rows, keep_scores,
-                                 self.block_size if stats else None, self.per_head)
+                                 self.block_size if stats else None, self.per_head, self.cache.digest_weights())
 
     def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
         """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""

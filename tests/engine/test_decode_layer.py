@@ -61,11 +61,13 @@ def test_compiled_layers_give_the_torch_paths_tokens_logits_and_statistics(monke
             assert getattr(b, field) == pytest.approx(getattr(a, field), abs=1e-4 if dtype == "float32" else 0.03), (key, field)
 
 
-def test_statistics_taken_inside_attention_equal_the_stats_kernels_over_the_same_scores(monkeypatch):
-    # GIVEN the compiled layers keeping every layer's scores and probabilities, with per-head statistics
+def test_statistics_and_digest_sums_taken_inside_equal_the_kernels_over_the_same_buffers(monkeypatch):
+    # GIVEN the compiled layers keeping every layer's scores and probabilities, with per-head statistics,
+    # while digests are recorded
     model = tiny_llama(hidden_size=128, intermediate_size=256).model
     steps = []
     with _runner(model, True, monkeypatch, per_head=True) as runner:
+        layout = runner.cache.digests.layouts[runner.cache.codec.name]
         runner.bus.subscribe(lambda events: None)
         step = runner._decode_step
         runner._decode_step = lambda groups, lens, slots, keep, stats: steps.append(
@@ -81,6 +83,10 @@ def test_statistics_taken_inside_attention_equal_the_stats_kernels_over_the_same
         assert torch.equal(d.stats.summary, want.summary)
         assert torch.equal(d.stats.heads_entropy, want.heads_entropy)
         assert torch.equal(d.stats.heads_max_logit, want.heads_max_logit)
+        # AND the digest unit sums of the new K/V are the cache's own sums of them
+        H, H_kv, D = 4, 2, 32
+        k, v = (d.qkv[..., (H + c * H_kv) * D: (H + (c + 1) * H_kv) * D].unflatten(-1, (H_kv, D)) for c in (0, 1))
+        assert (d.units == layout.kv_units(k, v)).all()
 
 
 def test_steps_with_the_attention_nan_faults_hook_take_the_torch_path(monkeypatch):
