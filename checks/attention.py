@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from ..events import Attn, Batch, SeqEnd
+from ..events import Attn, AttnStep, Batch, SeqEnd
 from ..findings import Finding
 
 from .attention_profile import AttentionProfile, LayerProfile, Span, bucket_of
@@ -166,7 +166,7 @@ class AttentionCheck(CheckBase):
         self._bounds.clear()
 
     def handlers(self):
-        return {Attn: self._attn, Batch: self._batch, SeqEnd: self._seq_end}
+        return {Attn: self._attn, AttnStep: self._attn_step, Batch: self._batch, SeqEnd: self._seq_end}
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -201,6 +201,13 @@ class AttentionCheck(CheckBase):
         return b
 
     # ---- judging ------------------------------------------------------------------------------
+
+    def _attn_step(self, ev: AttnStep) -> Sequence[Finding]:
+        """Every row and layer of the step, as the ``attn`` events it stands for."""
+        found: list[Finding] = []
+        for row in ev.rows():
+            found.extend(self._attn(row))
+        return found or NO_FINDINGS
 
     def _attn(self, ev: Attn) -> Sequence[Finding]:
         logit, ent, sink = ev.max_logit, ev.entropy, ev.sink

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..events import Attn, Batch, SeqEnd
+from ..events import Attn, AttnStep, Batch, SeqEnd
 
 __all__ = ["AttentionProfile", "LayerProfile", "ProfileBuilder", "Span", "bucket_of", "shipped_profile",
            "PROFILE_FORMAT"]
@@ -205,6 +205,9 @@ class ProfileBuilder:
             length = self._lengths.get(ev.seq)
             if length is not None:
                 self._entropy.setdefault((ev.layer, bucket_of(length)), _Acc()).add(ev.entropy, rng)
+        elif isinstance(ev, AttnStep):
+            for row in ev.rows():
+                self.observe(row)
         elif isinstance(ev, Batch):
             for seq, pos, n in zip(ev.rows, ev.positions, ev.n):
                 self._lengths[seq] = pos + n

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,14 @@ class AttnStats:
     summary: torch.Tensor  # (L, B, 4) float32: max_logit, entropy, sink, nonfinite
     heads_entropy: torch.Tensor | None = None  # (L, B, H)
     heads_max_logit: torch.Tensor | None = None  # (L, B, H)
+
+    def fields(self) -> dict[str, Any]:
+        """The statistics as an ``attn_step`` event's fields (grids layer by row), besides ``seqs``."""
+        s = self.summary
+        return {"max_logit": s[..., 0].tolist(), "entropy": s[..., 1].tolist(), "sink": s[..., 2].tolist(),
+                "nonfinite": s[..., 3].to(torch.int64).tolist(),
+                "heads_entropy": None if self.heads_entropy is None else self.heads_entropy.tolist(),
+                "heads_max_logit": None if self.heads_max_logit is None else self.heads_max_logit.tolist()}
 
 
 class Newest(NamedTuple):

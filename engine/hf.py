@@ -35,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..events import Attn, Batch, SeqId
+from ..events import AttnStep, Batch, SeqId
 from .attention import AttnLayout, Newest, attend, layer_stats
 from .cache import PagedKVCache
 from .config import EngineConfig
@@ -299,21 +299,12 @@ class EngineCache(Cache):
             self.engine.end_step(int(self._slots.numel()))
 
     def _emit_stats(self) -> None:
-        """One ``attn`` event per row and layer, computed once per step from the scores attention kept."""
+        """The step's ``attn_step`` event (every row and layer), computed once from the scores attention kept."""
         per_layer, self._scores = self._scores, []
         if len(per_layer) != len(self.layers):
             return  # not the kvdoctor attention implementation, or statistics not due this step
         st = layer_stats(per_layer, self._keep, sink_tokens=self.engine.block_size, per_head=self.per_head)
-        summary = st.summary.tolist()
-        he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
-        hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
-        emit = self.engine.bus.emit
-        for layer, rows in enumerate(summary):
-            for b, seq in enumerate(self.seqs):
-                max_logit, entropy, sink, nonfinite = rows[b]
-                emit(Attn, seq=seq, layer=layer, max_logit=max_logit, entropy=entropy, sink=sink,
-                     nonfinite=int(nonfinite), heads_entropy=he[layer][b] if he else None,
-                     heads_max_logit=hm[layer][b] if hm else None)
+        self.engine.bus.emit(AttnStep, seqs=list(self.seqs), **st.fields())
 
     def finish(self) -> None:
         """End the current step and release every row's sequence (``seq_end``): call after ``generate``."""

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..events import Attn, Batch, SeqId
+from ..events import AttnStep, Batch, SeqId
 from .attention import AttnLayout, AttnStats, Newest, attend, hidden_keys, layer_stats
 from .bus import Bus
 from .cache import PagedKVCache
@@ -544,7 +544,7 @@ class Runner:
 
     def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[LayerScores],
                     taken: AttnStats | None) -> None:
-        """One ``attn`` event per row and layer, from statistics computed once for all layers of a group, or
+        """The ``attn_step`` event of each group's rows, from statistics computed once for all its layers, or
         ``taken`` inside the compiled layers' attention (their step's one group)."""
         for g, per_layer in zip(groups, scores):
             st = taken
@@ -555,18 +555,8 @@ class Runner:
             self._emit_attn([seqs[row] for row in g.rows], st)
 
     def _emit_attn(self, rows: list[SeqId], st: AttnStats) -> None:
-        """The ``attn`` events of ``rows`` from their statistics (L, B, ...)."""
-        summary = st.summary.tolist()  # (L, B, 4)
-        he = st.heads_entropy.tolist() if st.heads_entropy is not None else None
-        hm = st.heads_max_logit.tolist() if st.heads_max_logit is not None else None
-        t, step = self.bus.now(), self.bus.step  # one instant for the step's statistics
-        self.bus.extend([
-            Attn(t=t, step=step, seq=seq, layer=li, max_logit=max_logit, entropy=entropy, sink=sink,
-                 nonfinite=int(nonfinite), heads_entropy=he[li][j] if he else None,
-                 heads_max_logit=hm[li][j] if hm else None)
-            for li, per_row in enumerate(summary)
-            for j, (seq, (max_logit, entropy, sink, nonfinite)) in enumerate(zip(rows, per_row))
-        ])
+        """The ``attn_step`` event of ``rows`` from their statistics (L, B, ...): one event for the step."""
+        self.bus.emit(AttnStep, seqs=list(rows), **st.fields())
 
     def _observe_attention(self, rows: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
         """Feed the hybrid eviction policy and mixed resolution each row's attention mass per block: the

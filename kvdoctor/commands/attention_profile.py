@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..checks import ProfileBuilder
     from ..errors import UsageError
-    from ..events import Attn
+    from ..events import attn_rows
     from ..trace import TraceReader
 
     readers = [TraceReader(path) for path in args.traces]  # every header read first: a bad trace fails at once
@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     builder = ProfileBuilder(model=args.model or next(iter(models), None))
     for reader in readers:
         for batch in reader.batches():
-            for ev in batch:
-                if isinstance(ev, Attn) and ev.nonfinite:
+            for ev in attn_rows(batch):
+                if ev.nonfinite:
                     raise UsageError(f"{reader.path}: non-finite attention at step {ev.step}, layer {ev.layer}: "
                                      "not a clean trace")
             builder.feed(batch)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..events import (
-    TIERS, Alloc, Attn, Batch, ChecksumError, Evict, Free, Header, Mem, Prefetch, Read, Release,
+    TIERS, Alloc, Attn, AttnStep, Batch, ChecksumError, Evict, Free, Header, Mem, Prefetch, Read, Release,
     Recode, Rollback, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TraceEnd, Unknown, Usage, Write,
 )
 from ..findings import Finding
@@ -170,7 +170,7 @@ class Monitor:
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._share,
             Release: self._release, Free: self._free, Evict: self._free, Write: self._write,
             Read: self._read, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
-            Batch: self._batch, Attn: self._attn, Usage: self._usage_ev, Mem: self._mem_ev,
+            Batch: self._batch, Attn: self._attn, AttnStep: self._attn_step, Usage: self._usage_ev, Mem: self._mem_ev,
             StepEnd: self._step_end, ChecksumError: self._checksum, Prefetch: _ignore,
             TraceEnd: self._trace_end, Unknown: _ignore, Recode: self._recode,
         }
@@ -432,6 +432,10 @@ class Monitor:
 
     def _batch(self, ev: Batch) -> None:
         self.batch_rows = len(ev.rows)
+
+    def _attn_step(self, ev: AttnStep) -> None:
+        for row in ev.rows():
+            self._attn(row)
 
     def _attn(self, ev: Attn) -> None:
         acc = self._layers.get(ev.layer)

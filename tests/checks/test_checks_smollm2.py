@@ -53,7 +53,7 @@ def test_clean_smollm2_serving_with_swaps_raises_no_finding(smollm2):
     # THEN requests were preempted by swapping, and not one finding was raised
     assert swaps
     assert [f.message for f in session.findings] == []
-    assert session.num_events > 1000
+    assert session.num_events > 300  # one attn_step a step stands for 4 rows x 30 layers of statistics
 
 
 @pytest.mark.parametrize("profile", ["auto", "none"])

@@ -9,7 +9,7 @@ from kvdoctor.engine.attention import Newest, layer_stats
 from kvdoctor.engine.decode_layer import DecodeLayers
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.events import Attn
+from kvdoctor.events import attn_rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]  # different lengths: hidden keys
 
@@ -33,7 +33,7 @@ def _run(model, compiled: bool, monkeypatch, **config):
         step = runner._decode_step
         runner._decode_step = lambda *a: used.append(step(*a)) or used[-1]
         outs = runner.generate(PROMPTS, max_new_tokens=10, keep_logits=True)
-    attn = {(e.step, e.seq, e.layer): e for e in events if isinstance(e, Attn)}
+    attn = {(e.step, e.seq, e.layer): e for e in attn_rows(events)}
     return outs, attn, sum(u is not None for u in used)
 
 
@@ -97,7 +97,7 @@ def test_steps_with_the_attention_nan_faults_hook_take_the_torch_path(monkeypatc
         runner.bus.subscribe(events.extend)
         runner.generate(PROMPTS[:2], max_new_tokens=6)
     # THEN the corrupted scores reach the statistics of that layer, as on the torch path
-    bad = {(e.layer, e.step) for e in events if isinstance(e, Attn) and e.nonfinite}
+    bad = {(e.layer, e.step) for e in attn_rows(events) if e.nonfinite}
     assert bad and all(layer == 1 and step >= 2 for layer, step in bad)
 
 

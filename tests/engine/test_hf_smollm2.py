@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from engine_support import contrastive_search, kinds_of, traced
 from kvdoctor.engine.hf import use_kvdoctor_attention
 from kvdoctor.engine.model import load_model, tiny_llama
-from kvdoctor.events import Attn, Rollback, SeqStart, Share
+from kvdoctor.events import AttnStep, Rollback, SeqStart, Share
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def test_beam_search_with_return_sequences_matches_the_default_cache(smol, tmp_p
     assert out.sequences.tolist() == ref.sequences.tolist()
     torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, atol=1e-4, rtol=0)
     kinds = kinds_of(events)
-    assert kinds[Share] and kinds[Attn]
+    assert kinds[Share] and kinds[AttnStep]
     assert_clean(findings)
 
 

@@ -20,6 +20,7 @@ from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.readplan import BlockLoc, plan_reads
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.streaming import merge, partial_attention
+from kvdoctor.events import attn_rows
 from kvdoctor.trace import TraceReader
 
 PROMPT = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -213,8 +214,7 @@ def _attn(model, path, monkeypatch, **config) -> list[tuple[int, float, float, f
     monkeypatch.delenv("KVDOCTOR_TRACE")
     runner.generate([PROMPT], max_new_tokens=4)
     runner.close()
-    return [(e.layer, e.max_logit, e.entropy, e.sink) for e in TraceReader(path)
-            if type(e).__struct_config__.tag == "attn"]
+    return [(e.layer, e.max_logit, e.entropy, e.sink) for e in attn_rows(TraceReader(path))]
 
 
 def test_streamed_decode_steps_emit_the_resident_attention_statistics(model, tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from kvdoctor.engine.hf import EngineCache, use_kvdoctor_attention
 from kvdoctor.engine.model import convert_embedded, converted_dir, verify_copy
 from kvdoctor.engine.runner import Runner
 from kvdoctor.engine.scheduler import Request, Scheduler
-from kvdoctor.events import Attn, SwapIn, SwapOut
+from kvdoctor.events import SwapIn, SwapOut, attn_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -103,7 +103,7 @@ def test_generate_on_engine_cache_batch1_matches(smol, prompts, references):
                 r = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, cache=cache,
                                    output_logits=True, return_dict_in_generate=True)
             _check(r.sequences[0, len(p):].tolist(), torch.stack(r.logits)[:, 0], ref)
-            assert sum(isinstance(e, Attn) for e in seen) == 30 * len(r.logits)
+            assert len(attn_rows(seen)) == 30 * len(r.logits)
     finally:
         model.set_attn_implementation("sdpa")
 

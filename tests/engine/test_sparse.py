@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvdoctor.engine.attention import AttnLayout
 from kvdoctor.engine.runner import Runner
+from kvdoctor.events import attn_rows
 from kvdoctor.engine.sparse import BlockSparse, block_upper_bound, chunk_block_mask, select_blocks
 
 from engine_support import Recorder
@@ -178,7 +179,7 @@ def test_pages_read_whole_and_read_events_list_cache_blocks(model):
 
 
 def _attn(events) -> list:
-    return [e for e in events if type(e).__struct_config__.tag == "attn"]
+    return attn_rows(events)
 
 
 def test_sparse_path_emits_attn_events_from_what_it_read(model):

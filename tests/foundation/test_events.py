@@ -18,7 +18,23 @@ codecs = st.sampled_from(["fp16", "bf16", "int8", "nf4"])
 common = {"t": ints, "step": ints}
 
 
+@st.composite
+def _attn_steps(draw) -> E.AttnStep:
+    """A step's statistics: every grid ``layers x rows``, one row per seq."""
+    seqs = draw(st.lists(seq_ids, max_size=3))
+    layers = draw(st.integers(0, 3))
+
+    def grid(cell):
+        return st.lists(st.lists(cell, min_size=len(seqs), max_size=len(seqs)), min_size=layers, max_size=layers)
+
+    return E.AttnStep(seqs=seqs, max_logit=draw(grid(floats)), entropy=draw(grid(floats)), sink=draw(grid(floats)),
+                      nonfinite=draw(grid(ints)), heads_entropy=draw(st.none() | grid(st.lists(floats, max_size=3))),
+                      t=draw(ints), step=draw(ints))
+
+
 def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
+    if cls is E.AttnStep:
+        return _attn_steps()
     fields = {
         E.SeqStart: dict(seq=seq_ids, prompt_len=ints, stack=st.none() | st.lists(st.text(max_size=30), max_size=3)),
         E.SeqEnd: dict(seq=seq_ids, reason=st.sampled_from(["finished", "aborted"]),
@@ -112,3 +128,26 @@ def test_events_are_immutable():
     ev = E.Free(block=1)
     with pytest.raises(AttributeError):
         ev.block = 2  # type: ignore[misc]
+
+
+def test_an_attn_step_stands_for_its_attn_events_and_keeps_non_finite_statistics():
+    # GIVEN a step's statistics of two rows at two layers, one of them not finite
+    step = E.AttnStep(t=5, step=3, seqs=["a", 7], max_logit=[[1.0, 2.0], [3.0, float("nan")]],
+                      entropy=[[0.1, 0.2], [0.3, 0.4]], sink=[[0.5, 0.6], [0.7, float("inf")]],
+                      nonfinite=[[0, 0], [0, 9]], heads_max_logit=[[[1.0], [2.0]], [[3.0], [4.0]]])
+    # WHEN it is written and read back
+    back = E.decode(E.encode(step))
+    # THEN it gives the attn events of every layer and row, layer by layer, non-finite values as NaN
+    rows = back.rows()
+    assert [(r.layer, r.seq) for r in rows] == [(0, "a"), (0, 7), (1, "a"), (1, 7)]
+    assert rows[1] == E.Attn(t=5, step=3, seq=7, layer=0, max_logit=2.0, entropy=0.2, sink=0.6, nonfinite=0,
+                             heads_max_logit=[2.0])
+    last = rows[3]
+    assert last.nonfinite == 9 and last.max_logit != last.max_logit and last.sink != last.sink
+
+
+def test_an_attn_step_whose_grids_do_not_fit_its_rows_is_an_invalid_event():
+    # GIVEN a line whose statistics have two rows for one seq THEN the reader refuses it
+    with pytest.raises(msgspec.ValidationError, match="one per seq"):
+        E.decode(b'{"kind":"attn_step","seqs":[1],"max_logit":[[1.0,2.0]],"entropy":[[0.1]],"sink":[[0.5]],'
+                 b'"nonfinite":[[0]]}')

@@ -20,7 +20,7 @@ __all__ = ["EventLog", "compile_filter"]
 
 _KIND_STYLE = {
     "alloc": "green", "free": "dim green", "evict": "yellow", "swap_out": "dodger_blue1", "swap_in": "cyan",
-    "seq_start": "bold", "seq_end": "bold", "write": "", "read": "dim", "attn": "dim", "step_end": "dim",
+    "seq_start": "bold", "seq_end": "bold", "write": "", "read": "dim", "attn": "dim", "attn_step": "dim", "step_end": "dim",
     "checksum_error": "bold red", "io_error": "bold red", "trace_end": "bold yellow", "rollback": "magenta", "share": "bright_green",
     "release": "dim yellow",
 }
