@@ -264,7 +264,7 @@ def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[l
     before = book.mode
     book.mode = mode
     try:
-        with _Timers({"digest": [(book, "stage"), (book, "stage_layers"), (book, "record_write"), (tiers, "verify"),
+        with _Timers({"digest": [(book, "stage"), (book, "stage_units"), (book, "record_write"), (tiers, "verify"),
                                  (tiers, "retake")]}) as t:
             steps, total = _listened_decode(runner, sink, prompts, new_tokens, t)
     finally:
@@ -281,7 +281,7 @@ def event_parts(runner: Any, sink: Callable[[list[Any]], None], prompts: list[li
     (digest fold and records), read events (and sampled verification), and the step's end (the sink)."""
     cache = runner.cache
     targets = {"stats": [(runner, "_emit_stats")],
-               "stage": [(cache.digests, "stage"), (cache.digests, "stage_layers")],
+               "stage": [(cache.digests, "stage"), (cache.digests, "stage_units")],
                "writes": [(cache.digests, "record_write")], "reads": [(cache, "emit_read")],
                "step_end": [(runner.bus, "end_step")]}
     per_step: dict[str, list[float]] = {label: [] for label in [*targets, "total"]}
