@@ -79,6 +79,8 @@ def event_fields(ev: Any) -> str:
             continue
         if isinstance(v, float):
             v = f"{v:.3g}"
+        elif isinstance(v, list) and v and isinstance(v[0], list):  # a grid (attn_step's layers x rows): its shape
+            v = f"[{len(v)}×{len(v[0])}]"
         elif isinstance(v, list) and len(v) > 8:
             v = "[" + ",".join(map(str, v[:8])) + f",…+{len(v) - 8}]"
         elif isinstance(v, list):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 from kvdoctor.events import (
-    PREFIX_CACHE, Alloc, Attn, Free, Header, Mem, Recode, Release, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TierSpec,
-    TraceEnd, Usage, Write,
+    PREFIX_CACHE, Alloc, Attn, AttnStep, Free, Header, Mem, Recode, Release, SeqEnd, SeqStart, Share, StepEnd, SwapIn,
+    SwapOut, TierSpec, TraceEnd, Usage, Write,
 )
 from kvdoctor.findings import Finding
 from kvdoctor.tui.blocks import CACHED, LEAKED, SHARED, TIER_CODES, UNOWNED
 from kvdoctor.tui.details import describe_block
+from kvdoctor.tui.render import event_fields
 from kvdoctor.tui.state import Monitor
 from kvdoctor.tui.synthetic import SyntheticWorkload
 
@@ -96,6 +97,18 @@ def test_attention_is_averaged_per_layer_and_step_and_anomalies_are_marked():
     assert layer.steps == (0, 1) and layer.entropy == (2.0, 2.0)
     assert layer.max_logit[0] == 6.0 and math.isnan(layer.max_logit[1])
     assert layer.nonfinite == (0, 2) and layer.anomalies == frozenset({1})
+
+
+def test_an_attn_step_shows_as_its_attn_events_and_logs_as_grid_shapes():
+    # GIVEN the statistics of two rows at two layers as one attn_step, and as the four attn events it stands for
+    step = AttnStep(step=0, seqs=[1, 2], max_logit=[[4.0, 6.0], [5.0, 7.0]], entropy=[[1.0, 3.0], [2.0, 2.0]],
+                    sink=[[0.1, 0.1], [0.2, 0.2]], nonfinite=[[0, 0], [0, 1]])
+    together, apart = fold(step, StepEnd(step=0)), fold(*step.rows(), StepEnd(step=0))
+    # THEN the monitor's layers are the same either way
+    assert together.snapshot().layers == apart.snapshot().layers
+    assert together.snapshot().layers[1].nonfinite == (1,)
+    # AND its log line gives the grids' shapes, not 2 x 2 numbers each
+    assert event_fields(step) == "seqs=[1,2] max_logit=[2×2] entropy=[2×2] sink=[2×2] nonfinite=[2×2]"
 
 
 def test_memory_series_hold_one_sample_per_step():
