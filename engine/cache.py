@@ -553,19 +553,47 @@ class PagedKVCache:
             return self._store_plan[1]
         blk, off = slots // self.block_size, slots % self.block_size
         rows, extent = None, 0
-        if self.codec.native:
+        strides = self._row_strides() if self.codec.native else None
+        if strides is not None:
+            s_blk, s_head, s_kv, s_pos = strides
             kv = self._layer_kv(0)
-            D = kv.shape[-1]
-            strides = kv.stride()
-            if strides[-1] == 1 and strides[-2] == D and all(st % D == 0 for st in strides[:-1]):
-                s_blk, s_head, s_kv, s_pos = (st // D for st in strides[:-1])
-                heads = torch.arange(kv.shape[1], device=slots.device)
-                at = (blk * s_blk + off * s_pos)[:, None] + heads[None, :] * s_head  # (N, H) rows of K
-                rows = torch.stack((at, at + s_kv)).view(-1)  # (2 * N * H,): K rows, then V rows
-                extent = ((kv.shape[0] - 1) * s_blk + (kv.shape[1] - 1) * s_head + s_kv + (kv.shape[3] - 1) * s_pos) + 1
+            heads = torch.arange(kv.shape[1], device=slots.device)
+            at = (blk * s_blk + off * s_pos)[:, None] + heads[None, :] * s_head  # (N, H) rows of K
+            rows = torch.stack((at, at + s_kv)).view(-1)  # (2 * N * H,): K rows, then V rows
+            extent = ((kv.shape[0] - 1) * s_blk + (kv.shape[1] - 1) * s_head + s_kv + (kv.shape[3] - 1) * s_pos) + 1
         plan = _StorePlan(blk, off, rows, extent)
         self._store_plan = (slots, plan)
         return plan
+
+    def read_rows(self, table: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """Where in a layer's device arena each block's keys, and its values, of each head start, as element
+        offsets from the layer's start, ordered (K/V, row, head, block), for ``table`` (B, blocks) of device
+        slots; and the extent they index. A block's positions of one head are contiguous (D elements each),
+        so one ``index_select`` a layer gathers K and V straight into attention's layout (B, H, T, D). The
+        same for every layer; None where ``layer_kv`` is no view of the dtype (codes, several codecs)."""
+        try:
+            self.layer_kv(0)
+        except ValueError:
+            return None, 0
+        strides = self._row_strides()
+        if strides is None:
+            return None, 0
+        D = self.config.head_dim
+        s_blk, s_head, s_kv, _ = (st * D for st in strides)
+        heads = torch.arange(self.config.num_kv_heads, device=table.device)
+        key = table[:, None, :] * s_blk + heads[None, :, None] * s_head  # (B, H_kv, nb)
+        rows = torch.stack([key, key + s_kv]).reshape(-1)  # (2*B*H_kv*nb,)
+        return rows, int(rows.max()) + 1
+
+    def _row_strides(self) -> tuple[int, int, int, int] | None:
+        """The device arena's strides in rows of D elements (block, head, K/V, position), the layout both the
+        store plan and ``read_rows`` index; None where a layer's arena is not such rows."""
+        kv = self._layer_kv(0)  # (P, H, 2, bs, D)
+        D, strides = kv.shape[-1], kv.stride()
+        if strides[-1] != 1 or strides[-2] != D or any(st % D for st in strides[:-1]):
+            return None
+        s_blk, s_head, s_kv, s_pos = (st // D for st in strides[:-1])
+        return s_blk, s_head, s_kv, s_pos
 
     def _stage(self, key: Any, layer: int, codec: str, meant: torch.Tensor, parts: dict[str, torch.Tensor],
                base: int) -> None:

@@ -444,7 +444,7 @@ class Runner:
         if self._window is not None:
             window = AttnLayout.build([q_len] * len(rows), lens, sink_tokens=self.block_size, device=self.device,
                                       window=self._window.window)
-        kv_rows, extent = self._kv_rows(table, max(lens))
+        kv_rows, extent = self.cache.read_rows(table)
         bias = None
         if self._merging is not None:
             bias = key_bias([self.cache.slot_counts(seqs[i]) for i in rows], num_layers=self.num_layers,
@@ -452,26 +452,6 @@ class Runner:
                             device=self.device)
         return _Group(rows, tokens, q_len, layout, table, max(lens), window, kv_rows, extent,
                       bias[..., : max(lens)] if bias is not None else None)
-
-    def _kv_rows(self, table: torch.Tensor, kv_len: int) -> tuple[torch.Tensor | None, int]:
-        """Where in a layer's device arena each block's keys, and its values, of each head lie, as element
-        offsets from the layer's start, ordered (K/V, row, head, block): one ``index_select`` per layer then
-        gathers K and V straight into attention's layout ``(B, H_kv, T, D)`` (a block's ``bs`` positions of
-        one head are contiguous), instead of gathering whole blocks and copying them once more into it.
-
-        The offsets are the same for every layer (layers share strides), so they are built once per step.
-        None when the cache holds codes rather than the dtype (quantized codecs decode through ``read_blocks``)."""
-        try:
-            kv = self.cache.layer_kv(0)  # (P, H_kv, 2, bs, D)
-        except ValueError:
-            return None, 0
-        s_slot, s_head, s_kv, s_pos, s_dim = kv.stride()
-        if s_dim != 1 or s_pos != self.head_dim:
-            return None, 0
-        heads = torch.arange(self.num_kv_heads, device=self.device)
-        key = table[:, None, :] * s_slot + heads[None, :, None] * s_head  # (B, H_kv, nb)
-        rows = torch.stack([key, key + s_kv]).reshape(-1)  # (2*B*H_kv*nb,)
-        return rows, int(rows.max()) + 1
 
     def _gather_kv(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the group's rows at ``layer``, each (B, H_kv, T, D), T the longest row's keys."""
