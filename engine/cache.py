@@ -532,18 +532,20 @@ class PagedKVCache:
             return None
         return self._plan_store(slots).rows
 
-    def digest_weights(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The digests' weights of K and of V ``(H_kv, D)`` while stores are recorded (someone listens), else
-        None: a caller that writes K/V at ``store_rows`` itself sums each token's units by them (digest.c)."""
+    def digest_weights(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The digests' weights (of K and of V ``(H_kv, D)``, of a record's columns ``(L, U)``) while stores
+        are recorded (someone listens), else None: a caller that writes K/V at ``store_rows`` itself sums
+        each token's units and digest shares by them (digest.c, decode_layer.c)."""
         if not (self.bus.enabled and self.digests.recording):
             return None
-        return self.digests.layouts[self.codec.name].kv_weights
+        return self.digests.weights(self.codec.name)
 
-    def stored(self, slots: torch.Tensor, units: np.ndarray) -> None:
+    def stored(self, slots: torch.Tensor, units: np.ndarray, shares: np.ndarray | None = None) -> None:
         """What ``store`` does besides copying, for tokens a caller wrote at ``store_rows(slots)``: staging
-        every layer's unit sums ``(L, N)`` of them (by ``digest_weights``) for the blocks' digests."""
+        every layer's unit sums ``(L, N)`` of them, and their digest shares ``(N, U)``, taken by
+        ``digest_weights``, for the blocks' digests."""
         if self.bus.enabled and self.digests.recording:
-            self.digests.stage_units(id(slots), self.codec.name, slots, units)
+            self.digests.stage_units(id(slots), self.codec.name, slots, units, shares)
 
     def _plan_store(self, slots: torch.Tensor) -> _StorePlan:
         """Where ``slots`` lie: block and offset, and for the device arena's own layout the (K/V, token, head)

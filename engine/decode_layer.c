@@ -231,7 +231,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
                        const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
                        const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
                        float *summary, float *hent, float *hmax, const int64_t *wk, const int64_t *wv,
-                       uint64_t *units, float *scratch, int threads) {
+                       uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, float *scratch,
+                       int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
@@ -248,6 +249,12 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
     for (int64_t c = 0; c < 2; c++)
       kvdoctor_unit_sums((const char *)qkv + (H + c * Hkv) * D * size, M * Q * size, L, Hkv, M, D, D, Q, size,
                          c ? wv : wk, units, M, threads);
+    for (int64_t m = 0; m < M; m++) /* each token's share of a record's digest at every column it may take */
+      for (int64_t c = 0; c < U; c++) {
+        uint64_t acc = 0;
+        for (int64_t l = 0; l < L; l++) acc += units[l * M + m] * (uint64_t)mix[l * U + c];
+        shares[m * U + c] = acc;
+      }
   }
 }
 
@@ -257,15 +264,20 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
  * every layer and row (attn_stats.c's, over each row's keys, the first sink of them the sink) into summary
  * (L, M, 4), and each head's entropy and largest score into hent and hmax (L, M, H) when not NULL. With
  * units, the digest unit sums (digest.c) of each layer's new tokens' K and V, weighted by wk and wv (Hkv, D),
- * into units (L, M): what the cache's digests would sum from them (digest.py, _Layout.kv_units). */
+ * into units (L, M): what the cache's digests would sum from them (digest.py, _Layout.kv_units); and each
+ * token's share of a block record's digest at each of its U columns, by the digest's weights mix (L, U),
+ * into shares (M, U). */
 void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                             int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
                             const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
                             int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
                             int64_t sink, float *summary, float *hent, float *hmax, const int64_t *wk,
-                            const int64_t *wv, uint64_t *units, float *scratch, int threads) {
+                            const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares,
+                            float *scratch, int threads) {
   if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, scratch, threads);
+                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, scratch,
+                        threads);
   else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, scratch, threads);
+                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, scratch,
+                     threads);
 }

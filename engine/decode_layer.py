@@ -39,7 +39,8 @@ __all__ = ["DecodeLayers", "DecodeStep"]
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGS = [_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 7 + [_INT]
+_ARGS = ([_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 7
+         + [_I64, _PTR, _PTR, _INT])
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
 
@@ -114,12 +115,13 @@ class DecodeLayers:
 
     def step(self, kv_lens: Sequence[int], kv_rows: torch.Tensor, blocks: int, block_size: int,
              store_rows: torch.Tensor, scores: bool, sink: int | None = None, per_head: bool = False,
-             digest_weights: tuple[np.ndarray, np.ndarray] | None = None) -> DecodeStep | None:
+             digest_weights: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> DecodeStep | None:
         """The buffers of one decode step over rows with ``kv_lens`` keys (None above ``MAX_ROWS`` rows), whose
         new K/V go to ``store_rows``; with ``scores`` each layer keeps its rows' newest-query scores and
         probabilities; with ``sink`` (the keys that count as the attention sink) the step's ``stats`` hold
         every layer's and row's attention statistics (each head's too with ``per_head``); with
-        ``digest_weights`` (the cache's, of K and V) its ``units`` the digest unit sums of the new K/V."""
+        ``digest_weights`` (the cache's: of K, of V, of a record's columns) its ``units`` the digest unit sums of
+        the new K/V and its ``shares`` each token's share of a record's digest at every column."""
         M = len(kv_lens)
         if M > MAX_ROWS:
             return None
@@ -131,11 +133,11 @@ class DecodeStep:
     """One step's buffers: q/k/v of every layer (the cache stages views of them for digests), float scratch,
     the scores and probabilities attention leaves (every layer's, or one reused), the attention statistics
     of every layer and row (``stats``) when a ``sink`` is given, and the new K/V's digest unit sums
-    (``units``, (L, M)) when digest weights are."""
+    (``units``, (L, M)) and digest shares (``shares``, (M, U)) when digest weights are."""
 
     def __init__(self, layers: DecodeLayers, M: int, T: int, lens: torch.Tensor, kv_rows: torch.Tensor,
                  blocks: int, block_size: int, store_rows: torch.Tensor, keep_scores: bool, sink: int | None,
-                 per_head: bool, digest_weights: tuple[np.ndarray, np.ndarray] | None) -> None:
+                 per_head: bool, digest_weights: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
         L = layers
         H, H_kv, D, hidden, inter = L.heads, L.kv_heads, L.head_dim, L.hidden, L.intermediate
         self.L, self.M, self.T, self.lens, self.kv_rows, self.store_rows = L, M, T, lens, kv_rows, store_rows
@@ -151,6 +153,7 @@ class DecodeStep:
                                                if per_head else ()))
         self._weights = digest_weights
         self.units = np.empty((L.num_layers, M), dtype=np.int64) if digest_weights is not None else None
+        self.shares = np.empty((M, digest_weights[2].shape[1]), dtype=np.uint64) if digest_weights is not None else None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]) -> Newest | None:
         """Every layer for ``x`` (M, hidden), in place, over the layers' arenas ``kv`` (``layer_kv``); every
@@ -172,9 +175,11 @@ class DecodeStep:
         return (self._heads.data_ptr(), sink, st.summary.data_ptr(),
                 *(None if t is None else t.data_ptr() for t in (st.heads_entropy, st.heads_max_logit)))
 
-    def _digest_pointers(self) -> tuple[int | None, int | None, int | None]:
-        """The kernel's digest arguments: the weights of K and V, the unit sums out."""
-        if self._weights is None or self.units is None:
-            return None, None, None
-        wk, wv = self._weights
-        return wk.ctypes.data, wv.ctypes.data, self.units.ctypes.data
+    def _digest_pointers(self) -> tuple[int | None, int | None, int | None, int | None, int, int | None]:
+        """The kernel's digest arguments: the weights of K and V, the unit sums out, the columns' weights and
+        their count, the shares out."""
+        if self._weights is None or self.units is None or self.shares is None:
+            return None, None, None, None, 0, None
+        wk, wv, mix = self._weights
+        return (wk.ctypes.data, wv.ctypes.data, self.units.ctypes.data, mix.ctypes.data, mix.shape[1],
+                self.shares.ctypes.data)

@@ -200,15 +200,34 @@ def _sums_kernel() -> Callable[..., None] | None:
 
 class BlockRecord:
     """What the engine meant a block to hold: ``(L, U)`` unit sums in ``codec``'s layout, for the token
-    positions below ``filled`` (and the key groups they touch)."""
+    positions below ``filled`` (and the key groups they touch).
 
-    __slots__ = ("units", "filled", "codec")
+    ``shares``: each column's share of the digest (``sum over l of units[l, c] * M[l, c]``, mod 2^64), or
+    None while unknown. With them a decode step books a token by its share, which the compiled layers hand
+    over, and its column lazily (``book``): no numpy call per block on the hot path, where each costs
+    ~15 us against caches the step's weights have just flushed."""
 
-    def __init__(self, units: np.ndarray, filled: int, codec: str) -> None:
-        self.units, self.filled, self.codec = units, filled, codec
+    __slots__ = ("_units", "_pending", "filled", "codec", "shares")
+
+    def __init__(self, units: np.ndarray, filled: int, codec: str, shares: list[int] | None = None) -> None:
+        self._units, self.filled, self.codec, self.shares = units, filled, codec, shares
+        self._pending: dict[int, tuple[np.ndarray, int]] = {}
+
+    @property
+    def units(self) -> np.ndarray:
+        """The unit sums, with the columns booked since the last look copied in."""
+        if self._pending:
+            for c, (arr, col) in self._pending.items():
+                self._units[:, c] = arr[:, col]
+            self._pending.clear()
+        return self._units
+
+    def book(self, column: int, sums: np.ndarray, col: int) -> None:
+        """Column ``column`` holds ``sums[:, col]`` (a step's ``(L, N)`` token sums: read only, never changed)."""
+        self._pending[column] = (sums, col)
 
     def copy(self) -> BlockRecord:
-        return BlockRecord(self.units.copy(), self.filled, self.codec)
+        return BlockRecord(self.units.copy(), self.filled, self.codec, None if self.shares is None else list(self.shares))
 
 
 class _Sums(NamedTuple):
@@ -228,6 +247,7 @@ class _Staged:
     groups: torch.Tensor | None  # (G,) ``slot * num_groups + group`` of the key groups re-encoded
     layers: dict[int, Any]
     units: np.ndarray | None = None  # (L, N) token sums of every layer, when staged at once (``stage_units``)
+    shares: np.ndarray | None = None  # (N, U) each token's digest share at every column of a record, with them
 
 
 class DigestBook:
@@ -242,8 +262,9 @@ class DigestBook:
         self._mix: dict[int, np.ndarray] = {}  # units per block -> (L, U) weights of the digest
         self._staged: dict[tuple, _Staged] = {}
         self._folded = False
-        self._pos: dict[int, tuple[np.ndarray, int]] = {}  # flat slot -> (unit sums (L, N), column)
-        self._grp: dict[int, tuple[np.ndarray, int]] = {}
+        # flat slot -> (unit sums (L, N), column, the token's digest share at each record column or None)
+        self._pos: dict[int, tuple[np.ndarray, int, list[int] | None]] = {}
+        self._grp: dict[int, tuple[np.ndarray, int, None]] = {}
         self._reads = 0
 
     @property
@@ -279,12 +300,26 @@ class DigestBook:
                 parts = _Sums(*layout.part_units(parts))
         st.layers[layer] = parts
 
-    def stage_units(self, key: Any, codec: str, slots: torch.Tensor, units: np.ndarray) -> None:
+    def stage_units(self, key: Any, codec: str, slots: torch.Tensor, units: np.ndarray,
+                    shares: np.ndarray | None = None) -> None:
         """``stage`` of every layer at once, as the ``(L, N)`` token sums a caller took of a native codec's K
-        and V (the compiled decode layers, with ``_Layout.kv_weights``, while the rows were in its caches)."""
+        and V (the compiled decode layers, by ``weights(codec)``, while the rows were in its caches), and
+        with ``shares`` ``(N, U)`` each token's share of a record's digest at every column (same weights)."""
         if self._folded:
             self.end_step()
-        self._staged[key] = _Staged(codec, slots, None, {}, units)
+        self._staged[key] = _Staged(codec, slots, None, {}, units, shares)
+
+    def weights(self, codec: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A native codec's weights of K and of V ``(H, D)``, and the digest's ``(L, U)`` weights of a
+        record's columns: what a caller that sums a step's K/V itself needs for ``stage_units``."""
+        layout = self.layouts[codec]
+        return (*layout.kv_weights, self._mix_of(self.num_layers, layout.num_pos + layout.num_groups))
+
+    def _mix_of(self, num_layers: int, num_units: int) -> np.ndarray:
+        mix = self._mix.get(num_units)
+        if mix is None:
+            mix = self._mix[num_units] = _odd_weights((num_layers, num_units), 1 << 20)
+        return mix
 
     def _fold(self) -> None:
         """Unit sums of every staged token, all layers at once (the hot path: one stack per region)."""
@@ -294,12 +329,14 @@ class DigestBook:
             if sums is None:
                 continue  # not every layer was stored: these tokens get no record
             pos, grp = sums
+            shares = st.shares.tolist() if st.shares is not None else None  # one row of U shares a token
             for sums, ids, table in ((pos, st.slots, self._pos), (grp, st.groups, self._grp)):
                 if sums is None or ids is None:
                     continue
                 arr = np.ascontiguousarray(sums)
-                for col, flat in enumerate(ids.tolist()):
-                    table[flat] = (arr, col)  # a later store to the same slot wins, as in the arena
+                rows = shares if table is self._pos else None
+                for col, flat in enumerate(ids.tolist()):  # a later store to the same slot wins, as in the arena
+                    table[flat] = (arr, col, rows[col] if rows is not None else None)
 
     def _layer_sums(self, st: _Staged) -> tuple[np.ndarray | None, np.ndarray | None] | None:
         """``(L, N)`` token and ``(L, G)`` group sums of one store's every layer; None if a layer is missing."""
@@ -330,14 +367,22 @@ class DigestBook:
             if off != 0:
                 b.digest = None
                 return None
-            rec = BlockRecord(np.zeros((self.num_layers, layout.num_pos + layout.num_groups), np.int64), 0, b.codec)
+            U = layout.num_pos + layout.num_groups
+            rec = BlockRecord(np.zeros((self.num_layers, U), np.int64), 0, b.codec, None if layout.num_groups else [0] * U)
         base = b.slot * bs + off
         for j in range(n):
             got = self._pos.get(base + j)
             if got is None:
                 b.digest = None
                 return None
-            rec.units[:, off + j] = got[0][:, got[1]]
+            arr, col, shares = got
+            rec.book(off + j, arr, col)
+            if shares is None:
+                rec.shares = None
+            elif rec.shares is None and not layout.num_groups:  # a record from a prefill: its shares, once
+                rec.shares = self._shares(rec)
+            if rec.shares is not None:
+                rec.shares[off + j] = shares[off + j]
         if layout.num_groups:
             tg = layout.tokens_per_group
             for g in range(off // tg, (off + n - 1) // tg + 1):
@@ -345,16 +390,21 @@ class DigestBook:
                 if got is None:
                     b.digest = None
                     return None
-                rec.units[:, layout.num_pos + g] = got[0][:, got[1]]
+                rec.book(layout.num_pos + g, got[0], got[1])
         rec.filled = max(rec.filled, off + n)
         b.digest = rec
+        if rec.shares is not None:  # a record of token columns only: its digest is the sum of their shares
+            return sum(rec.shares[: rec.filled]) & MASK64
         return self._digest(rec.units, rec.filled, layout)
+
+    def _shares(self, rec: BlockRecord) -> list[int]:
+        """Each column's share of ``rec``'s digest, from its units (columns never written hold zeros)."""
+        units = rec.units
+        return (units * self._mix_of(*units.shape)).sum(axis=0).tolist()  # numpy wraps the products and sums
 
     # ---- the digest ----
     def _digest(self, units: np.ndarray, filled: int, layout: _Layout) -> int:
-        mix = self._mix.get(units.shape[1])
-        if mix is None:
-            mix = self._mix[units.shape[1]] = _odd_weights(units.shape, 1 << 20)
+        mix = self._mix_of(*units.shape)
         total = int((units[:, :filled] * mix[:, :filled]).sum())  # numpy wraps the products and the sum
         if layout.num_groups:
             g = layout.num_pos + (filled - 1) // layout.tokens_per_group + 1

@@ -324,7 +324,7 @@ class Runner:
         if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
             scores[0] = compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)]) or []
             if compiled.units is not None:
-                cache.stored(slots, compiled.units)
+                cache.stored(slots, compiled.units, compiled.shares)
         else:
             x = self._layers_by_torch(x, cos, sin, slots, seqs, groups, starts, streaming,
                                       scores if stats or observe else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,10 @@ def test_statistics_and_digest_sums_taken_inside_equal_the_kernels_over_the_same
         H, H_kv, D = 4, 2, 32
         k, v = (d.qkv[..., (H + c * H_kv) * D: (H + (c + 1) * H_kv) * D].unflatten(-1, (H_kv, D)) for c in (0, 1))
         assert (d.units == layout.kv_units(k, v)).all()
+        # AND each token's share of a record's digest at every column is its units weighted by the digest's
+        mix = d._weights[2]
+        want_shares = (d.units.T[:, :, None] * mix[None]).sum(axis=1)  # (M, U), numpy wrapping as uint64 does
+        assert (d.shares == want_shares.astype(np.uint64)).all()
 
 
 def test_steps_with_the_attention_nan_faults_hook_take_the_torch_path(monkeypatch):
