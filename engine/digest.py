@@ -226,6 +226,10 @@ class BlockRecord:
         """Column ``column`` holds ``sums[:, col]`` (a step's ``(L, N)`` token sums: read only, never changed)."""
         self._pending[column] = (sums, col)
 
+    def digest_by_shares(self) -> int | None:
+        """The digest as the sum of its written columns' shares (a record of token columns), or None."""
+        return None if self.shares is None else sum(self.shares[: self.filled]) & MASK64
+
     def copy(self) -> BlockRecord:
         return BlockRecord(self.units.copy(), self.filled, self.codec, None if self.shares is None else list(self.shares))
 
@@ -393,9 +397,8 @@ class DigestBook:
                 rec.book(layout.num_pos + g, got[0], got[1])
         rec.filled = max(rec.filled, off + n)
         b.digest = rec
-        if rec.shares is not None:  # a record of token columns only: its digest is the sum of their shares
-            return sum(rec.shares[: rec.filled]) & MASK64
-        return self._digest(rec.units, rec.filled, layout)
+        by_shares = rec.digest_by_shares()
+        return by_shares if by_shares is not None else self._digest(rec.units, rec.filled, layout)
 
     def _shares(self, rec: BlockRecord) -> list[int]:
         """Each column's share of ``rec``'s digest, from its units (columns never written hold zeros)."""
@@ -447,6 +450,8 @@ class DigestBook:
             for i, u in zip(idx, units):
                 rec = blocks[i].digest
                 digests[i] = self._digest(u, rec.filled, layout)
+                if digests[i] == rec.digest_by_shares():
+                    continue  # the bytes are what was meant: no layer to find, no booked column to copy in
                 cols = self._valid(rec, layout)
                 bad = np.nonzero((u[:, cols] != rec.units[:, cols]).any(axis=1))[0]
                 layers[i] = int(bad[0]) if bad.size else None
