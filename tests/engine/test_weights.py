@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdoctor.engine import attention, decode_layer, digest
 from kvdoctor.engine.matvec import MAX_ROWS, load, probe
 from kvdoctor.engine.native import library_of
 from kvdoctor.engine.model import tiny_llama
@@ -145,12 +146,19 @@ def test_the_kernel_runs_in_torchs_own_openmp_runtime():
     assert runtime == (os.path.realpath(bundled) if bundled.exists() else runtime) and "libgomp" in runtime
 
 
+def _forget_kernels() -> None:
+    """Every compiled kernel's loader looks again: one that found no compiler must not leave later tests on
+    their fallbacks (test order decided whether the compiled decode layers were tested at all)."""
+    for loader in (probe, decode_layer._kernel, attention._stats_kernel, digest._sums_kernel):
+        loader.cache_clear()
+
+
 def test_without_a_compiler_the_runner_falls_back_to_f_linear(model, tmp_path, monkeypatch):
     # GIVEN no C compiler and no kernel built yet
     had = load() is not None
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    probe.cache_clear()
+    _forget_kernels()
     try:
         assert load() is None and probe().startswith("no C compiler: ") and "no-such-cc" in probe()
         # WHEN a runner is built THEN it computes with F.linear, and generates
@@ -158,7 +166,7 @@ def test_without_a_compiler_the_runner_falls_back_to_f_linear(model, tmp_path, m
             assert runner._lm_head.matvec is None
             assert len(runner.generate(PROMPTS[:1], max_new_tokens=3)[0].token_ids) == 3
     finally:
-        probe.cache_clear()
+        _forget_kernels()
     # AND the kernel is found again once a compiler is there
     monkeypatch.delenv("CC")
     assert (load() is not None) == had
