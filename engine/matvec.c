@@ -1,12 +1,16 @@
 /* y (M, N) = x (M, K) . w (N, K)^T (+ b (N,)) for the few rows of a decode step; x, b, y float32,
  * w float32 or bfloat16 (a bf16 weight is the top half of a float: widened in registers).
  *
- * Bandwidth-bound: every weight is read once per call whatever M is. Rows of w are split across
- * the OpenMP team (the caller's torch thread pool: this library links the same libgomp), four at a
- * time; each group of four is multiplied by x's rows two at a time, so one load of a weight vector
- * feeds two FMAs. Each output keeps eight partial sums (one vector) added at the end, which rounds
- * closer to the exact product than one running sum. GCC's vector extensions compile to AVX2 or
- * AVX-512 under -march=native and to SSE elsewhere.
+ * Bandwidth-bound at one row: every weight is read once per call whatever M is. Rows of w are split
+ * across the OpenMP team (the caller's torch thread pool: this library links the same libgomp), four
+ * at a time; each group of four is multiplied by XROWS of x's rows at a time (4 where AVX-512 gives 32
+ * vector registers: 16 sums, 4 inputs, a weight; 2 with AVX2's 16), so one load of a weight vector
+ * feeds XROWS FMAs and a group is read from memory once and from the core's cache M / XROWS - 1 times.
+ * At 8 rows the products are as much compute as streaming: two passes of four rows, not four of two,
+ * took a SmolLM2 step's products from 24.1 to 21.0 ms on a 2-core Xeon (AVX-512), and float32 runs in
+ * 16-lane vectors there. Each output keeps one vector of partial sums added at the end, which rounds
+ * closer to the exact product than one running sum. GCC's vector extensions compile to AVX2 or AVX-512
+ * under -march=native and to SSE elsewhere.
  *
  * bf16: one 32-byte load holds 16 weights, two to each 32-bit lane. The lane shifted left by 16 is the
  * float of the even weight, the lane with its low half cleared the float of the odd one: two integer
@@ -21,6 +25,13 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 enum { ROWS = 4 };
+#if defined(__AVX512F__)
+enum { XROWS = 4 };
+typedef float vw __attribute__((vector_size(64))); /* float32 weights' vectors: 16 lanes */
+#else
+enum { XROWS = 2 };
+typedef v8 vw;
+#endif
 
 /* Keeps a vector in a register: without it GCC folds the input rows' loads into each FMA, reloading them
  * for every weight row (12 loads per 8 FMAs where 6 do; 8 input rows through SmolLM2: 39 ms, not 42-45). */
@@ -60,71 +71,80 @@ static inline v8 hadd(v8 a, v8 b) {
 static inline v8 lanes_sum4(const v8 a[ROWS]) { return hadd(hadd(a[0], a[1]), hadd(a[2], a[3])); }
 
 /* The block kernel of one weight type (KEEP: PIN or NO_PIN, whichever measured faster): rows n0 .. n0+R
- * of w (R <= ROWS) against x's rows m and m+1 (pair) or m alone; STEP elements of k per iteration,
- * FMA(r, k) adding their products for weight row r to a0[r] (x0) and a1[r] (x1). The tail past the last
- * whole STEP is summed one element at a time (SCALAR widens one weight). */
-#define BLOCK(NAME, W, STEP, SCALAR, KEEP, FMA)                                                               \
-  static inline void NAME(const float *x, const W *w, const float *b, float *y, int64_t N, int64_t K,    \
-                          int64_t n0, int64_t R, int64_t m, int pair) {                                 \
-    const int64_t KS = K - K % STEP;                                                                     \
-    const float *x0 = x + m * K, *x1 = x0 + (pair ? K : 0);                                              \
-    v8 a0[ROWS] = {0}, a1[ROWS] = {0};                                                                   \
-    /* the next group's rows, fetched while this one is summed: rows of a few KB are too short for the \
-     * hardware prefetcher to learn four interleaved streams (half the bandwidth at SmolLM2's K = 576) */ \
-    const W *next = w + (n0 + ROWS < N ? n0 + ROWS : n0) * K;                                                    \
-    for (int64_t k = 0; k < KS; k += STEP) {                                                             \
-      v8 u = load_f32(x0 + k), v = load_f32(x1 + k);                                                     \
-      KEEP(u); KEEP(v);                                                                                  \
-      for (int64_t r = 0; r < ROWS; r++) {                                                               \
-        __builtin_prefetch(next + r * K + k);                                                            \
-        if (r < R) FMA(r, k);                                                                            \
-      }                                                                                                  \
-    }                                                                                                    \
-    const v8 t0 = lanes_sum4(a0), t1 = pair ? lanes_sum4(a1) : t0;                                       \
-    for (int64_t r = 0; r < R; r++) {                                                                    \
-      const W *wr = w + (n0 + r) * K;                                                                    \
-      float s0 = t0[r] + t0[r + 4], s1 = t1[r] + t1[r + 4];                                              \
-      for (int64_t k = KS; k < K; k++) { s0 += SCALAR(wr + k) * x0[k]; s1 += SCALAR(wr + k) * x1[k]; }   \
-      const float bias = b ? b[n0 + r] : 0.f;                                                            \
-      y[m * N + n0 + r] = s0 + bias;                                                                     \
-      if (pair) y[(m + 1) * N + n0 + r] = s1 + bias;                                                     \
-    }                                                                                                    \
+ * of w (R <= ROWS) against x's rows m .. m+nx (nx <= XROWS, a constant where it is inlined); V vectors of
+ * STEP elements of k per iteration (LOAD reads one of x), FMA(r, k) adding their products for weight row r
+ * to a[j][r] for x's row m+j; FOLD adds a V's halves into a v8. The tail past the last whole STEP is summed
+ * one element at a time (SCALAR widens one weight). */
+#define BLOCK(NAME, W, V, LOAD, FOLD, STEP, SCALAR, KEEP, FMA)                                                \
+  static inline __attribute__((always_inline)) void NAME(const float *x, const W *w, const float *b, float *y, \
+                                                         int64_t N, int64_t K, int64_t n0, int64_t R,         \
+                                                         int64_t m, const int nx) {                           \
+    const int64_t KS = K - K % STEP;                                                                          \
+    const float *xr[XROWS];                                                                                   \
+    for (int j = 0; j < nx; j++) xr[j] = x + (m + j) * K;                                                     \
+    V a[XROWS][ROWS] = {{0}};                                                                                 \
+    /* the next group's rows, fetched into L2 while this one is summed (in every pass, so the memory keeps  \
+     * busy while a later pass reads the group from cache): rows of a few KB are too short for the         \
+     * hardware prefetcher to learn four interleaved streams (half the bandwidth at SmolLM2's K = 576);    \
+     * into L1 they pushed the group out of it at K = 1536 (a third slower at 8 rows) */                     \
+    const W *next = w + (n0 + ROWS < N ? n0 + ROWS : n0) * K;                                                 \
+    for (int64_t k = 0; k < KS; k += STEP) {                                                                  \
+      V u[XROWS];                                                                                             \
+      for (int j = 0; j < nx; j++) { u[j] = LOAD(xr[j] + k); KEEP(u[j]); }                                    \
+      for (int64_t r = 0; r < ROWS; r++) {                                                                    \
+        __builtin_prefetch(next + r * K + k, 0, 2);                                                           \
+        if (r < R) FMA(r, k);                                                                                 \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int j = 0; j < nx; j++) {                                                                            \
+      const v8 t = lanes_sum4((v8[ROWS]){FOLD(a[j][0]), FOLD(a[j][1]), FOLD(a[j][2]), FOLD(a[j][3])});        \
+      for (int64_t r = 0; r < R; r++) {                                                                       \
+        const W *wr = w + (n0 + r) * K;                                                                       \
+        float s = t[r] + t[r + 4];                                                                            \
+        for (int64_t k = KS; k < K; k++) s += SCALAR(wr + k) * xr[j][k];                                      \
+        y[(m + j) * N + n0 + r] = s + (b ? b[n0 + r] : 0.f);                                                  \
+      }                                                                                                       \
+    }                                                                                                         \
   }
 
 #define FMA_F32(r, k)                                                                                    \
   do {                                                                                                   \
-    const v8 wv = load_f32(w + (n0 + r) * K + k);                                                        \
-    a0[r] += wv * u;                                                                                     \
-    if (pair) a1[r] += wv * v;                                                                           \
+    const vw wv = load_w(w + (n0 + r) * K + k);                                                          \
+    for (int j = 0; j < nx; j++) a[j][r] += wv * u[j];                                                   \
   } while (0)
 
 #define FMA_BF16(r, k)                                                                                   \
   do {                                                                                                   \
     v8 we, wo;                                                                                           \
     split_bf16(w + (n0 + r) * K + k, &we, &wo);                                                          \
-    const v8 uo = load_f32(x0 + k + 8), vo = load_f32(x1 + k + 8);                                       \
-    a0[r] += we * u + wo * uo;                                                                           \
-    if (pair) a1[r] += we * v + wo * vo;                                                                 \
+    for (int j = 0; j < nx; j++) a[j][r] += we * u[j] + wo * load_f32(xr[j] + k + 8);                    \
   } while (0)
 
-BLOCK(block_f32, float, 8, f32, PIN, FMA_F32)
-BLOCK(block_bf16, uint16_t, 16, bf16, NO_PIN, FMA_BF16)
+static inline vw load_w(const float *p) { vw v; memcpy(&v, p, sizeof v); return v; }
+static inline v8 fold_w(vw a) { /* a vw's lanes added pairwise into 8 (itself where vw is v8) */
+  v8 t = {0};
+  for (size_t i = 0; i < sizeof a / sizeof t; i++) { v8 h; memcpy(&h, (char *)&a + i * sizeof h, sizeof h); t += h; }
+  return t;
+}
+static inline v8 same(v8 a) { return a; }
+BLOCK(block_f32, float, vw, load_w, fold_w, (int64_t)(sizeof(vw) / sizeof(float)), f32, PIN, FMA_F32)
+BLOCK(block_bf16, uint16_t, v8, load_f32, same, 16, bf16, NO_PIN, FMA_BF16)
 
-/* The driver: w's rows split over the threads, x's rows two at a time within each group of ROWS. */
-#define MATVEC(NAME, W, BLOCKFN, PREPARE)                                                                     \
+/* The driver: w's rows split over the threads, x's rows XROWS at a time within each group of ROWS (then
+ * 2, then 1: each count a constant, so the compiler keeps the sums in registers). */
+#define MATVEC(NAME, W, BLOCKFN, PREPARE)                                                                \
   void NAME(const float *x, const W *w, const float *b, float *y, float *scratch, int64_t M, int64_t N,  \
             int64_t K, int threads) {                                                                    \
     const float *xs = PREPARE(x, scratch, M, K);                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                    \
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {                                                           \
-      const int64_t R = N - n0 < ROWS ? N - n0 : ROWS;                                                   \
       int64_t m = 0;                                                                                     \
-      if (R == ROWS) { /* a constant R: the compiler keeps the sums in registers */                      \
-        for (; m + 2 <= M; m += 2) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, 1);                           \
-        if (m < M) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, 0);                                           \
-      } else {                                                                                           \
-        for (; m + 2 <= M; m += 2) BLOCKFN(xs, w, b, y, N, K, n0, R, m, 1);                              \
-        if (m < M) BLOCKFN(xs, w, b, y, N, K, n0, R, m, 0);                                              \
+      if (N - n0 >= ROWS) {                                                                              \
+        for (; m + XROWS <= M; m += XROWS) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, XROWS);               \
+        if (XROWS > 2 && m + 2 <= M) { BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, 2); m += 2; }             \
+        if (m < M) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, 1);                                           \
+      } else { /* the last few rows of w */                                                              \
+        for (; m < M; m++) BLOCKFN(xs, w, b, y, N, K, n0, N - n0, m, 1);                                 \
       }                                                                                                  \
     }                                                                                                    \
   }
