@@ -208,11 +208,13 @@ class Scheduler:
             tails = [1 + len(d.tokens) if d is not None else 1 for d in drafts]
             logits = self.runner.forward(rows, tail_logits=tails)  # (sum of tails, V)
             self.num_forwards += sum(ends)
+            greedy = logits.argmax(dim=-1).tolist() if any(live.request.sampling.greedy for live in chosen) else None
             offset = 0
             for live, end, d, m in zip(chosen, ends, drafts, tails):
-                row_logits, offset = logits[offset:offset + m], offset + m  # (m, V)
+                row_logits, row_argmax = logits[offset:offset + m], greedy[offset:offset + m] if greedy else None
+                offset += m
                 if end:
-                    toks = self._accept(live, row_logits, d)
+                    toks = self._accept(live, row_logits, d, row_argmax)
                     done = self._emit(live, toks, row_logits, new_tokens)
                     if done is not None:
                         finished.append(done)
@@ -242,15 +244,16 @@ class Scheduler:
                     self.num_drafted += len(d.tokens)
         return out
 
-    def _accept(self, live: _Live, logits: torch.Tensor, draft: Draft | None) -> list[int]:
+    def _accept(self, live: _Live, logits: torch.Tensor, draft: Draft | None, argmax: list[int] | None
+                ) -> list[int]:
         """The tokens a row yields: its drafts the target accepts and one of the target's own; the rejected
         drafts are rolled back out of the cache."""
         params = live.request.sampling
         if draft is None:
-            toks, _ = verify(logits, Draft([]), params, live.generator)
+            toks, _ = verify(logits, Draft([]), params, live.generator, argmax)
             return toks
         before = len(live.tokens)
-        toks, accepted = verify(logits, draft, params, live.generator)
+        toks, accepted = verify(logits, draft, params, live.generator, argmax)
         self.num_accepted += accepted
         rejected = len(draft.tokens) - accepted
         if rejected:
