@@ -158,39 +158,90 @@ HOT v8 load8(const void *p, int64_t i, const int bf) {
   return (v8)(u << 16);
 }
 
-/* Row b, query head h: scores, softmax and the weighted sum of V into o (D floats, D a multiple of 8).
- * Keys are visited block by block (j), position by position (u) within a block. */
-HOT void attend_head(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D, const void *qkv, const void *kv,
-                     const int64_t *kv_rows, int64_t nb, int64_t bs, const int32_t *lens, float scale,
-                     float *scores, float *probs, int64_t T, int64_t b, int64_t h, float *o, Head *stat, int64_t sink) {
-  const int64_t Q = (H + 2 * Hkv) * D, kh = h / (H / Hkv), len = lens[b];
+enum { D_MAX = 256, G_MAX = 8 }; /* head sizes and query heads per kv head the kernel takes (decode_layer.py) */
+
+/* Lane u: the sum of a[u]'s lanes (lanes_sum4's pairs, for eight vectors). */
+HOT v8 lanes_sum8(const v8 a[8]) {
+  const v8 lo = lanes_sum4(a), hi = lanes_sum4(a + 4);
+  return SHUFFLE(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* The key or value row of D values at element offset i of kv, fetched ahead: a row's blocks lie anywhere
+ * in the arena (paged), and each starts the hardware prefetcher cold. */
+HOT void prefetch_row(const void *kv, int64_t i, int64_t D, const int bf) {
+  const char *at = (const char *)kv + i * (bf ? 2 : 4);
+  for (int64_t l = 0; l < D * (bf ? 2 : 4); l += 64) __builtin_prefetch(at + l);
+}
+
+/* Row b, kv head kh and the G query heads that share it: scores, softmax and the weighted sums of V into
+ * o (G heads of D floats; D a multiple of 8). Each key and value row is read once for the G heads (it was
+ * read G times, a head at a time, from L2 or beyond), the next block's rows are fetched while a block is
+ * read, and scores are reduced eight keys at a time (one horizontal sum per eight keys, not per key):
+ * attention took 4.2 ms of a 33 ms SmolLM2 step at batch 8 (the step without it, 29.2), and this is
+ * 1.6-1.9x faster over the same paged K/V (a harness of 30 layers' arenas). */
+HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D, const void *qkv, const void *kv,
+                      const int64_t *kv_rows, int64_t nb, int64_t bs, const int32_t *lens, float scale,
+                      float *scores, float *probs, int64_t T, int64_t b, int64_t kh, float *o, Head *stat,
+                      int64_t sink) {
+  const int64_t G = H / Hkv, C = D / 8, Q = (H + 2 * Hkv) * D, len = lens[b], blocks = (len + bs - 1) / bs;
   const int64_t *krow = kv_rows + (b * Hkv + kh) * nb, *vrow = kv_rows + ((M + b) * Hkv + kh) * nb;
-  float q[D], *s = scores + (b * H + h) * T, *p = probs + (b * H + h) * T;
-  for (int64_t i = 0; i < D; i++) q[i] = ld(qkv, b * Q + h * D + i, bf);
-  float mx = -FLT_MAX;
-  for (int64_t j = 0, t = 0; t < len; j++)
-    for (int64_t u = 0; u < bs && t < len; u++, t++) {
-      v8 acc = {0};
-      for (int64_t i = 0; i < D; i += 8) acc += load_f32(q + i) * load8(kv, krow[j] + u * D + i, bf);
-      s[t] = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) * scale;
-      mx = s[t] > mx ? s[t] : mx;
+  float *s = scores + (b * H + kh * G) * T, *p = probs + (b * H + kh * G) * T; /* head g's at + g * T */
+  v8 q[G_MAX][D_MAX / 8], acc[G_MAX][D_MAX / 8];
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t c = 0; c < C; c++) {
+      q[g][c] = load8(qkv, b * Q + (kh * G + g) * D + c * 8, bf);
+      acc[g][c] = (v8){0};
     }
-  for (int64_t t = 0; t < len; t++) p[t] = s[t] - mx;
-  EACH8(p, p, len, exp8);
-  float sum = 0.f;
-  for (int64_t t = 0; t < len; t++) sum += p[t];
-  for (int64_t i = 0; i < D; i++) o[i] = 0.f;
-  for (int64_t j = 0, t = 0; t < len; j++)
-    for (int64_t u = 0; u < bs && t < len; u++, t++) {
-      p[t] /= sum;
-      const v8 pt = (v8){0} + p[t];
-      for (int64_t i = 0; i < D; i += 8) {
-        const v8 r = load_f32(o + i) + pt * load8(kv, vrow[j] + u * D + i, bf);
-        memcpy(o + i, &r, sizeof r);
+  int64_t j = 0, u = 0; /* key t's block and position in it */
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const int64_t n = len - t0 < 8 ? len - t0 : 8;
+    v8 dot[G_MAX][8] = {{{0}}};
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t at = krow[j] + u * D;
+      if (j + 1 < blocks) prefetch_row(kv, krow[j + 1] + u * D, D, bf);
+      if (++u == bs) { u = 0; j++; }
+      for (int64_t c = 0; c < C; c++) {
+        const v8 k = load8(kv, at + c * 8, bf);
+        for (int64_t g = 0; g < G; g++) dot[g][i] += q[g][c] * k;
       }
     }
-  for (int64_t t = len; t < T; t++) { s[t] = -FLT_MAX; p[t] = 0.f; }
-  if (stat) *stat = head_stats(s, p, NULL, len, sink); /* over the row's own keys: no mask to read */
+    for (int64_t g = 0; g < G; g++) {
+      const v8 sums = lanes_sum8(dot[g]) * scale;
+      memcpy(s + g * T + t0, &sums, (size_t)n * sizeof(float));
+    }
+  }
+  for (int64_t i = 0; i < bs && i < len; i++) prefetch_row(kv, vrow[0] + i * D, D, bf);
+  float sum[G_MAX];
+  for (int64_t g = 0; g < G; g++) {
+    const float *sg = s + g * T;
+    float *pg = p + g * T, mx = -FLT_MAX;
+    for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+    for (int64_t t = 0; t < len; t++) pg[t] = sg[t] - mx;
+    EACH8(pg, pg, len, exp8);
+    sum[g] = 0.f;
+    for (int64_t t = 0; t < len; t++) sum[g] += pg[t];
+  }
+  j = 0, u = 0;
+  for (int64_t t = 0; t < len; t++) {
+    const int64_t at = vrow[j] + u * D;
+    if (j + 1 < blocks) prefetch_row(kv, vrow[j + 1] + u * D, D, bf);
+    if (++u == bs) { u = 0; j++; }
+    v8 pt[G_MAX];
+    for (int64_t g = 0; g < G; g++) {
+      p[g * T + t] /= sum[g];
+      pt[g] = (v8){0} + p[g * T + t];
+    }
+    for (int64_t c = 0; c < C; c++) {
+      const v8 v = load8(kv, at + c * 8, bf);
+      for (int64_t g = 0; g < G; g++) acc[g][c] += pt[g] * v;
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    memcpy(o + g * D, acc[g], (size_t)D * sizeof *o);
+    for (int64_t t = len; t < T; t++) { s[g * T + t] = -FLT_MAX; p[g * T + t] = 0.f; }
+    /* over the row's own keys: no mask to read */
+    if (stat) stat[g] = head_stats(s + g * T, p + g * T, NULL, len, sink);
+  }
 }
 
 HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
@@ -200,10 +251,13 @@ HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t 
                     float *scratch, int threads) {
   float *o = scratch, *y = o + M * H * D, *xn = y + M * 2 * I, *mv = xn + M * (I > hidden ? I : hidden);
   const int64_t work = M * H * T * D;
-#pragma omp parallel for schedule(static) num_threads(threads) if (work > 65536)
-  for (int64_t bh = 0; bh < M * H; bh++)
-    attend_head(bf, M, H, Hkv, D, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, bh / H, bh % H,
-                o + bh * D, stats ? stats + bh : NULL, sink);
+  /* rows of different lengths: (row, kv head) pairs dealt in turn, or the longer rows all fall to one thread */
+#pragma omp parallel for schedule(static, 1) num_threads(threads) if (work > 65536)
+  for (int64_t bk = 0; bk < M * Hkv; bk++) {
+    const int64_t first = bk / Hkv * H + bk % Hkv * (H / Hkv); /* the group's first head, as b * H + h */
+    attend_group(bf, M, H, Hkv, D, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, bk / Hkv, bk % Hkv,
+                 o + first * D, stats ? stats + first : NULL, sink);
+  }
   for (int64_t i = 0; i < M * H * D; i++) o[i] = rnd(o[i], bf);
   matvec(o, wo, y, mv, M, hidden, H * D, threads, bf);
   residual(x, y, M * hidden, bf);

@@ -92,7 +92,7 @@ class DecodeLayers:
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
         if (cfg.model_type not in _MODEL_TYPES or param.device.type != "cpu"
                 or param.dtype not in (torch.float32, torch.bfloat16) or getattr(cfg, "hidden_act", "silu") != "silu"
-                or D % 8 or H % H_kv):
+                or D % 8 or D > 256 or H % H_kv or H // H_kv > 8):  # decode_layer.c: D_MAX, G_MAX
             return None
         kernel = _kernel()
         if kernel is None:
