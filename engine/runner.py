@@ -178,6 +178,7 @@ class Runner:
         self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in self._layers]
         self._final_norm = rms_norm(self._base.norm)
+        self._rope_table = RopeTable(self._base.rotary_emb)
         # Decode steps of a plain Llama model on CPU: every layer in one compiled call (engine/decode_layer.py).
         self._decode = DecodeLayers.for_model(model, self._layers, self._weights)
         if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
@@ -293,7 +294,8 @@ class Runner:
         if tail_logits is not None and (len(tail_logits) != len(n) or any(not 1 <= m <= k for m, k in zip(tail_logits, n))):
             raise ValueError(f"tail_logits={list(tail_logits)}: one count per row, each in [1, its tokens {n}]")
         positions = [cache.seq_len(seq) for seq in seqs]
-        slots = torch.cat([cache.reserve(seq, k) for seq, k in zip(seqs, n)])
+        reserved = [cache.reserve(seq, k) for seq, k in zip(seqs, n)]
+        slots = torch.cat(reserved) if len(reserved) > 1 else reserved[0]
         plan = cache.plan_reads(seqs, n)  # where every block is read from; all resident unless long context streams
         streaming = plan.streaming
         # What attention will see: committed plus the new tokens, less any blocks evicted when every tier was full.
@@ -316,8 +318,7 @@ class Runner:
             self._sparse.begin_step(seqs)
 
         x = self._base.embed_tokens(ids)  # (N, hidden)
-        cos, sin = self._base.rotary_emb(x[None], pos[None])  # (1, N, D) each
-        cos, sin = cos[0], sin[0]  # (N, D)
+        cos, sin = self._rope_table(x, pos, max(p + k for p, k in zip(positions, n)))  # (N, D) each
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[LayerScores] = [[] for _ in groups]
         compiled = self._decode_step(groups, kv_lens, slots, observe, stats)
@@ -580,6 +581,29 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RopeTable:
+    """A step's cos/sin looked up by position in a table the model's own rotary embedding made: two index ops
+    where computing them is six to ten small torch ops, ~0.2 ms of a step once the step has streamed the
+    weights through the caches. The same values, as each is computed from its position alone; RoPE kinds
+    whose frequencies follow the sequence length ("dynamic", "longrope") are computed every step."""
+
+    def __init__(self, rotary: Any) -> None:
+        self.rotary = rotary
+        self.static = getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope")
+        self.cos = self.sin = None
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (N, D) at ``pos`` (N,), all below ``end``, in ``x``'s dtype."""
+        if not self.static:
+            cos, sin = self.rotary(x[None], pos[None])
+            return cos[0], sin[0]
+        if self.cos is None or end > self.cos.shape[0] or self.cos.dtype != x.dtype:
+            size = max(end, 2 * (self.cos.shape[0] if self.cos is not None else 0), 256)
+            cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None])
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos[pos], self.sin[pos]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
