@@ -35,15 +35,6 @@
 
 #define HOT static inline __attribute__((always_inline))
 
-/* float -> bf16, round to nearest even; NaN stays a (quiet) NaN: c10::BFloat16's conversion, without a
- * branch, so loops over it vectorize. */
-HOT uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-  return (uint16_t)(f != f ? quiet : rounded);
-}
-
 /* Values of the model's dtype: bf (a compile-time constant in each instantiation) picks bf16 or float. */
 HOT float ld(const void *p, int64_t i, const int bf) { return bf ? bf16((const uint16_t *)p + i) : ((const float *)p)[i]; }
 HOT void st(void *p, int64_t i, float v, const int bf) {

@@ -12,11 +12,14 @@
  * closer to the exact product than one running sum. GCC's vector extensions compile to AVX2 or AVX-512
  * under -march=native and to SSE elsewhere.
  *
- * bf16: one 32-byte load holds 16 weights, two to each 32-bit lane. The lane shifted left by 16 is the
- * float of the even weight, the lane with its low half cleared the float of the odd one: two integer
- * operations widen 16 weights (a per-element conversion took six instructions for 8, and made the
- * one-row product compute-bound at 8.5 GB/s). x's rows are reordered to match once per call, into
- * ``scratch``: per 16 elements, the 8 even ones then the 8 odd ones. */
+ * bf16 multiplies x rounded to bf16 (as torch's bf16 product takes bf16 inputs; a bf16 model's activations
+ * are bf16 values already), the products summed in float. With AVX-512 BF16 (vdpbf16ps) one instruction
+ * multiplies 32 weights by 32 of x; x is converted once per call into ``scratch``. Elsewhere one 32-byte
+ * load holds 16 weights, two to each 32-bit lane. The lane shifted left by 16 is the float of the even
+ * weight, the lane with its low half cleared the float of the odd one: two integer operations widen 16
+ * weights (a per-element conversion took six instructions for 8, and made the one-row product
+ * compute-bound at 8.5 GB/s). x's rows are reordered to match once per call, into ``scratch``: per 16
+ * elements, the 8 even ones then the 8 odd ones. */
 #include "openmp.h"
 #include <stdint.h>
 #include <string.h>
@@ -70,17 +73,18 @@ static inline v8 hadd(v8 a, v8 b) {
  * (summed one lane at a time through the stack, the end of each row cost ~80 ns, a third of a row of 576). */
 static inline v8 lanes_sum4(const v8 a[ROWS]) { return hadd(hadd(a[0], a[1]), hadd(a[2], a[3])); }
 
-/* The block kernel of one weight type (KEEP: PIN or NO_PIN, whichever measured faster): rows n0 .. n0+R
- * of w (R <= ROWS) against x's rows m .. m+nx (nx <= XROWS, a constant where it is inlined); V vectors of
- * STEP elements of k per iteration (LOAD reads one of x), FMA(r, k) adding their products for weight row r
- * to a[j][r] for x's row m+j; FOLD adds a V's halves into a v8. The tail past the last whole STEP is summed
- * one element at a time (SCALAR widens one weight). */
-#define BLOCK(NAME, W, V, LOAD, FOLD, STEP, SCALAR, KEEP, FMA)                                                \
-  static inline __attribute__((always_inline)) void NAME(const float *x, const W *w, const float *b, float *y, \
+/* The block kernel of one weight type W and one type X of x's elements as PREPARE left them (KEEP: PIN or
+ * NO_PIN, whichever measured faster): rows n0 .. n0+R of w (R <= ROWS) against x's rows m .. m+nx (nx <=
+ * XROWS, a constant where it is inlined); V vectors of STEP elements of k per iteration (LOAD reads one of
+ * x), FMA(r, k) adding their products for weight row r to a[j][r] for x's row m+j; FOLD adds a V's halves
+ * into a v8. The tail past the last whole STEP is summed one element at a time (SCALAR and XSCALAR widen
+ * one weight and one of x). */
+#define BLOCK(NAME, W, X, V, LOAD, FOLD, STEP, SCALAR, XSCALAR, KEEP, FMA)                                     \
+  static inline __attribute__((always_inline)) void NAME(const void *xv, const W *w, const float *b, float *y, \
                                                          int64_t N, int64_t K, int64_t n0, int64_t R,         \
                                                          int64_t m, const int nx) {                           \
     const int64_t KS = K - K % STEP;                                                                          \
-    const float *xr[XROWS];                                                                                   \
+    const X *x = xv, *xr[XROWS];                                                                              \
     for (int j = 0; j < nx; j++) xr[j] = x + (m + j) * K;                                                     \
     V a[XROWS][ROWS] = {{0}};                                                                                 \
     /* the next group's rows, fetched into L2 while this one is summed (in every pass, so the memory keeps  \
@@ -101,7 +105,7 @@ static inline v8 lanes_sum4(const v8 a[ROWS]) { return hadd(hadd(a[0], a[1]), ha
       for (int64_t r = 0; r < R; r++) {                                                                       \
         const W *wr = w + (n0 + r) * K;                                                                       \
         float s = t[r] + t[r + 4];                                                                            \
-        for (int64_t k = KS; k < K; k++) s += SCALAR(wr + k) * xr[j][k];                                      \
+        for (int64_t k = KS; k < K; k++) s += SCALAR(wr + k) * XSCALAR(xr[j] + k);                            \
         y[(m + j) * N + n0 + r] = s + (b ? b[n0 + r] : 0.f);                                                  \
       }                                                                                                       \
     }                                                                                                         \
@@ -127,15 +131,30 @@ static inline v8 fold_w(vw a) { /* a vw's lanes added pairwise into 8 (itself wh
   return t;
 }
 static inline v8 same(v8 a) { return a; }
-BLOCK(block_f32, float, vw, load_w, fold_w, (int64_t)(sizeof(vw) / sizeof(float)), f32, PIN, FMA_F32)
-BLOCK(block_bf16, uint16_t, v8, load_f32, same, 16, bf16, NO_PIN, FMA_BF16)
+BLOCK(block_f32, float, float, vw, load_w, fold_w, (int64_t)(sizeof(vw) / sizeof(float)), f32, f32, PIN, FMA_F32)
+#if defined(__AVX512BF16__)
+/* bf16 where the CPU has AVX-512 BF16: vdpbf16ps multiplies 32 weights by 32 of x (x as bf16 too) and adds
+ * each pair's two exact products into a float lane, one instruction where widening and FMAs took six; at
+ * 8 rows the products were compute-bound (SmolLM2's at 8 rows: 17 ms against 9.3 at one). */
+#include <immintrin.h>
+#define FMA_DPBF16(r, k)                                                                                 \
+  do {                                                                                                   \
+    __m512bh wv;                                                                                         \
+    memcpy(&wv, w + (n0 + r) * K + k, sizeof wv);                                                        \
+    for (int j = 0; j < nx; j++) a[j][r] = (vw)_mm512_dpbf16_ps((__m512)a[j][r], (__m512bh)u[j], wv);    \
+  } while (0)
+static inline vw load_bh(const uint16_t *p) { vw v; memcpy(&v, p, sizeof v); return v; } /* 32 bf16 */
+BLOCK(block_bf16, uint16_t, uint16_t, vw, load_bh, fold_w, 32, bf16, bf16, NO_PIN, FMA_DPBF16)
+#else
+BLOCK(block_bf16, uint16_t, float, v8, load_f32, same, 16, bf16, f32, NO_PIN, FMA_BF16)
+#endif
 
 /* The driver: w's rows split over the threads, x's rows XROWS at a time within each group of ROWS (then
  * 2, then 1: each count a constant, so the compiler keeps the sums in registers). */
 #define MATVEC(NAME, W, BLOCKFN, PREPARE)                                                                \
   void NAME(const float *x, const W *w, const float *b, float *y, float *scratch, int64_t M, int64_t N,  \
             int64_t K, int threads) {                                                                    \
-    const float *xs = PREPARE(x, scratch, M, K);                                                         \
+    const void *xs = PREPARE(x, scratch, M, K);                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                    \
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {                                                           \
       int64_t m = 0;                                                                                     \
@@ -149,24 +168,124 @@ BLOCK(block_bf16, uint16_t, v8, load_f32, same, 16, bf16, NO_PIN, FMA_BF16)
     }                                                                                                    \
   }
 
-static inline const float *as_is(const float *x, float *scratch, int64_t M, int64_t K) {
+static inline const void *as_is(const float *x, float *scratch, int64_t M, int64_t K) {
   (void)scratch; (void)M; (void)K;
   return x;
 }
 
-/* x's rows as block_bf16 reads them: per 16 elements the even ones, then the odd; the tail as it is. */
-static const float *even_odd(const float *x, float *scratch, int64_t M, int64_t K) {
+/* float -> bf16, round to nearest even; NaN stays a (quiet) NaN: c10::BFloat16's conversion, without a
+ * branch, so loops over it vectorize. */
+static inline __attribute__((always_inline)) uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  return (uint16_t)(f != f ? quiet : rounded);
+}
+
+#if defined(__AVX512BF16__)
+/* x's rows as bf16, as block_bf16 reads them. */
+static const void *as_bf16(const float *x, float *scratch, int64_t M, int64_t K) {
+  uint16_t *dst = (uint16_t *)scratch;
+  for (int64_t i = 0; i < M * K; i++) dst[i] = to_bf16(x[i]);
+  return scratch;
+}
+#define BF16_INPUT as_bf16
+#else
+/* A float rounded to bf16, as a float. */
+static inline float bf16_value(float f) { const uint16_t h = to_bf16(f); return bf16(&h); }
+
+/* x's rows rounded to bf16 (as_bf16's values) as block_bf16 reads them: per 16 elements the even ones,
+ * then the odd; the tail in order. */
+static const void *even_odd(const float *x, float *scratch, int64_t M, int64_t K) {
   const int64_t KS = K - K % 16;
   for (int64_t m = 0; m < M; m++) {
     const float *src = x + m * K;
     float *dst = scratch + m * K;
     for (int64_t k = 0; k < KS; k += 16)
-      for (int i = 0; i < 8; i++) { dst[k + i] = src[k + 2 * i]; dst[k + 8 + i] = src[k + 2 * i + 1]; }
-    for (int64_t k = KS; k < K; k++) dst[k] = src[k];
+      for (int i = 0; i < 8; i++) {
+        dst[k + i] = bf16_value(src[k + 2 * i]);
+        dst[k + 8 + i] = bf16_value(src[k + 2 * i + 1]);
+      }
+    for (int64_t k = KS; k < K; k++) dst[k] = bf16_value(src[k]);
   }
   return scratch;
 }
+#define BF16_INPUT even_odd
+#endif
 
 MATVEC(kvdoctor_matvec_f32, float, block_f32, as_is)
-MATVEC(kvdoctor_matvec_bf16, uint16_t, block_bf16, even_odd)
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+/* bf16 on AMX: one TDPBF16PS multiplies 16 weight rows' 32 values (the A tile, read straight from w with
+ * a row stride of K) by 32 of each of x's rows (the B tile: x^T in pairs of k, made once per call into
+ * ``scratch``) into 16 x M float sums. The vector products were compute-bound at 8 rows (vdpbf16ps as
+ * much as float FMAs: 150-180 GFLOP/s on both cores); with tiles 8 rows stream at one row's speed. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+MATVEC(matvec_bf16_vectors, uint16_t, block_bf16, BF16_INPUT)
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+/* Linux lets a process use the tiles' registers only once it asks (else the first tile instruction traps). */
+static int amx_allowed(void) {
+  static int allowed = -1;
+  if (allowed < 0) allowed = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return allowed;
+}
+
+static void matvec_bf16_tiles(const float *x, const uint16_t *w, const float *b, float *y, float *scratch,
+                              int64_t M, int64_t N, int64_t K, int threads) {
+  uint16_t *xt = (uint16_t *)scratch; /* (K / 2, M, 2) */
+  for (int64_t i = 0; i < K / 2; i++)
+    for (int64_t m = 0; m < M; m++)
+      for (int e = 0; e < 2; e++) xt[(i * M + m) * 2 + e] = to_bf16(x[m * K + 2 * i + e]);
+  tile_config cfg = {.palette = 1};
+  for (int t = 0; t < 5; t++) { /* 0, 1: sums (16 rows x M floats); 2, 3: 16 rows of w; 4: x^T */
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = t == 2 || t == 3 ? 64 : (uint16_t)(M * 4);
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    _tile_loadconfig(&cfg);
+    float sums[2][16 * 16];
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 32) { /* two groups of 16 rows share each load of x^T */
+      const int two = n0 + 16 < N;
+      const uint16_t *w0 = w + n0 * K, *w1 = w0 + 16 * K, *next = w + (n0 + 32 < N ? n0 + 32 : n0) * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < K; k += 32) {
+        for (int r = 0; r < 32; r++) __builtin_prefetch(next + r * K + k, 0, 2); /* as BLOCK's prefetch */
+        _tile_loadd(4, xt + k * M, M * 4);
+        _tile_loadd(2, w0 + k, K * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two) {
+          _tile_loadd(3, w1 + k, K * 2);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, sums[0], M * 4);
+      if (two) _tile_stored(1, sums[1], M * 4);
+      for (int g = 0; g <= two; g++)
+        for (int64_t i = 0; i < 16; i++)
+          for (int64_t m = 0; m < M; m++)
+            y[m * N + n0 + g * 16 + i] = sums[g][i * M + m] + (b ? b[n0 + g * 16 + i] : 0.f);
+    }
+    _tile_release();
+  }
+}
+
+void kvdoctor_matvec_bf16(const float *x, const uint16_t *w, const float *b, float *y, float *scratch, int64_t M,
+                          int64_t N, int64_t K, int threads) {
+  /* below 4 rows the vectors stream faster (one row: 10.4 against 11.6 ms over SmolLM2's weights); from 4 on
+   * the tiles win (8 rows: 11.5 against 15.4 ms; 16: 15.9 against 28.5) */
+  if (M >= 4 && M <= 16 && N % 16 == 0 && K % 32 == 0 && amx_allowed())
+    matvec_bf16_tiles(x, w, b, y, scratch, M, N, K, threads);
+  else
+    matvec_bf16_vectors(x, w, b, y, scratch, M, N, K, threads);
+}
+#else
+MATVEC(kvdoctor_matvec_bf16, uint16_t, block_bf16, BF16_INPUT)
+#endif
 

@@ -6,8 +6,10 @@ one-row product (``F.linear``) runs at one core's bandwidth (11-12 GB/s) whether
 thread or two, and oneDNN's prepacked product does little better; a plain loop split across
 torch's own OpenMP threads streams 17-20 GB/s, and for up to 16 rows beats both (SmolLM2's
 linear weights, medians, docs/benchmarks.md). Above ``MAX_ROWS`` (prefill) MKL's GEMM is faster.
-bfloat16 weights are widened to float32 in registers (two integer operations per 16 weights), so they
-stream half the bytes.
+bfloat16 weights stream half the bytes: multiplied on AMX's tiles from 4 rows on where the CPU has them,
+by AVX-512 BF16's dot products below that, and elsewhere widened to float32 in registers (two integer
+operations per 16 weights). At 8 rows the products are as much compute as streaming, which is what the
+tiles (and, in float32, AVX-512's 16-lane vectors over four rows a pass) are for.
 
 The kernel (``matvec.c``) is built and loaded by ``native``, on torch's threads; where it cannot be
 (no compiler, another OpenMP runtime) callers use ``F.linear``.
@@ -31,13 +33,14 @@ MAX_ROWS = 16  # up to here the kernel beats MKL and oneDNN on SmolLM2's shapes;
 _SOURCE = Path(__file__).with_name("matvec.c")
 
 
-DTYPES = (torch.float32, torch.bfloat16)  # of the weight; x, the bias and y are computed in float32
+DTYPES = (torch.float32, torch.bfloat16)  # of the weight; bias and y in float32, x too (bf16 with a bf16 weight)
 
 
 @dataclass(frozen=True)
 class Matvec:
     """``y = x @ w.T + b`` on CPU for ``x`` (M <= MAX_ROWS, K) and a contiguous ``w`` (N, K) of one of
-    ``DTYPES``; ``y`` is float32 (a bf16 caller rounds it, as torch's bf16 product rounds its float32 sums)."""
+    ``DTYPES``; ``y`` is float32 (a bf16 caller rounds it, as torch's bf16 product rounds its float32 sums).
+    With a bf16 weight x is taken rounded to bf16, as torch's bf16 product takes its inputs."""
 
     kernels: dict[torch.dtype, ctypes._CFuncPtr]
     path: Path

@@ -114,8 +114,10 @@ def test_kernel_matches_a_float64_product_for_any_shape(m, n, k, bias, strided, 
     w = w.bfloat16() if bf16 else w
     # WHEN the kernel multiplies them
     y = load()(x, w, b)
-    # THEN every output is the exact product's (of the weight's own values), to float32 rounding of a K-term sum
-    want = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    # THEN every output is the exact product's (of the weight's own values, and with a bf16 weight of x's
+    # values rounded to bf16, as torch's bf16 product takes them), to float32 rounding of a K-term sum
+    xs = x.bfloat16() if bf16 else x
+    want = F.linear(xs.double(), w.double(), b.double() if b is not None else None)
     assert y.shape == (m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), want, atol=1e-5 * k ** 0.5, rtol=1e-5)
 
@@ -144,6 +146,18 @@ def test_the_kernel_runs_in_torchs_own_openmp_runtime():
     # THEN it is the libgomp torch's wheel ships (one thread pool for torch's ops and the kernel)
     bundled = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     assert runtime == (os.path.realpath(bundled) if bundled.exists() else runtime) and "libgomp" in runtime
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 4, 7, 16])
+def test_bf16_kernel_with_shapes_the_tile_path_takes(m):
+    # GIVEN a bf16 weight of whole 16-row groups and 32-value chunks (what AMX's tiles take, where the CPU has
+    # them: from 4 rows on), an odd number of 16-row groups, and a bias
+    g = torch.Generator().manual_seed(m)
+    x, w, b = torch.randn(m, 96, generator=g), torch.randn(48, 96, generator=g).bfloat16(), torch.randn(48, generator=g)
+    # WHEN the kernel multiplies them THEN it is the exact product of x rounded to bf16, to float32 rounding
+    want = F.linear(x.bfloat16().double(), w.double(), b.double())
+    torch.testing.assert_close(load()(x, w, b).double(), want, atol=1e-5 * 96 ** 0.5, rtol=1e-5)
 
 
 def _forget_kernels() -> None:
