@@ -92,8 +92,8 @@ static inline v8 silu8_bf16(v8 x) { return round8_bf16(x / (1.f + exp8(-x))); }
 
 static void matvec(const float *x, const void *w, float *y, float *scratch, int64_t M, int64_t N, int64_t K,
                    int threads, const int bf) {
-  if (bf) kvdoctor_matvec_bf16(x, w, NULL, y, scratch, M, N, K, threads);
-  else kvdoctor_matvec_f32(x, w, NULL, y, scratch, M, N, K, threads);
+  if (bf) kvdoctor_matvec_bf16(x, w, NULL, y, scratch, M, N, K, threads, 0); /* rounded where it is used */
+  else kvdoctor_matvec_f32(x, w, NULL, y, scratch, M, N, K, threads, 0);
 }
 
 /* RMSNorm of x's M rows into float32 ``out`` (values of the model's dtype): transformers' LlamaRMSNorm in

@@ -45,14 +45,16 @@ class Matvec:
     kernels: dict[torch.dtype, ctypes._CFuncPtr]
     path: Path
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *, round_bf16: bool = False
+                 ) -> torch.Tensor:
+        """``round_bf16``: each output rounded to a bf16 value (still float32), as a bf16 product rounds."""
         x = x.to(torch.float32).contiguous()
         b = b.to(torch.float32) if b is not None else None
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
         scratch = torch.empty_like(x) if w.dtype == torch.bfloat16 else None  # x reordered as bf16 lanes pair up
         self.kernels[w.dtype](x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
                               scratch.data_ptr() if scratch is not None else None,
-                              x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+                              x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads(), int(round_bf16))
         return y
 
 
@@ -61,7 +63,7 @@ def probe() -> Matvec | str:
     """The compiled kernel, or why there is none here (see the module's notes); built once a process."""
     if os.environ.get("KVDOCTOR_MATVEC", "1") == "0":
         return "switched off by KVDOCTOR_MATVEC=0"
-    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib = native.load(_SOURCE, {"kvdoctor_matvec_f32": args, "kvdoctor_matvec_bf16": args})
     if isinstance(lib, str):
         return lib

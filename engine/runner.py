@@ -330,12 +330,12 @@ class Runner:
             x = self._layers_by_torch(x, cos, sin, slots, seqs, groups, starts, streaming,
                                       scores if stats or observe else None)
         if all_logits:
-            logits = self._lm_head(self._final_norm(x)).float()  # (N, V)
+            logits = self._lm_head.floats(self._final_norm(x))  # (N, V)
         else:
             tails = tail_logits if tail_logits is not None else [1] * len(n)
             ends = [sum(n[: i + 1]) for i in range(len(n))]
             last = torch.tensor([e - m + j for e, m in zip(ends, tails) for j in range(m)], device=dev)
-            logits = self._lm_head(self._final_norm(x[last])).float()  # (sum of tails, V)
+            logits = self._lm_head.floats(self._final_norm(x[last]))  # (sum of tails, V)
 
         if observe and streaming:
             for seq, mass in self._streamer.step.mass.items():

@@ -20,7 +20,7 @@ from kvdoctor.engine.matvec import MAX_ROWS, load, probe
 from kvdoctor.engine.native import library_of
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.weights import PageOut, layer_weights, lm_head_weights
+from kvdoctor.engine.weights import PageOut, Projection, layer_weights, lm_head_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
 needs_kernel = pytest.mark.skipif(load() is None, reason="no C compiler or not torch's OpenMP runtime")
@@ -158,6 +158,21 @@ def test_bf16_kernel_with_shapes_the_tile_path_takes(m):
     # WHEN the kernel multiplies them THEN it is the exact product of x rounded to bf16, to float32 rounding
     want = F.linear(x.bfloat16().double(), w.double(), b.double())
     torch.testing.assert_close(load()(x, w, b).double(), want, atol=1e-5 * 96 ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8])
+def test_float_outputs_are_the_rounded_products_widened(dtype, m):
+    # GIVEN a projection on the kernel in the model's dtype (bf16 from 4 rows on takes the tile path where
+    # there are tiles), and rows of that dtype
+    g = torch.Generator().manual_seed(m)
+    p = Projection(torch.randn(96, 64, generator=g).to(dtype), None, load())
+    x = torch.randn(m, 64, generator=g).to(dtype)
+    # WHEN it gives float32 outputs (the runner's logits) THEN they are its outputs in the model's dtype,
+    # widened, to the bit: a bf16 model's logits stay bf16 values
+    got = p.floats(x)
+    assert got.dtype == torch.float32 and torch.equal(got, p(x).float())
 
 
 def _forget_kernels() -> None:
