@@ -346,7 +346,7 @@ def _projection_calls(runner: Any) -> tuple[list[Callable[[], None]], int]:
             continue
         y, scratch, fn = torch.empty(1, N), torch.empty(1, K), p.matvec.kernels[p.weight.dtype]
         args = (x.data_ptr(), p.weight.data_ptr(), None, y.data_ptr(), scratch.data_ptr(), 1, N, K,
-                torch.get_num_threads())
+                torch.get_num_threads(), 0)  # outputs as they are (0: not rounded to bf16)
         calls.append(lambda fn=fn, args=args, keep=(x, y, scratch): fn(*args))
     return calls, sum(p.weight.nbytes for p in projections)
 
