@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "decode.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(benchmark_script):
+    return benchmark_script("decode")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
-
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "tiers.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_tiers", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(benchmark_script):
+    return benchmark_script("tiers")
 
 
 def test_paged_waste_is_small_where_max_length_preallocation_wastes_most(bench, tmp_path):
