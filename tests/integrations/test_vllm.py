@@ -13,6 +13,9 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# An explicit KV space: without it vLLM's CPU worker asks for gpu_memory_utilization of the NUMA node less this
+# process's RSS, which two engines in one process exceed on a node of 10 GiB (a negative request, refused).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
 
 from vllm import LLM, SamplingParams  # noqa: E402
