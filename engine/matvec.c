@@ -1,5 +1,5 @@
 /* y (M, N) = x (M, K) . w (N, K)^T (+ b (N,)) for the few rows of a decode step; x, b, y float32,
- * w float32 or bfloat16 (a bf16 weight is the top half of a float: widened in registers).
+ * w float32 or bfloat16 (the top half of a float: on AMX tiles, in AVX-512 BF16 dot products, or widened).
  *
  * Bandwidth-bound at one row: every weight is read once per call whatever M is. Rows of w are split
  * across the OpenMP team (the caller's torch thread pool: this library links the same libgomp), four

@@ -51,7 +51,7 @@ class Matvec:
         x = x.to(torch.float32).contiguous()
         b = b.to(torch.float32) if b is not None else None
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        scratch = torch.empty_like(x) if w.dtype == torch.bfloat16 else None  # x reordered as bf16 lanes pair up
+        scratch = torch.empty_like(x) if w.dtype == torch.bfloat16 else None  # x as the bf16 kernel reads it
         self.kernels[w.dtype](x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
                               scratch.data_ptr() if scratch is not None else None,
                               x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads(), int(round_bf16))
