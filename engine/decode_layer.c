@@ -24,11 +24,11 @@
  * head lie contiguously, D elements each. Row b has ``lens[b]`` keys. Each row's newest-query scaled
  * scores and their probabilities go to ``scores`` and ``probs`` (M, H, T) (the hybrid eviction policy
  * weighs blocks by them); keys past a row's length get the lowest finite score and probability 0. Each
- * head's attention statistics are taken right there, from those scores and probabilities still in the
- * core's cache (attn_stats.c's head_stats: what its kernel computes over the same buffers afterwards). */
+ * head's attention statistics (attn_stats.c's, what its kernel computes over the same buffers afterwards)
+ * are taken right there, from the softmax's own sums (softmax_stats), and each row's new K/V digest unit
+ * sums as they are stored (layer_pre). */
 #include "matvec.c"
 #include "attn_stats.c"
-#include "digest.c"
 
 #include <float.h>
 #include <math.h>
@@ -116,9 +116,21 @@ HOT void residual(void *x, const float *y, int64_t n, const int bf) {
   for (int64_t i = 0; i < n; i++) st(x, i, ld(x, i, bf) + rnd(y[i], bf), bf);
 }
 
+/* The digest unit sum (digest.c's) of n values of the model's dtype as integers (a float's bit pattern),
+ * weighted by w, wrapping. */
+HOT uint64_t unit_sum(const void *x, const int64_t *w, int64_t n, const int bf) {
+  uint64_t acc = 0;
+  if (bf) for (int64_t i = 0; i < n; i++) acc += (uint64_t)(int64_t)((const int16_t *)x)[i] * (uint64_t)w[i];
+  else for (int64_t i = 0; i < n; i++) acc += (uint64_t)(int64_t)((const int32_t *)x)[i] * (uint64_t)w[i];
+  return acc;
+}
+
+/* With units (M of them, or NULL), each row's new K and V heads as a digest unit sum by the weights wk and wv
+ * (H_kv, D), taken as they are stored (still in the core's cache: after the step they cost a cold pass). */
 HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
                    const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
-                   void *kv, const int64_t *rows, float *scratch, int threads) {
+                   void *kv, const int64_t *rows, const int64_t *wk, const int64_t *wv, uint64_t *units,
+                   float *scratch, int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, half = D / 2, size = bf ? 2 : 4;
   float *xn = scratch, *y = xn + M * hidden, *mv = y + M * Q;
   rms_norm(x, norm_w, eps, xn, M, hidden, bf);
@@ -138,6 +150,10 @@ HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t H
       for (int64_t h = 0; h < Hkv; h++)
         memcpy((char *)kv + rows[(c * M + m) * Hkv + h] * D * size, (const char *)qkv + (m * Q + (H + c * Hkv + h) * D) * size,
                D * size);
+    if (units) {
+      const char *k = (const char *)qkv + (m * Q + H * D) * size;
+      units[m] = unit_sum(k, wk, Hkv * D, bf) + unit_sum(k + Hkv * D * size, wv, Hkv * D, bf);
+    }
   }
 }
 
@@ -162,6 +178,38 @@ HOT v8 lanes_sum8(const v8 a[8]) {
 HOT void prefetch_row(const void *kv, int64_t i, int64_t D, const int bf) {
   const char *at = (const char *)kv + i * (bf ? 2 : 4);
   for (int64_t l = 0; l < D * (bf ? 2 : 4); l += 64) __builtin_prefetch(at + l);
+}
+
+/* d[t] = e^d[t] over n values (scores less their largest), and the sum of d[t] e^d[t] before: the
+ * softmax's numerators and, in the same pass, what the entropy needs of them. */
+HOT float exp_moment(float *d, int64_t n) {
+  v8 acc = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 x = load_f32(d + i), e = exp8(x);
+    acc += x * e;
+    memcpy(d + i, &e, sizeof e);
+  }
+  if (i < n) { /* padding lanes hold 0: e^0 * 0 adds nothing */
+    v8 x = {0};
+    memcpy(&x, d + i, (size_t)(n - i) * 4);
+    const v8 e = exp8(x);
+    acc += x * e;
+    memcpy(d + i, &e, (size_t)(n - i) * 4);
+  }
+  return lanes_sum(acc);
+}
+
+/* A head's statistics (attn_stats.c's Head) from its softmax as attention takes it: the largest score mx,
+ * e = e^(s - mx) over its len keys summing to z, and moment = sum (s - mx) e. entropy = log z - moment / z
+ * (head_stats' value without another pass over the keys: this costs a multiply-add per key where the
+ * passes afterwards cost 0.18 ms of a SmolLM2 batch-8 step); the sink is the first sink keys' share of z.
+ * A non-finite score leaves mx, z or the moment non-finite: that head is done again exactly (head_exact). */
+HOT Head softmax_stats(const float *s, const float *e, int64_t len, int64_t sink, float mx, float z, float moment) {
+  if (!(isfinite(mx) && isfinite(z) && isfinite(moment))) return head_exact(s, NULL, len, sink);
+  float zs = 0.f;
+  for (int64_t t = 0; t < sink && t < len; t++) zs += e[t];
+  return (Head){mx, logf(z) - moment / z, zs / z, 0.f};
 }
 
 /* Row b, kv head kh and the G query heads that share it: scores, softmax and the weighted sums of V into
@@ -208,9 +256,10 @@ HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D
     float *pg = p + g * T, mx = -FLT_MAX;
     for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
     for (int64_t t = 0; t < len; t++) pg[t] = sg[t] - mx;
-    EACH8(pg, pg, len, exp8);
+    const float moment = exp_moment(pg, len);
     sum[g] = 0.f;
     for (int64_t t = 0; t < len; t++) sum[g] += pg[t];
+    if (stat) stat[g] = softmax_stats(sg, pg, len, sink, mx, sum[g], moment);
   }
   j = 0, u = 0;
   for (int64_t t = 0; t < len; t++) {
@@ -230,8 +279,6 @@ HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D
   for (int64_t g = 0; g < G; g++) {
     memcpy(o + g * D, acc[g], (size_t)D * sizeof *o);
     for (int64_t t = len; t < T; t++) { s[g * T + t] = -FLT_MAX; p[g * T + t] = 0.f; }
-    /* over the row's own keys: no mask to read */
-    if (stat) stat[g] = head_stats(s + g * T, p + g * T, NULL, len, sink);
   }
 }
 
@@ -283,17 +330,14 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
     const layer_weights *w = layers + l;
     void *q = (char *)qkv + l * M * Q * size;
     float *scores = newest + (keep ? l : 0) * 2 * M * H * T, *probs = scores + M * H * T;
-    layer_pre(bf, M, hidden, H, Hkv, D, x, w->norm1, w->eps1, w->qkv, cos, sin, q, kv[l], rows, scratch, threads);
+    layer_pre(bf, M, hidden, H, Hkv, D, x, w->norm1, w->eps1, w->qkv, cos, sin, q, kv[l], rows, wk, wv,
+              units ? units + l * M : NULL, scratch, threads);
     layer_post(bf, M, hidden, H, Hkv, D, I, x, q, kv[l], kv_rows, nb, bs, lens, w->scale, scores, probs, T,
                heads ? heads + l * M * H : NULL, sink, w->o, w->norm2, w->eps2, w->gate_up, w->down, scratch, threads);
   }
   for (int64_t lm = 0; heads && lm < L * M; lm++)
     row_summary(heads + lm * H, H, summary + lm * SUMMARY, hent ? hent + lm * H : NULL, hmax ? hmax + lm * H : NULL);
-  if (units) { /* the new tokens' digest unit sums (digest.c), every layer's K then V, read from the qkv rows */
-    memset(units, 0, (size_t)(L * M) * sizeof *units);
-    for (int64_t c = 0; c < 2; c++)
-      kvdoctor_unit_sums((const char *)qkv + (H + c * Hkv) * D * size, M * Q * size, L, Hkv, M, D, D, Q, size,
-                         c ? wv : wk, units, M, threads);
+  if (units) {
     for (int64_t m = 0; m < M; m++) /* each token's share of a record's digest at every column it may take */
       for (int64_t c = 0; c < U; c++) {
         uint64_t acc = 0;
