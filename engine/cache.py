@@ -1066,10 +1066,23 @@ class PagedKVCache:
         v = vb.transpose(0, 1).reshape(c.num_kv_heads, nb * self.block_size, c.head_dim)[:, :T]  # (H, T, D)
         return k, v
 
+    def sample_reads(self, seqs: Seq[Any]) -> list[int] | None:
+        """For each of ``seqs``' next whole reads, the block (an index into its table; -1: none) the sampler
+        picks to verify, for a reader that takes a block's digest in its own pass over the bytes (the compiled
+        decode layers): it then hands ``emit_read`` what it found (``checked``), and the read is not sampled
+        again. None unless someone listens with ``verify="sample"`` (``emit_read`` then verifies as usual)."""
+        if not (self.bus.enabled and self.digests.mode == "sample"):
+            return None
+        picked = [self.digests.sample(self._seq(seq).blocks) for seq in seqs]
+        return [p[0] if p else -1 for p in picked]
+
     def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None, *,
-                  versions: Seq[int] | None = None, tiers: Seq[str] | None = None) -> None:
+                  versions: Seq[int] | None = None, tiers: Seq[str] | None = None,
+                  checked: tuple[int, int] | None | bool = False) -> None:
         """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read (default: each
-        block's own; long context passes those of the staged copies it read, and the tier each came from)."""
+        block's own; long context passes those of the staged copies it read, and the tier each came from).
+        ``checked``: the read was sampled by ``sample_reads``, and this is ``(block index, digest over the bytes
+        read)`` of the block it picked, or None (none picked)."""
         if not self.bus.enabled:
             return
         s = self._seq(seq)
@@ -1082,9 +1095,13 @@ class PagedKVCache:
             read = [self.pool.blocks.get(i) for i in ids]
             versions = list(versions) if versions is not None else [b.version if b is not None else -1 for b in read]
         digests = layers = None
-        chosen = [i for i in self.digests.sample(read) if read[i] is not None]
+        if checked is False:
+            chosen = [i for i in self.digests.sample(read) if read[i] is not None]
+        else:
+            chosen = [checked[0]] if checked is not None else []
         if chosen:
-            got, bad = self.tiers.verify([read[i] for i in chosen])
+            confirmed = checked and self._confirms(read[checked[0]], checked[1])
+            got, bad = ([checked[1]], [None]) if confirmed else self.tiers.verify([read[i] for i in chosen])
             digests, layers = [None] * len(ids), [None] * len(ids)
             for i, d, lay in zip(chosen, got, bad):
                 digests[i], layers[i] = d, lay
@@ -1092,6 +1109,12 @@ class PagedKVCache:
                 layers = None
         self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers,
                       tiers=list(tiers) if tiers is not None else None)
+
+    def _confirms(self, b: Block, digest: int) -> bool:
+        """Whether ``digest``, taken by a reader over ``b``'s bytes, is its record's: the reader's digest stands.
+        Otherwise (no record, a mismatch) ``tiers.verify`` looks again, and names the first layer that differs."""
+        rec = b.digest
+        return rec is not None and rec.codec == b.codec and digest == self.digests.recorded(rec)
 
     def observe_attention(self, seq: Any, layer: int | None, block_scores: Seq[float] | torch.Tensor) -> None:
         """Feed the hybrid policy: attention mass of ``seq``'s newest query on each of its blocks

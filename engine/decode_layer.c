@@ -212,6 +212,14 @@ HOT Head softmax_stats(const float *s, const float *e, int64_t len, int64_t sink
   return (Head){mx, logf(z) - moment / z, zs / z, 0.f};
 }
 
+/* A sampled read's verification inside attention (digest.py): per row the block to verify (-1: none), the
+ * digest's weights of K and V (H_kv, D) and of this layer's record columns (mix: U, one per position), and
+ * out (M, H_kv): each row's and kv head's share of the block's digest in this layer. */
+typedef struct {
+  const int64_t *block, *wk, *wv, *mix;
+  uint64_t *out;
+} Verify;
+
 /* Row b, kv head kh and the G query heads that share it: scores, softmax and the weighted sums of V into
  * o (G heads of D floats; D a multiple of 8). Each key and value row is read once for the G heads (it was
  * read G times, a head at a time, from L2 or beyond), the next block's rows are fetched while a block is
@@ -221,7 +229,7 @@ HOT Head softmax_stats(const float *s, const float *e, int64_t len, int64_t sink
 HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D, const void *qkv, const void *kv,
                       const int64_t *kv_rows, int64_t nb, int64_t bs, const int32_t *lens, float scale,
                       float *scores, float *probs, int64_t T, int64_t b, int64_t kh, float *o, Head *stat,
-                      int64_t sink) {
+                      int64_t sink, const Verify *vf) {
   const int64_t G = H / Hkv, C = D / 8, Q = (H + 2 * Hkv) * D, len = lens[b], blocks = (len + bs - 1) / bs;
   const int64_t *krow = kv_rows + (b * Hkv + kh) * nb, *vrow = kv_rows + ((M + b) * Hkv + kh) * nb;
   float *s = scores + (b * H + kh * G) * T, *p = probs + (b * H + kh * G) * T; /* head g's at + g * T */
@@ -280,13 +288,21 @@ HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D
     memcpy(o + g * D, acc[g], (size_t)D * sizeof *o);
     for (int64_t t = len; t < T; t++) { s[g * T + t] = -FLT_MAX; p[g * T + t] = 0.f; }
   }
+  if (vf && vf->block[b] >= 0) { /* the row's block verified this step: its bytes just read, weighed as a digest */
+    const int64_t j = vf->block[b], n = len - j * bs < bs ? len - j * bs : bs, size = bf ? 2 : 4;
+    uint64_t share = 0;
+    for (int64_t u = 0; u < n; u++)
+      share += (uint64_t)vf->mix[u] * (unit_sum((const char *)kv + (krow[j] + u * D) * size, vf->wk + kh * D, D, bf) +
+                                       unit_sum((const char *)kv + (vrow[j] + u * D) * size, vf->wv + kh * D, D, bf));
+    vf->out[b * Hkv + kh] = share;
+  }
 }
 
 HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
                     const void *qkv, const void *kv, const int64_t *kv_rows, int64_t nb, int64_t bs,
                     const int32_t *lens, float scale, float *scores, float *probs, int64_t T, Head *stats,
-                    int64_t sink, const void *wo, const void *norm_w, float eps, const void *wgu, const void *wd,
-                    float *scratch, int threads) {
+                    int64_t sink, const Verify *vf, const void *wo, const void *norm_w, float eps, const void *wgu,
+                    const void *wd, float *scratch, int threads) {
   float *o = scratch, *y = o + M * H * D, *xn = y + M * 2 * I, *mv = xn + M * (I > hidden ? I : hidden);
   const int64_t work = M * H * T * D;
   /* rows of different lengths: (row, kv head) pairs dealt in turn, or the longer rows all fall to one thread */
@@ -294,7 +310,7 @@ HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t 
   for (int64_t bk = 0; bk < M * Hkv; bk++) {
     const int64_t first = bk / Hkv * H + bk % Hkv * (H / Hkv); /* the group's first head, as b * H + h */
     attend_group(bf, M, H, Hkv, D, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, bk / Hkv, bk % Hkv,
-                 o + first * D, stats ? stats + first : NULL, sink);
+                 o + first * D, stats ? stats + first : NULL, sink, vf);
   }
   for (int64_t i = 0; i < M * H * D; i++) o[i] = rnd(o[i], bf);
   matvec(o, wo, y, mv, M, hidden, H * D, threads, bf);
@@ -323,17 +339,19 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
                        const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
                        const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
                        float *summary, float *hent, float *hmax, const int64_t *wk, const int64_t *wv,
-                       uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, float *scratch,
-                       int threads) {
+                       uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, const int64_t *vblock,
+                       uint64_t *vsums, uint64_t *vtotal, float *scratch, int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
+    const Verify vf = {vblock, wk, wv, mix + l * U, vsums + l * M * Hkv};
     void *q = (char *)qkv + l * M * Q * size;
     float *scores = newest + (keep ? l : 0) * 2 * M * H * T, *probs = scores + M * H * T;
     layer_pre(bf, M, hidden, H, Hkv, D, x, w->norm1, w->eps1, w->qkv, cos, sin, q, kv[l], rows, wk, wv,
               units ? units + l * M : NULL, scratch, threads);
     layer_post(bf, M, hidden, H, Hkv, D, I, x, q, kv[l], kv_rows, nb, bs, lens, w->scale, scores, probs, T,
-               heads ? heads + l * M * H : NULL, sink, w->o, w->norm2, w->eps2, w->gate_up, w->down, scratch, threads);
+               heads ? heads + l * M * H : NULL, sink, vblock ? &vf : NULL, w->o, w->norm2, w->eps2, w->gate_up, w->down,
+               scratch, threads);
   }
   for (int64_t lm = 0; heads && lm < L * M; lm++)
     row_summary(heads + lm * H, H, summary + lm * SUMMARY, hent ? hent + lm * H : NULL, hmax ? hmax + lm * H : NULL);
@@ -345,6 +363,12 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
         shares[m * U + c] = acc;
       }
   }
+  for (int64_t m = 0; vblock && m < M; m++) { /* a verified block's digest: its shares over layers and kv heads */
+    if (vblock[m] < 0) continue;
+    uint64_t total = 0;
+    for (int64_t i = 0; i < L * Hkv; i++) total += vsums[(i / Hkv * M + m) * Hkv + i % Hkv];
+    vtotal[m] = total;
+  }
 }
 
 /* Every layer of a decode step: x (M, hidden) in place; each layer's q/k/v into qkv (L, M, Q), its new K/V
@@ -355,18 +379,20 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
  * units, the digest unit sums (digest.c) of each layer's new tokens' K and V, weighted by wk and wv (Hkv, D),
  * into units (L, M): what the cache's digests would sum from them (digest.py, _Layout.kv_units); and each
  * token's share of a block record's digest at each of its U columns, by the digest's weights mix (L, U),
- * into shares (M, U). */
+ * into shares (M, U). With vblock (M: a block index of each row's, or -1), that block's digest over the
+ * bytes attention read (digest.py's, by the same weights; its positions below the row's length) into
+ * vtotal (M), each layer's and kv head's share of it into vsums (L, M, H_kv). */
 void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                             int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
                             const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
                             int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
                             int64_t sink, float *summary, float *hent, float *hmax, const int64_t *wk,
                             const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares,
-                            float *scratch, int threads) {
+                            const int64_t *vblock, uint64_t *vsums, uint64_t *vtotal, float *scratch, int threads) {
   if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, scratch,
+                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal, scratch,
                         threads);
   else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, scratch,
+                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal, scratch,
                      threads);
 }

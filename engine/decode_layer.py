@@ -40,7 +40,7 @@ __all__ = ["DecodeLayers", "DecodeStep"]
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGS = ([_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 7
-         + [_I64, _PTR, _PTR, _INT])
+         + [_I64] + [_PTR] * 5 + [_INT])
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
 
@@ -152,19 +152,26 @@ class DecodeStep:
             torch.empty(L.num_layers, M, 4), *((torch.empty(L.num_layers, M, H), torch.empty(L.num_layers, M, H))
                                                if per_head else ()))
         self._weights = digest_weights
+        self._verify: Sequence[int] | None = None  # the blocks run verified (verified)
         self.units = np.empty((L.num_layers, M), dtype=np.int64) if digest_weights is not None else None
         self.shares = np.empty((M, digest_weights[2].shape[1]), dtype=np.uint64) if digest_weights is not None else None
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor]) -> Newest | None:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
+            verify: Sequence[int] | None = None) -> Newest | None:
         """Every layer for ``x`` (M, hidden), in place, over the layers' arenas ``kv`` (``layer_kv``); every
-        layer's rows' newest-query scores and probabilities, (L, M, H, T) each, when the step keeps them."""
+        layer's rows' newest-query scores and probabilities, (L, M, H, T) each, when the step keeps them.
+        ``verify``: each row's block (an index into its table; -1: none) whose digest attention takes over the
+        bytes it reads (a sampled read's verification, ``PagedKVCache.sample_reads``), by the digest weights:
+        ``verified`` hands it back."""
         L = self.L
+        self._verify = verify if verify is not None and self._weights is not None and max(verify) >= 0 else None
         arenas = (_PTR * L.num_layers)(*(a.data_ptr() for a in kv))
         L._kernel(int(L.dtype == torch.bfloat16), L.num_layers, self.M, L.hidden, L.heads, L.kv_heads, L.head_dim,
                   L.intermediate, ctypes.byref(L._table), arenas, x.data_ptr(), self.qkv.data_ptr(), cos.data_ptr(),
                   sin.data_ptr(), self.store_rows.data_ptr(), self.kv_rows.data_ptr(), self.blocks, self.block_size,
                   self.lens.data_ptr(), self.newest.data_ptr(), int(self.keep_scores), self.T,
-                  *self._stats_pointers(), *self._digest_pointers(), self.scratch.data_ptr(), torch.get_num_threads())
+                  *self._stats_pointers(), *self._digest_pointers(), *self._verify_pointers(), self.scratch.data_ptr(),
+                  torch.get_num_threads())
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
     def _stats_pointers(self) -> tuple[int | None, int, int | None, int | None, int | None]:
@@ -174,6 +181,21 @@ class DecodeStep:
             return None, 0, None, None, None
         return (self._heads.data_ptr(), sink, st.summary.data_ptr(),
                 *(None if t is None else t.data_ptr() for t in (st.heads_entropy, st.heads_max_logit)))
+
+    def _verify_pointers(self) -> tuple[int | None, int | None, int | None]:
+        """The kernel's verification arguments: each row's block, the shares out, the digests out."""
+        if self._verify is None:
+            return None, None, None
+        self._vblock = np.asarray(self._verify, dtype=np.int64)
+        self._vsums = np.empty((self.L.num_layers, self.M, self.L.kv_heads), dtype=np.uint64)
+        self._vtotal = np.empty(self.M, dtype=np.uint64)
+        return self._vblock.ctypes.data, self._vsums.ctypes.data, self._vtotal.ctypes.data
+
+    def verified(self, row: int) -> tuple[int, int] | None:
+        """``(block index, digest)`` of row ``row``'s block that ``run`` verified, or None."""
+        if self._verify is None or self._verify[row] < 0:
+            return None
+        return self._verify[row], int(self._vtotal[row])
 
     def _digest_pointers(self) -> tuple[int | None, int | None, int | None, int | None, int, int | None]:
         """The kernel's digest arguments: the weights of K and V, the unit sums out, the columns' weights and

@@ -406,6 +406,15 @@ class DigestBook:
         return (units * self._mix_of(*units.shape)).sum(axis=0).tolist()  # numpy wraps the products and sums
 
     # ---- the digest ----
+    def recorded(self, rec: BlockRecord) -> int:
+        """``rec``'s digest, by its columns' shares: a record without them (a prefill's) gets them here, once,
+        so the next look at it is a sum of ints."""
+        layout = self.layouts[rec.codec]
+        if rec.shares is None and not layout.num_groups:
+            rec.shares = self._shares(rec)
+        by_shares = rec.digest_by_shares()
+        return by_shares if by_shares is not None else self._digest(rec.units, rec.filled, layout)
+
     def _digest(self, units: np.ndarray, filled: int, layout: _Layout) -> int:
         mix = self._mix_of(*units.shape)
         total = int((units[:, :filled] * mix[:, :filled]).sum())  # numpy wraps the products and the sum

@@ -322,8 +322,11 @@ class Runner:
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[LayerScores] = [[] for _ in groups]
         compiled = self._decode_step(groups, kv_lens, slots, observe, stats)
+        verify = None
         if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
-            scores[0] = compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)]) or []
+            # a sampled read's block is verified by attention as it reads it, not by another pass afterwards
+            verify = cache.sample_reads(seqs)
+            scores[0] = compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)], verify) or []
             if compiled.units is not None:
                 cache.stored(slots, compiled.units, compiled.shares)
         else:
@@ -345,11 +348,11 @@ class Runner:
                 if _every_layer(per_layer, self.num_layers):
                     self._observe_attention([seqs[i] for i in g.rows], per_layer.scores if isinstance(per_layer, Newest)
                                             else torch.stack([n.scores for n in per_layer]), g)
-        for (seq, toks), k in zip(rows, n):
+        for i, ((seq, toks), k) in enumerate(zip(rows, n)):
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k, tokens=toks)
-            if bus.enabled and not streaming:
-                cache.emit_read(seq, read)  # block-sparse attention lists only the blocks it read
+            if bus.enabled and not streaming:  # block-sparse attention lists only the blocks it read
+                cache.emit_read(seq, read, checked=compiled.verified(i) if verify is not None else False)
         if self._merging is not None:  # blocks that aged out of the recent window this step
             self._merging.enforce(seqs)
         if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks

@@ -10,7 +10,7 @@ from kvdoctor.engine.attention import Newest, layer_stats
 from kvdoctor.engine.decode_layer import DecodeLayers
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.events import attn_rows
+from kvdoctor.events import Read, attn_rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]  # different lengths: hidden keys
 
@@ -137,25 +137,33 @@ def test_the_compiled_layers_apply_only_to_plain_llama_layers(monkeypatch):
     assert DecodeLayers.for_model(model, layers, runner._weights) is None
 
 
+@pytest.mark.parametrize("verify", ["full", "sample"])
 @pytest.mark.parametrize("fault", [None, "bit-flip"])
-def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tmp_path, fault):
+def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tmp_path, fault, verify):
     # GIVEN a traced run whose decode steps store K/V from the compiled layers (the cache's direct-store rows),
-    # every read verified against the blocks' digests, with or without a bit flipped in a block after a write
+    # with or without a bit flipped in a block after a write, every read verified against the blocks' digests
+    # (full), or one block of every read in turn (sample: attention takes that block's digest as it reads it)
     from tests.engine.engine_support import findings_of
 
     model = tiny_llama(hidden_size=128, intermediate_size=256).model
     path = tmp_path / "run.kvtrace"
     monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
-    with _runner(model, True, monkeypatch, verify="full", fault=fault) as runner:
-        direct = []
-        rows = runner.cache.store_rows
+    with _runner(model, True, monkeypatch, verify=verify, verify_every=1, fault=fault) as runner:
+        direct, looked = [], []
+        rows, verify_again = runner.cache.store_rows, runner.cache.tiers.verify
         runner.cache.store_rows = lambda slots: direct.append(rows(slots)) or direct[-1]
+        runner.cache.tiers.verify = lambda blocks: looked.append(len(blocks)) or verify_again(blocks)
         runner.generate(PROMPTS, max_new_tokens=8)
     monkeypatch.delenv("KVDOCTOR_TRACE")
-    _, _, findings = findings_of(path)
+    _, events, findings = findings_of(path)
     # THEN the decode steps stored directly, and a clean run gives no finding at all
     assert len(direct) == 7 and all(r is not None for r in direct)
+    checked = [d for e in events if isinstance(e, Read) and e.step > 0 for d in e.digests or () if d is not None]
     if fault is None:
         assert findings == []
+        # AND sampled, every decode read carried one block's digest, taken by attention: only the prefill's
+        # reads (the torch path) were verified by a pass over the blocks afterwards
+        if verify == "sample":
+            assert len(checked) == 7 * len(PROMPTS) and looked == [1] * len(PROMPTS)
     else:  # AND the flipped bit is found by the digests, as for K/V the cache stored itself
         assert [f.check for f in findings] == ["integrity"] and "bytes changed without a write" in findings[0].message
