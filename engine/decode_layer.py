@@ -25,7 +25,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGS = ([_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 7
          + [_I64] + [_PTR] * 5 + [_INT])
+_UNIT_STEPS = 64  # steps of digest unit sums per buffer (DecodeLayers.units)
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
 
@@ -79,6 +80,37 @@ class DecodeLayers:
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate = dims
         self.dtype = dtype
         self._kernel = kernel
+        self._held: dict[tuple, Any] = {}  # buffers a step fills and reads (held)
+        self._addresses: dict[int, tuple[np.ndarray, int]] = {}  # arrays steps only read (address)
+        self._units: dict[int, list[Any]] = {}  # rows -> [chunk of steps' unit sums, its address, steps used]
+
+    def address(self, a: np.ndarray) -> int:
+        """The address of an array that lives as long as the model's cache and is never replaced (the digests'
+        weights), looked up once."""
+        got = self._addresses.get(id(a))
+        if got is None or got[0] is not a:
+            got = self._addresses[id(a)] = (a, a.ctypes.data)
+        return got[1]
+
+    def held(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """What ``make`` gives for ``key``, made once and kept: buffers a step fills and that are read before the
+        next step runs, with their addresses and views. Each allocation, view and address lookup costs 10-50 us
+        after a step has streamed the weights through the caches, and a listened step needed half a dozen."""
+        got = self._held.get(key)
+        if got is None:
+            got = self._held[key] = make()
+        return got
+
+    def units(self, M: int) -> tuple[np.ndarray, int]:
+        """A step's ``(L, M)`` buffer of digest unit sums, and its address: a view of a chunk of steps, never
+        reused (a block's record keeps its step's until a verification looks: ``digest.BlockRecord.book``)."""
+        ring = self._units.get(M)
+        if ring is None or ring[2] == _UNIT_STEPS:
+            chunk = np.empty((_UNIT_STEPS, self.num_layers, M), dtype=np.int64)
+            ring = self._units[M] = [chunk, chunk.ctypes.data, 0]
+        chunk, at, i = ring
+        ring[2] = i + 1
+        return chunk[i], at + i * self.num_layers * M * 8
 
     @classmethod
     def for_model(cls, model: Any, modules: Sequence[Any], weights: Sequence[LayerWeights]) -> DecodeLayers | None:
@@ -129,6 +161,21 @@ class DecodeLayers:
                           block_size, store_rows, scores, sink, per_head, digest_weights)
 
 
+def _with_address(a: np.ndarray) -> tuple[np.ndarray, int]:
+    return a, a.ctypes.data
+
+
+def _stats_buffers(L: int, M: int, H: int, per_head: bool, sink: int
+                   ) -> tuple[AttnStats, tuple[int | None, int, int | None, int | None, int | None], np.ndarray]:
+    """A step's statistics over M rows, and the kernel's arguments for them: head scratch, sink, summary,
+    per-head entropy and largest score."""
+    heads, summary = np.empty((L, M, H, 4), np.float32), np.empty((L, M, 4), np.float32)  # Head: attn_stats.c's
+    per = [np.empty((L, M, H), np.float32) for _ in range(2)] if per_head else []
+    stats = AttnStats(torch.from_numpy(summary), *(torch.from_numpy(a) for a in per), host=summary)
+    args = (heads.ctypes.data, sink, summary.ctypes.data, *(a.ctypes.data for a in per), *(None,) * (2 - len(per)))
+    return stats, args, heads  # the scratch kept alive with its address
+
+
 class DecodeStep:
     """One step's buffers: q/k/v of every layer (the cache stages views of them for digests), float scratch,
     the scores and probabilities attention leaves (every layer's, or one reused), the attention statistics
@@ -147,14 +194,18 @@ class DecodeStep:
         self.scratch = torch.empty(M * (H * D + 2 * inter + 2 * widest + 2 * hidden + self.qkv.shape[-1]))
         self.newest = torch.empty(L.num_layers if keep_scores else 1, 2, M, H, T)
         self.sink = sink
-        self._heads = torch.empty(L.num_layers, M, H, 4) if sink is not None else None  # attn_stats.c's Head
-        self.stats = None if sink is None else AttnStats(
-            torch.empty(L.num_layers, M, 4), *((torch.empty(L.num_layers, M, H), torch.empty(L.num_layers, M, H))
-                                               if per_head else ()))
+        self.stats: AttnStats | None = None
+        self._stats_args: tuple[int | None, int, int | None, int | None, int | None] = (None, 0, None, None, None)
+        if sink is not None:  # the statistics leave for Python within the step (``AttnStats.fields``)
+            self.stats, self._stats_args, _ = L.held(("stats", M, per_head, sink),
+                                                     lambda: _stats_buffers(L.num_layers, M, H, per_head, sink))
         self._weights = digest_weights
         self._verify: Sequence[int] | None = None  # the blocks run verified (verified)
-        self.units = np.empty((L.num_layers, M), dtype=np.int64) if digest_weights is not None else None
-        self.shares = np.empty((M, digest_weights[2].shape[1]), dtype=np.uint64) if digest_weights is not None else None
+        self.units = self.shares = None
+        if digest_weights is not None:
+            self.units, self._units_at = L.units(M)
+            self.shares, self._shares_at = L.held(("shares", M, digest_weights[2].shape[1]),
+                                                  lambda: _with_address(np.empty((M, digest_weights[2].shape[1]), np.uint64)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
             verify: Sequence[int] | None = None) -> Newest | None:
@@ -176,20 +227,18 @@ class DecodeStep:
 
     def _stats_pointers(self) -> tuple[int | None, int, int | None, int | None, int | None]:
         """The kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score."""
-        st, sink = self.stats, self.sink
-        if st is None or self._heads is None or sink is None:
-            return None, 0, None, None, None
-        return (self._heads.data_ptr(), sink, st.summary.data_ptr(),
-                *(None if t is None else t.data_ptr() for t in (st.heads_entropy, st.heads_max_logit)))
+        return self._stats_args
 
     def _verify_pointers(self) -> tuple[int | None, int | None, int | None]:
         """The kernel's verification arguments: each row's block, the shares out, the digests out."""
         if self._verify is None:
             return None, None, None
-        self._vblock = np.asarray(self._verify, dtype=np.int64)
-        self._vsums = np.empty((self.L.num_layers, self.M, self.L.kv_heads), dtype=np.uint64)
-        self._vtotal = np.empty(self.M, dtype=np.uint64)
-        return self._vblock.ctypes.data, self._vsums.ctypes.data, self._vtotal.ctypes.data
+        L, M = self.L, self.M
+        (block, block_at), (self._vtotal, total_at), (_, sums_at) = L.held(("verify", M), lambda: (
+            _with_address(np.empty(M, np.int64)), _with_address(np.empty(M, np.uint64)),
+            _with_address(np.empty((L.num_layers, M, L.kv_heads), np.uint64))))
+        block[:] = self._verify
+        return block_at, sums_at, total_at
 
     def verified(self, row: int) -> tuple[int, int] | None:
         """``(block index, digest)`` of row ``row``'s block that ``run`` verified, or None."""
@@ -203,5 +252,5 @@ class DecodeStep:
         if self._weights is None or self.units is None or self.shares is None:
             return None, None, None, None, 0, None
         wk, wv, mix = self._weights
-        return (wk.ctypes.data, wv.ctypes.data, self.units.ctypes.data, mix.ctypes.data, mix.shape[1],
-                self.shares.ctypes.data)
+        L = self.L
+        return L.address(wk), L.address(wv), self._units_at, L.address(mix), mix.shape[1], self._shares_at
