@@ -337,10 +337,9 @@ class DigestBook:
             for sums, ids, table in ((pos, st.slots, self._pos), (grp, st.groups, self._grp)):
                 if sums is None or ids is None:
                     continue
-                arr = np.ascontiguousarray(sums)
                 rows = shares if table is self._pos else None
                 for col, flat in enumerate(ids.tolist()):  # a later store to the same slot wins, as in the arena
-                    table[flat] = (arr, col, rows[col] if rows is not None else None)
+                    table[flat] = (sums, col, rows[col] if rows is not None else None)
 
     def _layer_sums(self, st: _Staged) -> tuple[np.ndarray | None, np.ndarray | None] | None:
         """``(L, N)`` token and ``(L, G)`` group sums of one store's every layer; None if a layer is missing."""
