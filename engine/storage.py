@@ -137,8 +137,11 @@ class TensorArena(Arena):
 
     def _empty(self, n: int) -> torch.Tensor:
         try:
-            return torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.device,
-                               pin_memory=self.pin)
+            # An arena first grown inside the runner's forward (inference mode) must stay an ordinary tensor:
+            # swaps outside it write into it (an inference tensor refuses in-place updates there).
+            with torch.inference_mode(False):
+                return torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.device,
+                                   pin_memory=self.pin)
         except (RuntimeError, MemoryError) as exc:  # torch reports CUDA/host OOM as RuntimeError
             raise StorageError(self.tier, f"grow to {n} blocks", _errno.ENOMEM, None, str(exc).splitlines()[0]) from exc
 
@@ -265,10 +268,12 @@ class DiskArena(Arena):
             os.close(fd)
             os.unlink(path)
             raise StorageError(self.tier, f"reserve {size} bytes", exc.errno, path, exc.strerror or str(exc)) from exc
-        raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)).view(n, self.stride)[:, : self.bytes_per_block]
+        with torch.inference_mode(False):  # as TensorArena._empty: ordinary tensors, wherever the chunk is made
+            raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)).view(n, self.stride)[:, : self.bytes_per_block]
+            chunk = raw.view(self.dtype).view(n, *self.block_shape)  # (n, L, H, R), rows ``stride`` apart
         self._maps.append(mm)
         self._fds.append(io_fd)
-        self._chunks.append(raw.view(self.dtype).view(n, *self.block_shape))  # (n, L, H, R), rows ``stride`` apart
+        self._chunks.append(chunk)
         self.num_slots = old + n
         return range(old, old + n)
 

@@ -166,3 +166,16 @@ def test_tier_slots_count_blocks_across_arenas():
     assert ts.grown_by == [2, 2]
     with pytest.raises(OutOfBlocks):
         TierSlots("host", 0, grow).take()
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_an_arena_grown_in_inference_mode_takes_writes_outside_it(tmp_path, kind):
+    # GIVEN an arena first grown inside inference mode (the runner's forward makes room there)
+    a = TensorArena("host", cfg(), "cpu") if kind == "memory" else DiskArena("disk", cfg(disk_dir=str(tmp_path)))
+    with torch.inference_mode():
+        a.grow()
+    # WHEN a swap outside it writes a block in place (tiers: a staged copy put back after a failed exchange)
+    a.view(0, 1).copy_(torch.ones_like(a.view(0, 1)))
+    # THEN the block holds it
+    assert bool((a.view(0, 1) == 1).all())
+    a.close()
