@@ -177,7 +177,7 @@ def _stats_buffers(L: int, M: int, H: int, per_head: bool, sink: int
 
 
 class DecodeStep:
-    """One step's buffers: q/k/v of every layer (the cache stages views of them for digests), float scratch,
+    """One step's buffers: q/k/v of every layer, float scratch,
     the scores and probabilities attention leaves (every layer's, or one reused), the attention statistics
     of every layer and row (``stats``) when a ``sink`` is given, and the new K/V's digest unit sums
     (``units``, (L, M)) and digest shares (``shares``, (M, U)) when digest weights are."""

@@ -30,7 +30,9 @@ internals, so another engine that emits digests of its own definition gets the s
 nobody listened has no record, and is not verified). Reads are verified in full
 (``verify="full"``, CI), on a sample (``"sample"``, the default: one block of every
 ``verify_every``-th read, in turn over the read's blocks), or not at all (``"off"``);
-swaps and re-encodes are verified whenever records are kept.
+swaps and re-encodes are verified whenever records are kept. A sampled read of the compiled decode
+layers is verified inside their attention, over the bytes it reads (``PagedKVCache.sample_reads``);
+only a mismatch is looked at again here, to name the layer.
 """
 
 from __future__ import annotations
