@@ -1078,11 +1078,11 @@ class PagedKVCache:
 
     def emit_read(self, seq: Any, blocks: Seq[int] | None = None, layer: int | None = None, *,
                   versions: Seq[int] | None = None, tiers: Seq[str] | None = None,
-                  checked: tuple[int, int] | None | bool = False) -> None:
+                  checked: tuple[int, int | None] | None = None) -> None:
         """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read (default: each
         block's own; long context passes those of the staged copies it read, and the tier each came from).
-        ``checked``: the read was sampled by ``sample_reads``, and this is ``(block index, digest over the bytes
-        read)`` of the block it picked, or None (none picked)."""
+        ``checked``: the read was sampled by ``sample_reads``: ``(block index, digest over the bytes read)`` of
+        the block it picked, or ``(-1, None)`` when it picked none."""
         if not self.bus.enabled:
             return
         s = self._seq(seq)
@@ -1095,12 +1095,12 @@ class PagedKVCache:
             read = [self.pool.blocks.get(i) for i in ids]
             versions = list(versions) if versions is not None else [b.version if b is not None else -1 for b in read]
         digests = layers = None
-        if checked is False:
+        if checked is None:
             chosen = [i for i in self.digests.sample(read) if read[i] is not None]
         else:
-            chosen = [checked[0]] if checked is not None else []
+            chosen = [checked[0]] if checked[0] >= 0 else []
         if chosen:
-            confirmed = checked and self._confirms(read[checked[0]], checked[1])
+            confirmed = checked is not None and self._confirms(read[checked[0]], checked[1])
             got, bad = ([checked[1]], [None]) if confirmed else self.tiers.verify([read[i] for i in chosen])
             digests, layers = [None] * len(ids), [None] * len(ids)
             for i, d, lay in zip(chosen, got, bad):
@@ -1110,7 +1110,7 @@ class PagedKVCache:
         self.bus.emit(Read, seq=seq, blocks=ids, versions=versions, layer=layer, digests=digests, digest_layers=layers,
                       tiers=list(tiers) if tiers is not None else None)
 
-    def _confirms(self, b: Block, digest: int) -> bool:
+    def _confirms(self, b: Block, digest: int | None) -> bool:
         """Whether ``digest``, taken by a reader over ``b``'s bytes, is its record's: the reader's digest stands.
         Otherwise (no record, a mismatch) ``tiers.verify`` looks again, and names the first layer that differs."""
         rec = b.digest

@@ -240,10 +240,10 @@ class DecodeStep:
         block[:] = self._verify
         return block_at, sums_at, total_at
 
-    def verified(self, row: int) -> tuple[int, int] | None:
-        """``(block index, digest)`` of row ``row``'s block that ``run`` verified, or None."""
+    def verified(self, row: int) -> tuple[int, int | None]:
+        """``(block index, digest)`` of row ``row``'s block that ``run`` verified, or ``(-1, None)``."""
         if self._verify is None or self._verify[row] < 0:
-            return None
+            return -1, None
         return self._verify[row], int(self._vtotal[row])
 
     def _digest_pointers(self) -> tuple[int | None, int | None, int | None, int | None, int, int | None]:

@@ -352,7 +352,7 @@ class Runner:
             read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
             cache.commit(seq, k, tokens=toks)
             if bus.enabled and not streaming:  # block-sparse attention lists only the blocks it read
-                cache.emit_read(seq, read, checked=compiled.verified(i) if verify is not None else False)
+                cache.emit_read(seq, read, checked=compiled.verified(i) if verify is not None else None)
         if self._merging is not None:  # blocks that aged out of the recent window this step
             self._merging.enforce(seqs)
         if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks
