@@ -12,36 +12,61 @@ KV blocks, medians of interleaved runs (docs/benchmarks.md): a plain memcpy 6.6-
 then sum in cache-sized pieces 0.79-0.83x of it (numpy's sum), xxh3 from ``xxhash`` 0.79-0.83x,
 CRC32C from ``crc32c`` 0.75x (both hash from cache at 24-48 GB/s, but the second pass is
 what costs); one loop that stores each word and adds it to the sum, compiled by numba (LLVM
-vectorises it), 1.00-1.07x. The kernel is made by ``prepare`` when an engine with a slower tier
-starts (compiled once, then loaded from numba's cache on disk: 0.6-1.5 s a process, most of it
+vectorises it), 1.00-1.07x. On the Intel Xeon of issue 18 that loop ran at 0.91x: its regular stores
+read each destination line before writing it, which memcpy's string moves do not. ``checksum.c`` is
+the same loop with non-temporal stores for large batches (1.2x a memcpy there); numba's is the
+fallback where no C compiler is. The kernel is made by ``prepare`` when an engine with a slower tier
+starts (compiled once, then loaded from a cache on disk; numba's costs 0.6-1.5 s a process, most of it
 numba's own import), in a thread of its own, so neither importing the engine nor its first steps
 wait for it (the demo's first token came 0.8 s later when they did); a swap before it is ready waits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from . import native
 from .digest import MASK64
 
 __all__ = ["prepare", "copy_sum", "sum64", "sum64_rows"]
 
 
 _kernel_lock = threading.Lock()  # one build: prepare's thread and a first swap may ask at once
+_STREAM_BYTES = 4 << 20  # a batch from this size on is copied with non-temporal stores (checksum.c)
 
 
-def _copy_sum_kernel() -> Any:
+def _copy_sum_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None]:
     with _kernel_lock:
         return _build_kernel()
 
 
 @functools.cache
-def _build_kernel() -> Any:
+def _build_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None]:
+    """``kernel(dst, src, sums, stream)`` over ``(n, W)`` int64 rows: the compiled C kernel (``stream``: with
+    non-temporal stores), else numba's (regular stores whatever ``stream`` says)."""
+    c = ctypes
+    compiled = native.function(Path(__file__).with_name("checksum.c"), "kvdoctor_copy_sum",
+                               (c.c_void_p, c.c_void_p, *(c.c_int64,) * 4, c.c_int, c.c_void_p))
+    if compiled is None:
+        return _numba_kernel()
+
+    def copy_sum_rows(dst: np.ndarray, src: np.ndarray, sums: np.ndarray, stream: bool) -> None:
+        compiled(dst.ctypes.data, src.ctypes.data, dst.shape[0], dst.shape[1], dst.strides[0] // 8,
+                 src.strides[0] // 8, int(stream), sums.ctypes.data)
+
+    return copy_sum_rows
+
+
+@functools.cache
+def _numba_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None]:
+    """The kernel where no C compiler is: numba's loop, regular stores (``stream`` is not heard)."""
     import numba  # imported here: numba's import and the compilation cost a second, paid in prepare()
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -55,7 +80,7 @@ def _build_kernel() -> Any:
                 s += w
             sums[i] = s
 
-    return copy_sum_rows
+    return lambda dst, src, sums, stream: copy_sum_rows(dst, src, sums)
 
 
 def prepare() -> None:
@@ -71,7 +96,8 @@ def _warm() -> None:
 
 def _words(rows: np.ndarray) -> np.ndarray:
     """``(n, W)`` int64 view of a 2-D array of whole blocks (rows of a multiple of 8 bytes, contiguous within)."""
-    assert rows.ndim == 2 and rows.strides[1] == rows.itemsize, f"rows must be contiguous within: {rows.strides}"
+    assert rows.ndim == 2 and rows.strides[1] == rows.itemsize and rows.strides[0] % 8 == 0, \
+        f"rows must be contiguous within, 8-byte multiples apart: {rows.strides}"
     return rows.view(np.int64)
 
 
@@ -79,12 +105,13 @@ def _unsigned(sums: np.ndarray) -> list[int]:
     return sums.view(np.uint64).tolist()  # the wrapping sum, read as 0 .. 2^64-1 (== value & MASK64)
 
 
-def copy_sum(dst: np.ndarray, src: np.ndarray) -> list[int]:
+def copy_sum(dst: np.ndarray, src: np.ndarray, *, keep: bool = False) -> list[int]:
     """Copy ``src`` into ``dst`` (both ``(n, nbytes)`` of whole blocks, any dtype) and return each block's
-    checksum, in one pass over the bytes."""
+    checksum, in one pass over the bytes. ``keep``: ``dst`` is read again soon (a disk write's bounce buffer,
+    which the transfer reads next), so its stores go through the caches whatever the batch's size."""
     assert dst.shape == src.shape and dst.dtype == src.dtype, f"{dst.shape}/{dst.dtype} vs {src.shape}/{src.dtype}"
     sums = np.empty(src.shape[0], dtype=np.int64)
-    _copy_sum_kernel()(_words(dst), _words(src), sums)
+    _copy_sum_kernel()(_words(dst), _words(src), sums, not keep and dst.nbytes >= _STREAM_BYTES)
     return _unsigned(sums)
 
 

@@ -306,7 +306,7 @@ class DiskArena(Arena):
                 if self.io == "direct":  # through the aligned bounce buffer, the checksum taken in the copy
                     bounce = self._bounce(per)[: len(part)]  # (m, stride)
                     if write:
-                        sums += _copy_rows(bounce[:, :bpb], part, checksum)
+                        sums += _copy_rows(bounce[:, :bpb], part, checksum, keep=True)  # the write reads it next
                         _transfer(os.pwritev, fd, [bounce], pos)
                     else:
                         _transfer(os.preadv, fd, [bounce], pos)
@@ -398,14 +398,15 @@ def _aligned(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
-def _copy_rows(dst: Blocks, src: Blocks, checksum: bool) -> list[int]:
-    """Copy whole blocks (arrays: one call; lists of rows: one per block); their checksums with ``checksum``."""
+def _copy_rows(dst: Blocks, src: Blocks, checksum: bool, keep: bool = False) -> list[int]:
+    """Copy whole blocks (arrays: one call; lists of rows: one per block); their checksums with ``checksum``
+    (``keep``: ``dst`` is read next, ``checksum.copy_sum``'s)."""
     pairs = ([(dst, src)] if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
              else [(d[None], s_[None]) for d, s_ in zip(dst, src)])
     sums: list[int] = []
     for d, s_ in pairs:
         if checksum:
-            sums += copy_sum(d, s_)
+            sums += copy_sum(d, s_, keep=keep)
         else:
             np.copyto(d, s_)
     return sums

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdoctor.engine import checksum
 from kvdoctor.engine.checksum import copy_sum, sum64, sum64_rows
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.errors import StorageError
@@ -159,16 +160,25 @@ def test_a_failing_disk_read_is_a_storage_error(tmp_path, monkeypatch):
         a.close()
 
 
+@pytest.mark.parametrize("kernel", ["engine", "streamed", "numba"])
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 4), words=st.integers(1, 64), data=st.data())
-def test_the_one_pass_copy_sum_copies_and_sums_like_the_definition(n, words, data):
+@given(n=st.integers(1, 4), words=st.integers(1, 64), shift=st.integers(0, 9), data=st.data())
+def test_the_one_pass_copy_sum_copies_and_sums_like_the_definition(kernel, n, words, shift, data):
     # GIVEN blocks of arbitrary bytes (extreme words included, so the sum wraps)
     extremes = st.sampled_from([0, 1, 2**63 - 1, 2**64 - 1, 2**63])
     vals = data.draw(st.lists(st.one_of(st.integers(0, 2**64 - 1), extremes), min_size=n * words, max_size=n * words))
     src = np.array(vals, dtype=np.uint64).view(np.uint8).reshape(n, words * 8)
-    dst = np.zeros_like(src)
-    # WHEN copied with their checksums taken in the same pass
-    sums = copy_sum(dst, src)
+    # (into rows ``shift`` words off a cache line and further apart than they are long: the streamed
+    # stores start at the first aligned word)
+    dst = np.zeros((n, (words + 16) * 8), dtype=np.uint8)[:, shift * 8 : (shift + words) * 8]
+    # WHEN copied with their checksums taken in the same pass: by the engine's kernel (the compiled one where
+    # a compiler is, with the non-temporal stores a large batch gets, or numba's, the fallback)
+    with pytest.MonkeyPatch.context() as mp:
+        if kernel == "streamed":
+            mp.setattr(checksum, "_STREAM_BYTES", 0)
+        if kernel == "numba":
+            mp.setattr(checksum, "_copy_sum_kernel", checksum._numba_kernel)
+        sums = copy_sum(dst, src)
     # THEN the copy is exact and each sum is the definition's, as is the sum without a copy
     assert np.array_equal(dst, src)
     assert sums == sum64_rows(src) == [reference_sum(r.tobytes()) for r in src]
