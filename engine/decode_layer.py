@@ -193,8 +193,8 @@ class DecodeStep:
         widest = max(inter, hidden, H * D)
         self.scratch = torch.empty(M * (H * D + 2 * inter + 2 * widest + 2 * hidden + self.qkv.shape[-1]))
         self.newest = torch.empty(L.num_layers if keep_scores else 1, 2, M, H, T)
-        self.sink = sink
         self.stats: AttnStats | None = None
+        # the kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score
         self._stats_args: tuple[int | None, int, int | None, int | None, int | None] = (None, 0, None, None, None)
         if sink is not None:  # the statistics leave for Python within the step (``AttnStats.fields``)
             self.stats, self._stats_args, _ = L.held(("stats", M, per_head, sink),
@@ -221,13 +221,9 @@ class DecodeStep:
                   L.intermediate, ctypes.byref(L._table), arenas, x.data_ptr(), self.qkv.data_ptr(), cos.data_ptr(),
                   sin.data_ptr(), self.store_rows.data_ptr(), self.kv_rows.data_ptr(), self.blocks, self.block_size,
                   self.lens.data_ptr(), self.newest.data_ptr(), int(self.keep_scores), self.T,
-                  *self._stats_pointers(), *self._digest_pointers(), *self._verify_pointers(), self.scratch.data_ptr(),
+                  *self._stats_args, *self._digest_pointers(), *self._verify_pointers(), self.scratch.data_ptr(),
                   torch.get_num_threads())
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
-
-    def _stats_pointers(self) -> tuple[int | None, int, int | None, int | None, int | None]:
-        """The kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score."""
-        return self._stats_args
 
     def _verify_pointers(self) -> tuple[int | None, int | None, int | None]:
         """The kernel's verification arguments: each row's block, the shares out, the digests out."""
