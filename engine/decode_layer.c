@@ -116,7 +116,7 @@ HOT void residual(void *x, const float *y, int64_t n, const int bf) {
   for (int64_t i = 0; i < n; i++) st(x, i, ld(x, i, bf) + rnd(y[i], bf), bf);
 }
 
-/* Rows from which the per-row glue (RoPE and the new K/V, SiLU(gate) * up) is shared between the threads:
+/* Rows from which the per-row glue (RoPE, the new K/V's digest sums, SiLU(gate) * up) is shared between the threads:
  * at batch 8 a bf16 SmolLM2 step spent ~0.9 ms in it on one core while the other waited. */
 enum { ROWS_PARALLEL = 4 };
 
@@ -151,15 +151,18 @@ HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t H
         st(qkv, m * Q + at, rnd(a * c, bf) + rnd(r * s, bf), bf);
       }
     for (int64_t i = (H + Hkv) * D; i < Q; i++) st(qkv, m * Q + i, ym[i], bf); /* v */
-    for (int64_t c = 0; c < 2; c++) /* k, then v, of each kv head */
-      for (int64_t h = 0; h < Hkv; h++)
-        memcpy((char *)kv + rows[(c * M + m) * Hkv + h] * D * size, (const char *)qkv + (m * Q + (H + c * Hkv + h) * D) * size,
-               D * size);
     if (units) {
       const char *k = (const char *)qkv + (m * Q + H * D) * size;
       units[m] = unit_sum(k, wk, Hkv * D, bf) + unit_sum(k + Hkv * D * size, wv, Hkv * D, bf);
     }
   }
+  /* the stores in row order, on one thread: where two rows' plans share a slot (a fault's misaligned write),
+   * the later row's K/V is what the slot holds, as the cache's own store and the digests' records take it */
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t c = 0; c < 2; c++) /* k, then v, of each kv head */
+      for (int64_t h = 0; h < Hkv; h++)
+        memcpy((char *)kv + rows[(c * M + m) * Hkv + h] * D * size, (const char *)qkv + (m * Q + (H + c * Hkv + h) * D) * size,
+               D * size);
 }
 
 /* 8 values of the model's dtype at p[i..i+8) as floats. */
