@@ -29,6 +29,7 @@
  * sums as they are stored (layer_pre). */
 #include "matvec.c"
 #include "attn_stats.c"
+#include "digest.c"
 
 #include <float.h>
 #include <math.h>
@@ -40,10 +41,7 @@ HOT float ld(const void *p, int64_t i, const int bf) { return bf ? bf16((const u
 HOT void st(void *p, int64_t i, float v, const int bf) {
   if (bf) ((uint16_t *)p)[i] = to_bf16(v); else ((float *)p)[i] = v;
 }
-HOT float rnd(float v, const int bf) {
-  const uint16_t h = to_bf16(v);
-  return bf ? bf16(&h) : v;
-}
+HOT float rnd(float v, const int bf) { return bf ? bf16_value(v) : v; }
 
 /* e^x of 8 floats to about 1 ulp (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial
  * in r, times 2^n made in the exponent bits), in vector operations: glibc's expf is a call per value,
@@ -120,13 +118,9 @@ HOT void residual(void *x, const float *y, int64_t n, const int bf) {
  * at batch 8 a bf16 SmolLM2 step spent ~0.9 ms in it on one core while the other waited. */
 enum { ROWS_PARALLEL = 4 };
 
-/* The digest unit sum (digest.c's) of n values of the model's dtype as integers (a float's bit pattern),
- * weighted by w, wrapping. */
+/* digest.c's weighted sum of n values of the model's dtype as integers (a float's bit pattern). */
 HOT uint64_t unit_sum(const void *x, const int64_t *w, int64_t n, const int bf) {
-  uint64_t acc = 0;
-  if (bf) for (int64_t i = 0; i < n; i++) acc += (uint64_t)(int64_t)((const int16_t *)x)[i] * (uint64_t)w[i];
-  else for (int64_t i = 0; i < n; i++) acc += (uint64_t)(int64_t)((const int32_t *)x)[i] * (uint64_t)w[i];
-  return acc;
+  return bf ? dot_i16((const int16_t *)x, w, n) : dot_i32((const int32_t *)x, w, n);
 }
 
 /* With units (M of them, or NULL), each row's new K and V heads as a digest unit sum by the weights wk and wv
@@ -375,7 +369,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
   for (int64_t m = 0; vblock && m < M; m++) { /* a verified block's digest: its shares over layers and kv heads */
     if (vblock[m] < 0) continue;
     uint64_t total = 0;
-    for (int64_t i = 0; i < L * Hkv; i++) total += vsums[(i / Hkv * M + m) * Hkv + i % Hkv];
+    for (int64_t l = 0; l < L; l++)
+      for (int64_t kh = 0; kh < Hkv; kh++) total += vsums[(l * M + m) * Hkv + kh];
     vtotal[m] = total;
   }
 }

@@ -9,7 +9,19 @@
 #include "openmp.h"
 #include <stdint.h>
 
-#define SUMS(NAME, T)                                                                                       \
+/* sum over i < n of x[i] * w[i], wrapping: one row's part of a unit sum (decode_layer.c takes them too) */
+#define DOT(NAME, T)                                                                                        \
+  static inline uint64_t NAME(const T *x, const int64_t *w, int64_t n) {                                  \
+    uint64_t acc = 0;                                                                                      \
+    for (int64_t i = 0; i < n; i++) acc += (uint64_t)(int64_t)x[i] * (uint64_t)w[i];                       \
+    return acc;                                                                                            \
+  }
+
+DOT(dot_u8, uint8_t)
+DOT(dot_i16, int16_t)
+DOT(dot_i32, int32_t)
+
+#define SUMS(NAME, T, DOTFN)                                                                                \
   static void NAME(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,  \
                    int64_t sc, const int64_t *wt, uint64_t *out, int64_t so, int threads) {              \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (L * H * C * W > (1 << 16))")      \
@@ -17,19 +29,15 @@
       const T *x = (const T *)(base + l * ls);                                                           \
       for (int64_t c = 0; c < C; c++) {                                                                  \
         uint64_t acc = 0;                                                                                \
-        for (int64_t h = 0; h < H; h++) {                                                                \
-          const T *row = x + h * sh + c * sc;                                                            \
-          const int64_t *w = wt + h * W;                                                                 \
-          for (int64_t i = 0; i < W; i++) acc += (uint64_t)(int64_t)row[i] * (uint64_t)w[i];             \
-        }                                                                                                \
+        for (int64_t h = 0; h < H; h++) acc += DOTFN(x + h * sh + c * sc, wt + h * W, W);               \
         out[l * so + c] += acc;                                                                          \
       }                                                                                                  \
     }                                                                                                    \
   }
 
-SUMS(sums_u8, uint8_t)
-SUMS(sums_i16, int16_t)
-SUMS(sums_i32, int32_t)
+SUMS(sums_u8, uint8_t, dot_u8)
+SUMS(sums_i16, int16_t, dot_i16)
+SUMS(sums_i32, int32_t, dot_i32)
 
 void kvdoctor_unit_sums(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,
                         int64_t sc, int64_t itemsize, const int64_t *wt, uint64_t *out, int64_t so, int threads) {
