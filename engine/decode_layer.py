@@ -245,7 +245,7 @@ class DecodeStep:
     def _digest_pointers(self) -> tuple[int | None, int | None, int | None, int | None, int, int | None]:
         """The kernel's digest arguments: the weights of K and V, the unit sums out, the columns' weights and
         their count, the shares out."""
-        if self._weights is None or self.units is None or self.shares is None:
+        if self._weights is None:  # (units and shares are made exactly when there are weights)
             return None, None, None, None, 0, None
         wk, wv, mix = self._weights
         L = self.L
