@@ -32,7 +32,7 @@ from .prefix import model_salt
 from .sparse import BlockSparse
 from .streaming import StreamedAttention
 from .matvec import load as load_matvec
-from .weights import PageOut, layer_weights, lm_head_weights, rms_norm
+from .weights import PageOut, model_weights, rms_norm
 from .window import SlidingWindow
 
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
@@ -169,12 +169,12 @@ class Runner:
         self.block_size = cache.config.block_size
         attn = self._layers[0].self_attn  # Qwen3-style q/k norms rotate with the model's own function
         self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb if hasattr(attn, "q_norm") else None
-        # q/k/v and gate/up as one matmul each, over one fused weight the model's Linears become views of
-        # (the checkpoint's pages of the weights they held are dropped); few rows by the C kernel.
+        # q/k/v and gate/up as one matmul each, over one fused weight the model's Linears become views of,
+        # every weight on 2 MB pages (the checkpoint's pages of the weights copied are dropped); few rows by
+        # the C kernel.
         matvec = load_matvec() if native_matvec and self.device.type == "cpu" else None
-        pager = PageOut()
-        self._weights = [layer_weights(layer, matvec=matvec, pager=pager) for layer in self._layers]
-        self._lm_head = lm_head_weights(model.lm_head, matvec=matvec)
+        self._weights, self._lm_head = model_weights(self._layers, model.lm_head, self._base.embed_tokens,
+                                                     matvec=matvec, pager=PageOut())
         self._norms = [(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in self._layers]
         self._final_norm = rms_norm(self._base.norm)

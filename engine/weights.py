@@ -2,7 +2,7 @@
 
 A decode step multiplies a handful of rows by every weight of the model, so its time
 goes to many small matmuls, bound by how fast the weights stream from memory. Two things
-make them cheaper without changing what they compute:
+make them cheaper without changing what they compute (three, counting where the weights live):
 
 - **Fusion.** The q, k and v projections read the same input, as do gate and up: one
   matmul over the concatenated weight replaces three (two) calls. The fused weight is built
@@ -11,6 +11,8 @@ make them cheaper without changing what they compute:
   weight read once, split over torch's threads: 1.2-1.6x MKL's and oneDNN's float32 products on
   SmolLM2's shapes; bf16 weights at half the bytes); more rows (prefill) to ``F.linear`` (MKL's
   GEMM; a bf16 weight on CPU widened to float32 for it, as torch's bf16 GEMM is slower there).
+- **2 MB pages.** Every projection's weight is copied once into an arena of huge pages (``hugepages``),
+  where the OS gives them, so streaming the weights does not walk a page table every 4 KB.
 
 The kernel sums in a different order than MKL, so logits differ from transformers' in the
 last bits (well inside the 1e-4 the tests allow); the greedy tokens are the same.
@@ -28,9 +30,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .hugepages import Arena, give_back, holds
 from .matvec import DTYPES, MAX_ROWS, Matvec
 
-__all__ = ["Projection", "LayerWeights", "PageOut", "layer_weights", "lm_head_weights", "rms_norm"]
+__all__ = ["Projection", "LayerWeights", "PageOut", "model_weights", "rms_norm"]
 
 _MADV_DONTNEED = 4  # unmap these pages: a private file mapping maps the file's pages again on the next read
 
@@ -133,23 +136,32 @@ def _file_pages_only(lo: int, hi: int) -> bool:
     return len(entries) == num_pages and all(not e & swapped and (not e & present or e & file_page) for e in entries)
 
 
-def _fused(modules: list[Any], pager: PageOut | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (sum N, K) over ``modules`` (nn.Linear); their parameters become views into it, and
-    the pages of the weights they held, where those are a mapped checkpoint's, are dropped by ``pager``.
+def _fused(modules: list[Any], pager: PageOut | None, arena: Arena | None, tied: tuple[Any, ...] = ()
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (sum N, K) over ``modules`` (nn.Linear), in ``arena`` when there is one; their parameters
+    (and those of ``tied`` modules that share one of them: an input embedding tied to the lm head) become
+    views into it, and the pages of the weights they held, where those are a mapped checkpoint's, are
+    dropped by ``pager``.
 
-    A second runner on the same model finds the views already in place and reuses them."""
+    A second runner on the same model finds the views already in place (in an arena) and reuses them."""
     weights = [m.weight for m in modules]
     base = weights[0]
     rows = [w.shape[0] for w in weights]
     adjacent = all(w.is_contiguous() and w.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
                    for w in weights)
     offsets = [base.storage_offset() + sum(rows[:i]) * base.shape[1] for i in range(len(rows))]
-    if adjacent and all(w.storage_offset() == o for w, o in zip(weights, offsets)):
+    placed = arena is None or not base.is_cpu or holds(base)
+    if placed and adjacent and all(w.storage_offset() == o for w, o in zip(weights, offsets)):
         weight = base.detach().as_strided((sum(rows), base.shape[1]), (base.shape[1], 1), base.storage_offset())
     else:
-        weight = torch.cat([w.detach() for w in weights])  # (sum N, K)
-        for m, w in zip(modules, weight.split(rows)):
-            m.weight = torch.nn.Parameter(w, requires_grad=False)
+        out = arena.take((sum(rows), base.shape[1]), base.dtype) if arena is not None and base.is_cpu else None
+        weight = torch.cat([w.detach() for w in weights], out=out)  # (sum N, K)
+        for m, w, old in zip(modules, weight.split(rows), weights):
+            new = torch.nn.Parameter(w, requires_grad=False)
+            for holder in (m, *tied):
+                held = getattr(holder, "weight", None)
+                if held is old or (isinstance(held, torch.Tensor) and held.data_ptr() == old.data_ptr() and held.shape == old.shape):
+                    holder.weight = new
         if pager is not None:
             pager.release([w.detach() for w in weights])
     biases = [m.bias for m in modules]
@@ -158,26 +170,40 @@ def _fused(modules: list[Any], pager: PageOut | None) -> tuple[torch.Tensor, tor
     return weight, torch.cat([b.detach() if b is not None else weight.new_zeros(n) for b, n in zip(biases, rows)])
 
 
-def _projection(modules: list[Any], matvec: Matvec | None, pager: PageOut | None) -> Projection:
+def _projection(modules: list[Any], matvec: Matvec | None, pager: PageOut | None, arena: Arena | None,
+                tied: tuple[Any, ...] = ()) -> Projection:
     """The fused product of ``modules``; the kernel only where it computes what ``F.linear`` would
     (a float32 or bfloat16 contiguous weight on CPU)."""
     with torch.inference_mode(False):  # the model's new parameters must stay ordinary tensors
-        weight, bias = _fused(modules, pager)
+        weight, bias = _fused(modules, pager, arena, tied)
     weight = weight.detach()
     usable = weight.device.type == "cpu" and weight.dtype in DTYPES and weight.is_contiguous()
     return Projection(weight, bias, matvec if usable else None)
 
 
-def layer_weights(layer: Any, *, matvec: Matvec | None = None, pager: PageOut | None = None) -> LayerWeights:
-    """The fused projections of a Llama-shaped decoder layer, few rows by ``matvec`` when given; with a
-    ``pager``, the checkpoint's pages of the weights fused into a new copy are dropped (see ``PageOut``)."""
+def _layer_groups(layer: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """A Llama-shaped decoder layer's Linears as the projections fuse them: q/k/v, o, gate/up, down."""
     a, mlp = layer.self_attn, layer.mlp
-    return LayerWeights(
-        qkv=_projection([a.q_proj, a.k_proj, a.v_proj], matvec, pager),
-        o=_projection([a.o_proj], matvec, pager),
-        gate_up=_projection([mlp.gate_proj, mlp.up_proj], matvec, pager),
-        down=_projection([mlp.down_proj], matvec, pager),
-    )
+    return [a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]
+
+
+def model_weights(layers: list[Any], lm_head: Any, embedding: Any = None, *, matvec: Matvec | None = None,
+                  pager: PageOut | None = None) -> tuple[list[LayerWeights], Projection]:
+    """The fused projections of Llama-shaped decoder ``layers`` and the ``lm_head``, few rows by ``matvec``
+    when given, every weight on 2 MB pages where the OS gives them (``hugepages``: copied there once, the
+    model's Linears and a tied input ``embedding`` made views of the copies); with a ``pager``, the
+    checkpoint's pages of the weights copied are dropped (see ``PageOut``)."""
+    groups = [_layer_groups(layer) for layer in layers]
+    arena = Arena.for_tensors([m.weight for g in groups for mods in g for m in mods] + [lm_head.weight])
+    built = []
+    for g in groups:
+        built.append(LayerWeights(*(_projection(mods, matvec, pager, arena) for mods in g)))
+        if arena is not None:
+            give_back()  # the layer's old weights, before the next layer's copies fault their pages in
+    head = _projection([lm_head], matvec, pager, arena, (embedding,) if embedding is not None else ())
+    if arena is not None:
+        give_back()
+    return built, head
 
 
 def rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -189,7 +215,3 @@ def rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         return norm
     shape, w = (weight.shape[0],), weight.detach()
     return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else norm(x)
-
-
-def lm_head_weights(lm_head: Any, *, matvec: Matvec | None = None) -> Projection:
-    return _projection([lm_head], matvec, None)  # one module: never copied

@@ -20,7 +20,8 @@ from kvdoctor.engine.matvec import MAX_ROWS, load, probe
 from kvdoctor.engine.native import library_of
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.weights import PageOut, Projection, layer_weights, lm_head_weights
+from kvdoctor.engine.hugepages import holds
+from kvdoctor.engine.weights import PageOut, Projection, model_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
 needs_kernel = pytest.mark.skipif(load() is None, reason="no C compiler or not torch's OpenMP runtime")
@@ -48,7 +49,7 @@ def test_fused_projections_compute_what_the_linears_did_and_keep_one_copy(model,
     before = {name: m.weight.detach().clone() for name, m in _linears(layer)}
     x = torch.randn(2 * MAX_ROWS, 128, generator=torch.Generator().manual_seed(1))
     # WHEN the runner's weights are built, with the kernel or without
-    w = layer_weights(layer, matvec=load() if kernel else None)
+    [w], _ = model_weights([layer], model.lm_head, matvec=load() if kernel else None)
     assert (w.qkv.matvec is not None) == (kernel and load() is not None)
     # THEN q, k, v (and gate, up) become views into one fused weight: still one copy
     assert _same_storage(a.q_proj.weight, a.v_proj.weight) and _same_storage(mlp.gate_proj.weight, mlp.up_proj.weight)
@@ -91,7 +92,7 @@ def test_fusing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(tm
     assert _pages_in_memory(gate) > 0
     assert PageOut().release([torch.zeros(4096)]) == 0  # anonymous memory is never dropped
     # WHEN gate and up are fused into one new weight with a pager
-    w = layer_weights(layer, pager=PageOut())
+    [w], _ = model_weights([layer], model.lm_head, pager=PageOut())
     # THEN the read-only old weight's pages left the process, the written one's stayed, and the fused
     # weight (which the model's Linears now view) holds the same values
     assert _pages_in_memory(gate) == 0
@@ -204,14 +205,17 @@ def test_without_a_compiler_the_runner_falls_back_to_f_linear(model, tmp_path, m
 def test_a_second_runner_reuses_the_fused_views(model):
     # GIVEN the weights built once
     layer = model.model.layers[1]
-    first = layer_weights(layer)
+    [first], head = model_weights([layer], model.lm_head)
     # WHEN they are built again (a second runner on the same model) THEN no new fused weight is made
-    assert layer_weights(layer).qkv.weight.data_ptr() == first.qkv.weight.data_ptr()
+    [again], head_again = model_weights([layer], model.lm_head)
+    assert again.qkv.weight.data_ptr() == first.qkv.weight.data_ptr()
+    assert again.down.weight.data_ptr() == first.down.weight.data_ptr()
+    assert head_again.weight.data_ptr() == head.weight.data_ptr()
 
 
 def test_a_weight_written_in_place_is_what_the_projection_reads(model):
     # GIVEN the lm head's projection
-    head = lm_head_weights(model.lm_head, matvec=load())
+    _, head = model_weights(model.model.layers, model.lm_head, model.model.embed_tokens, matvec=load())
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
     # WHEN the model's weight is changed in place (fine-tuning, a loaded state dict)
     with torch.no_grad():
