@@ -9,6 +9,8 @@ run decodes the same number of tokens:
   left-padded into one batch for transformers;
 - layers (``--layer-pairs N``): the runner with its compiled decode layers (``engine/decode_layer.py``)
   against a second runner on the same model with its torch path (``KVDOCTOR_DECODE_LAYER=0``), ABBA;
+- pages (``--page-pairs N``): the runner with its weights on 2 MB pages (``engine/hugepages.py``) against
+  a runner on a second copy of the model that leaves them on 4 KB pages (``KVDOCTOR_HUGEPAGES=0``), ABBA;
 - bound: one row through every projection (the kernel alone), the batch-1 ceiling the weights' bytes set,
   and batch-1 runs each paired with a bound measured next to it (the runner's share of the bound);
 - events: the runner with events off (nobody listening: no statistics, no trace) against
@@ -37,7 +39,7 @@ alternately, as the baseline of what those passes save. Peak RSS of the process 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
         [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--compiled-events both]
         [--mixed-outputs] [--no-matvec] [--dtype bfloat16] [--layer-pairs 3]
-        [--profile N] [--bound-repeats 7] [--json]
+        [--page-pairs 3] [--profile N] [--bound-repeats 7] [--json]
 """
 
 from __future__ import annotations
@@ -436,6 +438,21 @@ def _named(r: dict[str, Any], a: str, b: str, ratio: str) -> dict[str, Any]:
             for clock, v in r.items()}
 
 
+# what each A/B of the runner against another runner compares: the other's side, the runner's
+_AGAINST = {"layers": ("torch path", "compiled decode layers"), "pages": ("weights on 4 KB pages", "on 2 MB pages")}
+
+
+def _against(results: dict[str, Any], kind: str, baseline: Any, runner: Any, scenarios: list[tuple[str, Any, Any]],
+             pairs: int) -> None:
+    """ABBA pairs of ``baseline`` (another runner) against ``runner`` in every scenario, into ``results``."""
+    runner_decode(baseline, scenarios[0][1], [4])
+    for name, prompts, budgets in scenarios:
+        r = paired(lambda p=prompts, b=budgets: runner_decode(baseline, p, b),
+                   lambda p=prompts, b=budgets: runner_decode(runner, p, b), pairs)
+        results[f"{name}_{kind}"] = _named(r, "baseline", "runner", "speedup")
+    baseline.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a local checkpoint directory (default: the embedded SmolLM2)")
@@ -459,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer-pairs", type=int, default=0,
                     help="also ABBA pairs of the runner with its compiled decode layers against its torch path "
                          "(engine/decode_layer.py; same model, a second runner with KVDOCTOR_DECODE_LAYER=0)")
+    ap.add_argument("--page-pairs", type=int, default=0,
+                    help="also ABBA pairs of the runner with its weights on 2 MB pages against a second copy of the "
+                         "model whose runner leaves them on 4 KB pages (KVDOCTOR_HUGEPAGES=0; engine/hugepages.py)")
     ap.add_argument("--no-matvec", action="store_true", help="runner with F.linear (MKL) for every projection, not the C kernel")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both sides (default float32)")
@@ -522,12 +542,13 @@ def main(argv: list[str] | None = None) -> int:
         with _environ("KVDOCTOR_DECODE_LAYER", "0"):
             torch_path = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0,
                                        native_matvec=not args.no_matvec)
-        runner_decode(torch_path, batch1, [4])
-        for name, prompts, budgets in scenarios:
-            r = paired(lambda p=prompts, b=budgets: runner_decode(torch_path, p, b),
-                       lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.layer_pairs)
-            results[f"{name}_layers"] = _named(r, "torch_path", "compiled", "speedup")
-        torch_path.close()
+        _against(results, "layers", torch_path, runner, scenarios, args.layer_pairs)
+    if args.page_pairs:  # a second copy of the model, whose runner leaves its weights on 4 KB pages
+        with _environ("KVDOCTOR_HUGEPAGES", "0"):
+            other = load_model(args.model, dtype=args.dtype, device=args.device, light=args.only_events)
+            small_pages = Runner.create(other.model, tokenizer=tok, device_blocks=512, host_blocks=0,
+                                        native_matvec=not args.no_matvec)
+        _against(results, "pages", small_pages, runner, scenarios, args.page_pairs)
     E = args.event_tokens
     writer = TraceWriter(trace_path, runner.cache.header())
     kernels = {"on": (True,), "off": (False,), "both": (True, False)}[args.compiled_events]
@@ -577,11 +598,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} ({clock} clock): transformers {r['transformers']:.2f} tok/s, runner {r['runner']:.2f} tok/s, "
                   f"speedup {r['speedup']:.2f}x (median of {args.repeats} pairs; quartiles "
                   f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
-    for name, _, _ in scenarios if args.layer_pairs else ():
-        r = results[f"{name}_layers"]["wall"]
-        print(f"{name} decode layers (wall clock): torch path {r['torch_path']:.2f} tok/s, compiled {r['compiled']:.2f} "
-              f"tok/s, speedup {r['speedup']:.2f}x (median of {args.layer_pairs} pairs; quartiles "
-              f"{r['speedup_q1']:.2f}-{r['speedup_q3']:.2f})")
+    for kind, pairs in (("layers", args.layer_pairs), ("pages", args.page_pairs)):
+        for name, _, _ in scenarios if pairs else ():
+            r = results[f"{name}_{kind}"]["wall"]
+            base, ours = _AGAINST[kind]
+            print(f"{name} {kind} (wall clock): {base} {r['baseline']:.2f} tok/s, {ours} {r['runner']:.2f} tok/s, "
+                  f"speedup {r['speedup']:.2f}x (median of {pairs} pairs; quartiles {r['speedup_q1']:.2f}-"
+                  f"{r['speedup_q3']:.2f})")
     for name in [n for n in results if n.startswith("events_batch") and not n.endswith("_parts")]:
         p = results[f"{name}_parts"]
         print(f"{name} inside the event path: {p['total']:.3f} ms a listened step (" +
