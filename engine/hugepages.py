@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "Arena", "enabled", "give_back", "holds"]
+__all__ = ["HUGE_PAGE", "Arena", "enabled", "give_back", "holds", "unavailable"]
 
 HUGE_PAGE = 1 << 21
 _ALIGN = 4096  # each tensor starts on its own page: rows stay aligned for the kernels' vector loads
@@ -36,16 +36,23 @@ _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _LIVE: weakref.WeakKeyDictionary[mmap.mmap, tuple[int, int]] = weakref.WeakKeyDictionary()  # arena -> its span
 
 
+def unavailable() -> str | None:
+    """Why a mapping that asks gets no 2 MB pages here, or None when it does."""
+    if os.environ.get("KVDOCTOR_HUGEPAGES", "1") == "0":
+        return "switched off by KVDOCTOR_HUGEPAGES=0"
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "not Linux: no transparent huge pages"
+    try:
+        if "[never]" in _SETTING.read_text():
+            return f"transparent huge pages are switched off ({_SETTING}: never)"
+    except OSError:  # no sysfs (a container without it): the kernel's default, which gives them when asked
+        pass
+    return None
+
+
 def enabled() -> bool:
     """Whether a mapping that asks gets 2 MB pages here, and nobody switched it off."""
-    if os.environ.get("KVDOCTOR_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        return "[never]" not in _SETTING.read_text()
-    except OSError:  # no sysfs (a container without it): the kernel's default, which gives them when asked
-        return True
+    return unavailable() is None
 
 
 def holds(t: torch.Tensor) -> bool:

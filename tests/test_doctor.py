@@ -17,7 +17,8 @@ def _doctor_json(capsys, *extra):
 def test_doctor_reports_every_capability_and_exits_0(capsys, tmp_path):
     code, items = _doctor_json(capsys, "--no-dump-test", "--disk-dir", str(tmp_path))
     assert code == 0
-    assert set(items) == {"python", "torch", "transformers", "gpu/nvml", "py-spy", "disk tier", "model", "decode kernel"}
+    assert set(items) == {"python", "torch", "transformers", "gpu/nvml", "py-spy", "disk tier", "model", "decode kernel",
+                          "huge pages"}
     assert items["torch"]["data"]["version"]
     assert items["disk tier"]["data"]["dir"] == str(tmp_path) and items["disk tier"]["data"]["free"] > 0
     assert items["py-spy"]["data"]["path"].endswith("py-spy")
@@ -40,6 +41,28 @@ def test_a_machine_without_a_compiler_is_told_why_decode_is_slower(capsys, monke
         matvec.probe.cache_clear()
     assert code == 0 and items["decode kernel"]["ok"] is False
     assert "no C compiler" in items["decode kernel"]["summary"] and "gcc" in items["decode kernel"]["fix"]
+
+
+def test_huge_pages_switched_off_are_reported_with_the_fix(capsys, monkeypatch, tmp_path):
+    # GIVEN transparent huge pages switched off in the kernel, then by kvdoctor's own switch
+    from kvdoctor.engine import hugepages
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(hugepages, "_SETTING", setting)
+    monkeypatch.setattr(hugepages.sys, "platform", "linux")
+    # WHEN doctor runs THEN the item says the weights stay on 4 KB pages and how to give them 2 MB ones
+    code, items = _doctor_json(capsys, "--no-dump-test")
+    assert code == 0 and items["huge pages"]["ok"] is False
+    assert "never" in items["huge pages"]["summary"] and "madvise" in items["huge pages"]["fix"]
+    monkeypatch.setenv("KVDOCTOR_HUGEPAGES", "0")
+    _, items = _doctor_json(capsys, "--no-dump-test")
+    assert items["huge pages"]["fix"] == "unset KVDOCTOR_HUGEPAGES"
+    # AND where the kernel gives them, the item is ok
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.delenv("KVDOCTOR_HUGEPAGES")
+    _, items = _doctor_json(capsys, "--no-dump-test")
+    assert items["huge pages"]["ok"] is (hasattr(hugepages.mmap, "MADV_HUGEPAGE"))
 
 
 def test_missing_nvml_is_a_finding_not_a_traceback(capsys, monkeypatch):
