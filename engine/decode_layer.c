@@ -343,7 +343,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
                        const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
                        float *summary, float *hent, float *hmax, const int64_t *wk, const int64_t *wv,
                        uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, const int64_t *vblock,
-                       uint64_t *vsums, uint64_t *vtotal, float *scratch, int threads) {
+                       uint64_t *vsums, uint64_t *vtotal, const void *final_w, float final_eps, float *scratch,
+                       int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
@@ -355,6 +356,10 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
     layer_post(bf, M, hidden, H, Hkv, D, I, x, q, kv[l], kv_rows, nb, bs, lens, w->scale, scores, probs, T,
                heads ? heads + l * M * H : NULL, sink, vblock ? &vf : NULL, w->o, w->norm2, w->eps2, w->gate_up, w->down,
                scratch, threads);
+  }
+  if (final_w) { /* x normalised by the model's final norm, in place: what the lm head reads */
+    rms_norm(x, final_w, final_eps, scratch, M, hidden, bf);
+    for (int64_t i = 0; i < M * hidden; i++) st(x, i, scratch[i], bf);
   }
   for (int64_t lm = 0; heads && lm < L * M; lm++)
     row_summary(heads + lm * H, H, summary + lm * SUMMARY, hent ? hent + lm * H : NULL, hmax ? hmax + lm * H : NULL);
@@ -385,18 +390,20 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
  * token's share of a block record's digest at each of its U columns, by the digest's weights mix (L, U),
  * into shares (M, U). With vblock (M: a block index of each row's, or -1), that block's digest over the
  * bytes attention read (digest.py's, by the same weights; its positions below the row's length) into
- * vtotal (M), each layer's and kv head's share of it into vsums (L, M, H_kv). */
+ * vtotal (M), each layer's and kv head's share of it into vsums (L, M, H_kv). With final_w, x ends normalised
+ * by the model's final RMSNorm (weight final_w, final_eps), as the lm head reads it. */
 void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                             int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
                             const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
                             int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
                             int64_t sink, float *summary, float *hent, float *hmax, const int64_t *wk,
                             const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares,
-                            const int64_t *vblock, uint64_t *vsums, uint64_t *vtotal, float *scratch, int threads) {
+                            const int64_t *vblock, uint64_t *vsums, uint64_t *vtotal, const void *final_w,
+                            float final_eps, float *scratch, int threads) {
   if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal, scratch,
-                        threads);
+                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
+                        final_w, final_eps, scratch, threads);
   else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal, scratch,
-                     threads);
+                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
+                     final_w, final_eps, scratch, threads);
 }

@@ -40,7 +40,7 @@ __all__ = ["DecodeLayers", "DecodeStep"]
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGS = ([_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 7
-         + [_I64] + [_PTR] * 5 + [_INT])
+         + [_I64] + [_PTR] * 5 + [_F32, _PTR, _INT])
 _UNIT_STEPS = 64  # steps of digest unit sums per buffer (DecodeLayers.units)
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
@@ -73,10 +73,12 @@ class DecodeLayers:
     projections and norms hold the same tensors: a parameter replaced later is read by neither)."""
 
     def __init__(self, layers: list[_LayerC], tensors: list[torch.Tensor], dims: tuple[int, int, int, int, int],
-                 dtype: torch.dtype, kernel: Any) -> None:
+                 dtype: torch.dtype, kernel: Any, final: tuple[torch.Tensor, float] | None = None) -> None:
         self.num_layers = len(layers)
         self._table = (_LayerC * len(layers))(*layers)
-        self._tensors = tensors
+        self._tensors = tensors + ([final[0]] if final is not None else [])
+        # the final norm's weight and eps: the kernel leaves x normalised for the lm head (``DecodeStep.normed``)
+        self._final = (final[0].data_ptr(), final[1]) if final is not None else (None, 0.0)
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate = dims
         self.dtype = dtype
         self._kernel = kernel
@@ -143,7 +145,8 @@ class DecodeLayers:
                                   gate_up.data_ptr(), down.data_ptr(), n1[1], n2[1], float(a.scaling)))
             tensors += [n1[0], n2[0], qkv, o, gate_up, down]
         intermediate = weights[0].gate_up.weight.shape[0] // 2
-        return cls(layers, tensors, (cfg.hidden_size, H, H_kv, D, intermediate), param.dtype, kernel)
+        return cls(layers, tensors, (cfg.hidden_size, H, H_kv, D, intermediate), param.dtype, kernel,
+                   _norm(model.model.norm, param.dtype))
 
     def step(self, kv_lens: Sequence[int], kv_rows: torch.Tensor, blocks: int, block_size: int,
              store_rows: torch.Tensor, scores: bool, sink: int | None = None, per_head: bool = False,
@@ -209,7 +212,8 @@ class DecodeStep:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
             verify: Sequence[int] | None = None) -> Newest | None:
-        """Every layer for ``x`` (M, hidden), in place, over the layers' arenas ``kv`` (``layer_kv``); every
+        """Every layer for ``x`` (M, hidden), in place (normalised by the final norm after, when ``normed``), over
+        the layers' arenas ``kv`` (``layer_kv``); every
         layer's rows' newest-query scores and probabilities, (L, M, H, T) each, when the step keeps them.
         ``verify``: each row's block (an index into its table; -1: none) whose digest attention takes over the
         bytes it reads (a sampled read's verification, ``PagedKVCache.sample_reads``), by the digest weights:
@@ -221,8 +225,8 @@ class DecodeStep:
                   L.intermediate, ctypes.byref(L._table), arenas, x.data_ptr(), self.qkv.data_ptr(), cos.data_ptr(),
                   sin.data_ptr(), self.store_rows.data_ptr(), self.kv_rows.data_ptr(), self.blocks, self.block_size,
                   self.lens.data_ptr(), self.newest.data_ptr(), int(self.keep_scores), self.T,
-                  *self._stats_args, *self._digest_pointers(), *self._verify_pointers(), self.scratch.data_ptr(),
-                  torch.get_num_threads())
+                  *self._stats_args, *self._digest_pointers(), *self._verify_pointers(), *L._final,
+                  self.scratch.data_ptr(), torch.get_num_threads())
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
     def _verify_pointers(self) -> tuple[int | None, int | None, int | None]:
@@ -235,6 +239,11 @@ class DecodeStep:
             _with_address(np.empty((L.num_layers, M, L.kv_heads), np.uint64))))
         block[:] = self._verify
         return block_at, sums_at, total_at
+
+    @property
+    def normed(self) -> bool:
+        """Whether ``run`` leaves ``x`` normalised by the model's final norm (a plain RMSNorm), ready for the lm head."""
+        return self.L._final[0] is not None
 
     def verified(self, row: int) -> tuple[int, int | None]:
         """``(block index, digest)`` of row ``row``'s block that ``run`` verified, or ``(-1, None)``."""
