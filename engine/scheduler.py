@@ -85,6 +85,15 @@ class StepResult:
     preempted: list[SeqId]
 
 
+def _row_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax: its first largest logit, a NaN counting as largest (as torch's ``argmax`` and ``max``).
+    On CPU by numpy, which reads a batch-8 step's (8, 49152) float logits cold in 0.18 ms, against 0.26 for
+    torch's ``max`` and 0.57 for its ``argmax``."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=1).tolist()
+    return logits.max(dim=-1).indices.tolist()
+
+
 class Scheduler:
     """Continuous batching over one ``Runner``.
 
@@ -208,10 +217,7 @@ class Scheduler:
             tails = [1 + len(d.tokens) if d is not None else 1 for d in drafts]
             logits = self.runner.forward(rows, tail_logits=tails)  # (sum of tails, V)
             self.num_forwards += sum(ends)
-            # max's indices: argmax's (the first largest; a NaN counts as largest), in 0.36 ms where argmax
-            # took 0.57 over (8, 49152) float logits read cold
-            greedy = (logits.max(dim=-1).indices.tolist() if any(live.request.sampling.greedy for live in chosen)
-                      else None)
+            greedy = _row_argmax(logits) if any(live.request.sampling.greedy for live in chosen) else None
             offset = 0
             for live, end, d, m in zip(chosen, ends, drafts, tails):
                 row_logits, row_argmax = logits[offset:offset + m], greedy[offset:offset + m] if greedy else None

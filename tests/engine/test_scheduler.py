@@ -165,3 +165,14 @@ def test_aborting_a_swapped_out_request_frees_its_host_blocks(model):
     sched.abort(low)
     assert runner.cache.stats()["tiers"]["host"]["used_blocks"] == 0
     runner.close()
+
+
+def test_greedy_rows_take_the_first_largest_logit_a_nan_counting_as_largest():
+    # GIVEN logits with ties, NaNs, infinities and a row of all -inf
+    from kvdoctor.engine.scheduler import _row_argmax
+
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, nan, 3.0, nan], [5.0, 5.0, 1.0, 2.0], [-inf] * 4, [inf, 1.0, inf, 0.0],
+                           [0.5, 2.0, -1.0, 2.0]])
+    # WHEN the scheduler takes each row's greedy token THEN it is torch's argmax, row by row
+    assert _row_argmax(logits) == logits.argmax(dim=-1).tolist() == [1, 0, 0, 0, 1]
