@@ -84,8 +84,8 @@ def _size(nbytes: int) -> int:
 
 
 class Arena:
-    """Tensors carved in order from one 2 MB-aligned mapping advised ``MADV_HUGEPAGE``: ``for_tensors``
-    sizes it for the tensors to copy in, ``take`` hands out the next one. Pages are only faulted (and
+    """Tensors carved in order from one 2 MB-aligned mapping advised ``MADV_HUGEPAGE``: ``sized`` makes it
+    for the tensors to copy in, ``take`` hands out the next one. Pages are only faulted (and
     counted in the RSS) as the copies write them, so a copy followed by dropping the old tensor never holds
     both whole."""
 
@@ -98,10 +98,10 @@ class Arena:
         _LIVE[self._map] = (base, base + len(self._map))
 
     @classmethod
-    def for_tensors(cls, tensors: list[torch.Tensor]) -> Arena | None:
-        """An arena for copies of those of ``tensors`` on CPU and not in an arena yet; None when they would not
-        fill one huge page or huge pages are not to be had (the tensors then stay where they are)."""
-        nbytes = sum(_size(t.numel() * t.element_size()) for t in tensors if t.device.type == "cpu" and not holds(t))
+    def sized(cls, sizes: list[int]) -> Arena | None:
+        """An arena for tensors of ``sizes`` bytes, taken in order; None when they would not fill one huge page
+        or huge pages are not to be had (the tensors then stay where they are)."""
+        nbytes = sum(_size(n) for n in sizes)
         if nbytes < HUGE_PAGE or not enabled():  # less than one huge page saves no translations
             return None
         try:

@@ -136,6 +136,20 @@ def _file_pages_only(lo: int, hi: int) -> bool:
     return len(entries) == num_pages and all(not e & swapped and (not e & present or e & file_page) for e in entries)
 
 
+def _in_place(weights: list[torch.Tensor], huge: bool) -> bool:
+    """Whether ``weights`` already lie one after another in one storage (a second runner on the same model), and
+    with ``huge`` in an arena of 2 MB pages: then their fused weight is a view, no copy."""
+    base = weights[0]
+    if huge and base.is_cpu and not holds(base):
+        return False
+    at = base.storage_offset()
+    for w in weights:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or w.storage_offset() != at:
+            return False
+        at += w.numel()
+    return True
+
+
 def _fused(modules: list[Any], pager: PageOut | None, arena: Arena | None, tied: tuple[Any, ...] = ()
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (sum N, K) over ``modules`` (nn.Linear), in ``arena`` when there is one; their parameters
@@ -147,11 +161,7 @@ def _fused(modules: list[Any], pager: PageOut | None, arena: Arena | None, tied:
     weights = [m.weight for m in modules]
     base = weights[0]
     rows = [w.shape[0] for w in weights]
-    adjacent = all(w.is_contiguous() and w.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-                   for w in weights)
-    offsets = [base.storage_offset() + sum(rows[:i]) * base.shape[1] for i in range(len(rows))]
-    placed = arena is None or not base.is_cpu or holds(base)
-    if placed and adjacent and all(w.storage_offset() == o for w, o in zip(weights, offsets)):
+    if _in_place(weights, arena is not None):
         weight = base.detach().as_strided((sum(rows), base.shape[1]), (base.shape[1], 1), base.storage_offset())
     else:
         out = arena.take((sum(rows), base.shape[1]), base.dtype) if arena is not None and base.is_cpu else None
@@ -194,7 +204,9 @@ def model_weights(layers: list[Any], lm_head: Any, embedding: Any = None, *, mat
     model's Linears and a tied input ``embedding`` made views of the copies); with a ``pager``, the
     checkpoint's pages of the weights copied are dropped (see ``PageOut``)."""
     groups = [_layer_groups(layer) for layer in layers]
-    arena = Arena.for_tensors([m.weight for g in groups for mods in g for m in mods] + [lm_head.weight])
+    fused = [[m.weight for m in mods] for g in groups for mods in g] + [[lm_head.weight]]
+    arena = Arena.sized([sum(w.numel() * w.element_size() for w in ws) for ws in fused
+                         if ws[0].is_cpu and not _in_place(ws, True)])
     built = []
     for g in groups:
         built.append(LayerWeights(*(_projection(mods, matvec, pager, arena) for mods in g)))

@@ -94,6 +94,24 @@ def test_a_second_runner_keeps_the_weights_where_the_first_put_them():
         assert runner._weights[-1].down.weight.data_ptr() == where[-1]
 
 
+@needs_huge_pages
+def test_a_weight_replaced_after_placing_is_fused_again_with_its_group():
+    # GIVEN a model placed by a first runner, then one of a layer's k weights replaced (a loaded adapter)
+    model = _model(None)
+    Runner.create(model, block_size=4, device_blocks=16, host_blocks=0).close()
+    attn = model.model.layers[0].self_attn
+    new = attn.k_proj.weight.detach().clone() * 2
+    attn.k_proj.weight = torch.nn.Parameter(new, requires_grad=False)
+    # WHEN a second runner is built THEN q, k and v are fused again with the new k (a group under one huge
+    # page goes to ordinary memory), and the other projections stay where the first runner put them
+    with Runner.create(model, block_size=4, device_blocks=16, host_blocks=0) as runner:
+        qkv = runner._weights[0].qkv.weight
+        q_rows = attn.q_proj.weight.shape[0]
+        assert qkv.data_ptr() == attn.q_proj.weight.data_ptr() and not holds(qkv)
+        assert torch.equal(qkv[q_rows: q_rows + new.shape[0]], new)
+        assert holds(runner._weights[0].gate_up.weight) and holds(runner._weights[1].qkv.weight)
+
+
 def test_a_model_smaller_than_a_huge_page_or_switched_off_stays_where_it_is(monkeypatch):
     # GIVEN the tests' usual tiny model (well under 2 MB of weights), and a larger one with huge pages off
     small = tiny_llama().model
@@ -112,7 +130,7 @@ def test_a_model_smaller_than_a_huge_page_or_switched_off_stays_where_it_is(monk
 def test_an_arena_hands_out_aligned_tensors_lives_with_them_and_refuses_to_overflow():
     # GIVEN an arena for two tensors
     tensors = [torch.ones(1000, 700), torch.ones(300, 1024, dtype=torch.bfloat16)]
-    arena = Arena.for_tensors(tensors)
+    arena = Arena.sized([t.nbytes for t in tensors])
     assert arena is not None
     # WHEN both are taken
     a, b = arena.take((1000, 700), torch.float32), arena.take((300, 1024), torch.bfloat16)
@@ -133,4 +151,4 @@ def test_an_arena_hands_out_aligned_tensors_lives_with_them_and_refuses_to_overf
     gc.collect()
     assert mapping() is None
     # AND tensors too small to fill a huge page get no arena
-    assert Arena.for_tensors([torch.ones(1000)]) is None
+    assert Arena.sized([4000]) is None
