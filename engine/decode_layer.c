@@ -341,8 +341,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
                        int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv, const void *cos,
                        const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
                        const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
-                       float *summary, float *hent, float *hmax, const int64_t *wk, const int64_t *wv,
-                       uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, const int64_t *vblock,
+                       float *summary, float *hent, float *hmax, int64_t *counts, const int64_t *wk,
+                       const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, const int64_t *vblock,
                        uint64_t *vsums, uint64_t *vtotal, const void *final_w, float final_eps, float *scratch,
                        int threads) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
@@ -361,8 +361,10 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
     rms_norm(x, final_w, final_eps, scratch, M, hidden, bf);
     for (int64_t i = 0; i < M * hidden; i++) st(x, i, scratch[i], bf);
   }
-  for (int64_t lm = 0; heads && lm < L * M; lm++)
+  for (int64_t lm = 0; heads && lm < L * M; lm++) {
     row_summary(heads + lm * H, H, summary + lm * SUMMARY, hent ? hent + lm * H : NULL, hmax ? hmax + lm * H : NULL);
+    if (counts) counts[lm] = (int64_t)summary[lm * SUMMARY + 3]; /* the event's integers, without a numpy pass */
+  }
   if (units) {
     for (int64_t m = 0; m < M; m++) /* each token's share of a record's digest at every column it may take */
       for (int64_t c = 0; c < U; c++) {
@@ -384,7 +386,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
  * into kv[l] at rows; its newest-query scores and probabilities into newest (L, 2, M, H, T), or all into
  * one (2, M, H, T) when keep is 0. With heads (scratch of L * M * H Head), the attention statistics of
  * every layer and row (attn_stats.c's, over each row's keys, the first sink of them the sink) into summary
- * (L, M, 4), and each head's entropy and largest score into hent and hmax (L, M, H) when not NULL. With
+ * (L, M, 4), and each head's entropy and largest score into hent and hmax (L, M, H) and the non-finite counts
+ * as integers into counts (L, M) when not NULL. With
  * units, the digest unit sums (digest.c) of each layer's new tokens' K and V, weighted by wk and wv (Hkv, D),
  * into units (L, M): what the cache's digests would sum from them (digest.py, _Layout.kv_units); and each
  * token's share of a block record's digest at each of its U columns, by the digest's weights mix (L, U),
@@ -396,14 +399,14 @@ void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_
                             int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
                             const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
                             int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
-                            int64_t sink, float *summary, float *hent, float *hmax, const int64_t *wk,
-                            const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares,
+                            int64_t sink, float *summary, float *hent, float *hmax, int64_t *counts,
+                            const int64_t *wk, const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares,
                             const int64_t *vblock, uint64_t *vsums, uint64_t *vtotal, const void *final_w,
                             float final_eps, float *scratch, int threads) {
   if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
+                        newest, keep, T, heads, sink, summary, hent, hmax, counts, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
                         final_w, final_eps, scratch, threads);
   else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, heads, sink, summary, hent, hmax, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
+                     newest, keep, T, heads, sink, summary, hent, hmax, counts, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
                      final_w, final_eps, scratch, threads);
 }

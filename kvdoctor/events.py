@@ -9,6 +9,7 @@ fields are ignored by the decoder and unknown kinds come back as ``Unknown``.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Iterable, Literal, Union
 
 import msgspec
@@ -246,7 +247,8 @@ class AttnStep(Event, tag="attn_step"):
     def __post_init__(self) -> None:
         B, L = len(self.seqs), len(self.max_logit)
         grids = (self.max_logit, self.entropy, self.sink, self.nonfinite)
-        if any(len(g) != L or any(len(row) != B for row in g) for g in grids):
+        # the rows' lengths in one pass of C loops: built every listened step, after its weights flushed the caches
+        if any(len(g) != L for g in grids) or not set(map(len, chain.from_iterable(grids))) <= {B}:
             raise ValueError(f"attn_step: every statistic must be {L} layers of {B} rows, one per seq")
         for heads in (self.heads_entropy, self.heads_max_logit):
             if heads is not None and (len(heads) != L or any(len(row) != B for row in heads)):
