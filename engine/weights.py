@@ -150,6 +150,13 @@ def _in_place(weights: list[torch.Tensor], huge: bool) -> bool:
     return True
 
 
+def _copy_bytes(modules: list[Any]) -> int:
+    """The bytes ``modules``' fused weight takes in an arena, 0 when it stays where it is. (It holds no weight
+    after: each layer's old weights must be freed as soon as its copies are made.)"""
+    weights = [m.weight for m in modules]
+    return 0 if not weights[0].is_cpu or _in_place(weights, True) else sum(w.numel() * w.element_size() for w in weights)
+
+
 def _fused(modules: list[Any], pager: PageOut | None, arena: Arena | None, tied: tuple[Any, ...] = ()
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (sum N, K) over ``modules`` (nn.Linear), in ``arena`` when there is one; their parameters
@@ -204,9 +211,7 @@ def model_weights(layers: list[Any], lm_head: Any, embedding: Any = None, *, mat
     model's Linears and a tied input ``embedding`` made views of the copies); with a ``pager``, the
     checkpoint's pages of the weights copied are dropped (see ``PageOut``)."""
     groups = [_layer_groups(layer) for layer in layers]
-    fused = [[m.weight for m in mods] for g in groups for mods in g] + [[lm_head.weight]]
-    arena = Arena.sized([sum(w.numel() * w.element_size() for w in ws) for ws in fused
-                         if ws[0].is_cpu and not _in_place(ws, True)])
+    arena = Arena.sized([n for mods in [*(mods for g in groups for mods in g), [lm_head]] if (n := _copy_bytes(mods))])
     built = []
     for g in groups:
         built.append(LayerWeights(*(_projection(mods, matvec, pager, arena) for mods in g)))

@@ -31,9 +31,13 @@ def _model(tie: str | None):
     return model
 
 
+def _linears_of(layer):
+    return [*(getattr(layer.self_attn, f"{p}_proj") for p in "qkvo"), layer.mlp.gate_proj, layer.mlp.up_proj,
+            layer.mlp.down_proj]
+
+
 def _linears(model):
-    return [m for layer in model.model.layers for m in (*(getattr(layer.self_attn, f"{p}_proj") for p in "qkvo"),
-                                                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    return [m for layer in model.model.layers for m in _linears_of(layer)]
 
 
 def _advised_huge(address: int) -> bool:
@@ -80,6 +84,22 @@ def test_a_runner_moves_every_weight_into_one_arena_and_computes_the_same(tie, m
     for a, b in zip(want, got):
         assert a.token_ids == b.token_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@needs_huge_pages
+def test_each_layers_old_weights_are_freed_before_the_next_layer_is_copied(monkeypatch):
+    # GIVEN a model's weights as they were loaded, and a look at them each time a layer's copies are made
+    from kvdoctor.engine import weights
+
+    model = _model(None)
+    old = [[weakref.ref(m.weight) for m in _linears_of(layer)] for layer in model.model.layers]
+    alive_at_each_layer = []
+    monkeypatch.setattr(weights, "give_back", lambda: alive_at_each_layer.append(
+        [sum(r() is not None for r in layer) for layer in old]))
+    # WHEN a runner places them
+    Runner.create(model, block_size=4, device_blocks=16, host_blocks=0).close()
+    # THEN after each layer's copies none of that layer's old weights is still held (the RSS never holds both)
+    assert alive_at_each_layer == [[0, 7], [0, 0], [0, 0]]  # after layer 0, after layer 1, after the lm head
 
 
 @needs_huge_pages
