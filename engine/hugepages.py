@@ -5,7 +5,8 @@ A SmolLM2 decode step reads 270 MB (bf16) to 540 MB (fp32) of weights: on 4 KB p
 132,000 page translations a step, far more than the TLB holds, so each page's first read waits on a page
 walk, and the walks and the stream together evict every translation the rest of the step needs (the
 interpreter's, the event path's). On 2 MB pages the same weights take 135 to 270 translations. Measured on
-the Intel Xeon (docs/benchmarks.md): decode 8-13% faster at batch 1, 2-9% at batch 8.
+the Intel Xeon against the same model on 4 KB pages (docs/benchmarks.md, ``decode.py --page-pairs``): fp32
+decode 1.07-1.10x, bf16 1.03-1.13x at batch 1 and 0.99-1.03x at batch 8 (there the tiles make it more compute).
 
 Linux gives a private anonymous mapping 2 MB pages where it is advised ``MADV_HUGEPAGE`` and transparent
 huge pages are not switched off (``/sys/kernel/mm/transparent_hugepage/enabled``: "always" or "madvise").

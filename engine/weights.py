@@ -1,8 +1,8 @@
 """The runner's projections: q/k/v and gate/up fused into one matmul each, few rows by a C kernel on CPU.
 
 A decode step multiplies a handful of rows by every weight of the model, so its time
-goes to many small matmuls, bound by how fast the weights stream from memory. Two things
-make them cheaper without changing what they compute (three, counting where the weights live):
+goes to many small matmuls, bound by how fast the weights stream from memory. Three things
+make them cheaper without changing what they compute:
 
 - **Fusion.** The q, k and v projections read the same input, as do gate and up: one
   matmul over the concatenated weight replaces three (two) calls. The fused weight is built
@@ -142,9 +142,9 @@ def _in_place(weights: list[torch.Tensor], huge: bool) -> bool:
     base = weights[0]
     if huge and base.is_cpu and not holds(base):
         return False
-    at = base.storage_offset()
+    storage, at = base.untyped_storage().data_ptr(), base.storage_offset()
     for w in weights:
-        if not w.is_contiguous() or w.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or w.storage_offset() != at:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != storage or w.storage_offset() != at:
             return False
         at += w.numel()
     return True
@@ -154,7 +154,9 @@ def _copy_bytes(modules: list[Any]) -> int:
     """The bytes ``modules``' fused weight takes in an arena, 0 when it stays where it is. (It holds no weight
     after: each layer's old weights must be freed as soon as its copies are made.)"""
     weights = [m.weight for m in modules]
-    return 0 if not weights[0].is_cpu or _in_place(weights, True) else sum(w.numel() * w.element_size() for w in weights)
+    if not weights[0].is_cpu or _in_place(weights, True):
+        return 0
+    return sum(w.numel() * w.element_size() for w in weights)
 
 
 def _fused(modules: list[Any], pager: PageOut | None, arena: Arena | None, tied: tuple[Any, ...] = ()
@@ -177,7 +179,8 @@ def _fused(modules: list[Any], pager: PageOut | None, arena: Arena | None, tied:
             new = torch.nn.Parameter(w, requires_grad=False)
             for holder in (m, *tied):
                 held = getattr(holder, "weight", None)
-                if held is old or (isinstance(held, torch.Tensor) and held.data_ptr() == old.data_ptr() and held.shape == old.shape):
+                if held is old or (isinstance(held, torch.Tensor) and held.data_ptr() == old.data_ptr()
+                                   and held.shape == old.shape):
                     holder.weight = new
         if pager is not None:
             pager.release([w.detach() for w in weights])
