@@ -41,6 +41,8 @@ _SOURCE = Path(__file__).with_name("decode_layer.c")
 _INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGS = ([_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 8
          + [_I64] + [_PTR] * 5 + [_F32, _PTR, _INT])
+# the kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score, counts
+_StatsArgs = tuple[int | None, int, int | None, int | None, int | None, int | None]
 _UNIT_STEPS = 64  # steps of digest unit sums per buffer (DecodeLayers.units)
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
@@ -169,7 +171,7 @@ def _with_address(a: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def _stats_buffers(L: int, M: int, H: int, per_head: bool, sink: int
-                   ) -> tuple[AttnStats, tuple[int | None, int, int | None, int | None, int | None, int], np.ndarray]:
+                   ) -> tuple[AttnStats, _StatsArgs, np.ndarray]:
     """A step's statistics over M rows, and the kernel's arguments for them: head scratch, sink, summary,
     per-head entropy and largest score, the non-finite counts as integers."""
     heads, summary = np.empty((L, M, H, 4), np.float32), np.empty((L, M, 4), np.float32)  # Head: attn_stats.c's
@@ -199,9 +201,7 @@ class DecodeStep:
         self.scratch = torch.empty(M * (H * D + 2 * inter + 2 * widest + 2 * hidden + self.qkv.shape[-1]))
         self.newest = torch.empty(L.num_layers if keep_scores else 1, 2, M, H, T)
         self.stats: AttnStats | None = None
-        # the kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score, counts
-        self._stats_args: tuple[int | None, int, int | None, int | None, int | None, int | None] = (None, 0, None, None,
-                                                                                                  None, None)
+        self._stats_args: _StatsArgs = (None, 0, None, None, None, None)
         if sink is not None:  # the statistics leave for Python within the step (``AttnStats.fields``)
             self.stats, self._stats_args, _ = L.held(("stats", M, per_head, sink),
                                                      lambda: _stats_buffers(L.num_layers, M, H, per_head, sink))

@@ -3,8 +3,8 @@ one TLB entry each 4 KB.
 
 A SmolLM2 decode step reads 270 MB (bf16) to 540 MB (fp32) of weights: on 4 KB pages that is 66,000 to
 132,000 page translations a step, far more than the TLB holds, so each page's first read waits on a page
-walk, and the walks and the stream together evict every translation the rest of the step needs (the
-interpreter's, the event path's). On 2 MB pages the same weights take 135 to 270 translations. Measured on
+walk. On 2 MB pages the same weights take 135 to 270 translations. (The event path's cost after the stream
+is cache misses, not page walks: it is the same on either, docs/benchmarks.md.) Measured on
 the Intel Xeon against the same model on 4 KB pages (docs/benchmarks.md, ``decode.py --page-pairs``): fp32
 decode 1.07-1.10x, bf16 1.03-1.13x at batch 1 and 0.99-1.03x at batch 8 (there the tiles make it more compute).
 
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "Arena", "enabled", "give_back", "holds", "unavailable"]
+__all__ = ["HUGE_PAGE", "NOT_LINUX", "SWITCHED_OFF", "Arena", "enabled", "give_back", "holds", "unavailable"]
 
 HUGE_PAGE = 1 << 21
 _ALIGN = 4096  # each tensor starts on its own page: rows stay aligned for the kernels' vector loads
@@ -37,12 +37,17 @@ _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _LIVE: weakref.WeakKeyDictionary[mmap.mmap, tuple[int, int]] = weakref.WeakKeyDictionary()  # arena -> its span
 
 
+# why there are none (``unavailable``), besides the kernel's setting
+SWITCHED_OFF = "switched off by KVDOCTOR_HUGEPAGES=0"
+NOT_LINUX = "not Linux: no transparent huge pages"
+
+
 def unavailable() -> str | None:
     """Why a mapping that asks gets no 2 MB pages here, or None when it does."""
     if os.environ.get("KVDOCTOR_HUGEPAGES", "1") == "0":
-        return "switched off by KVDOCTOR_HUGEPAGES=0"
+        return SWITCHED_OFF
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return "not Linux: no transparent huge pages"
+        return NOT_LINUX
     try:
         if "[never]" in _SETTING.read_text():
             return f"transparent huge pages are switched off ({_SETTING}: never)"

@@ -181,9 +181,9 @@ def huge_pages_item() -> Item:
     if why is None:
         return Item("huge pages", True, "the runner's weights go on 2 MB pages (decode streams them with fewer "
                     "page walks)")
-    if why.startswith("not Linux"):
+    if why == hugepages.NOT_LINUX:
         return Item("huge pages", None, why, data={"reason": why})
-    fix = ("unset KVDOCTOR_HUGEPAGES" if "KVDOCTOR_HUGEPAGES" in why else
+    fix = ("unset KVDOCTOR_HUGEPAGES" if why == hugepages.SWITCHED_OFF else
            "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled")
     return Item("huge pages", False, f"not used: {why}; the weights stay on 4 KB pages (decode 3-10% slower)",
                 fix=fix, data={"reason": why})
