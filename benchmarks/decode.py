@@ -17,6 +17,9 @@ run decodes the same number of tokens:
   every event, attention statistics included, written to a trace file; and, timed around their
   entry points, the milliseconds a listened step spends inside each part of the event path
   (statistics, staging for digests, booking writes, reads, the step's end and its sink);
+- sinks (``--sink-split RUNS``): where a listened step's extra time goes, in cycles of an unlistened step
+  and one step listened by each of a sink that discards the events (what producing them costs the engine),
+  the JSON trace writer and the msgpack one (what writing them adds);
 - digests: with every event on, the time spent inside the content-digest code (staging at
   ``store``, folding and booking at ``commit``, verifying reads and swaps), timed around its
   entry points with the timers' own cost subtracted, as a share of the decode steps' time,
@@ -39,7 +42,7 @@ alternately, as the baseline of what those passes save. Peak RSS of the process 
     .venv/bin/python benchmarks/decode.py [--threads 1] [--new-tokens 48] [--repeats 5]
         [--event-runs 2] [--event-tokens 64] [--digest-pairs 3] [--only-events] [--compiled-events both]
         [--mixed-outputs] [--no-matvec] [--dtype bfloat16] [--layer-pairs 3]
-        [--page-pairs 3] [--profile N] [--bound-repeats 7] [--json]
+        [--page-pairs 3] [--sink-split 40] [--profile N] [--bound-repeats 7] [--json]
 """
 
 from __future__ import annotations
@@ -146,19 +149,69 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
     i = 0
     while len(sched.done) < len(prompts):
         on = i % 4 in (1, 2)
-        if on:
-            runner.bus.subscribe(sink)
-        w0, c0 = _clocks()
-        sched.step()  # a listened step ends by handing its events to the sink (the trace writer)
-        if on:
-            runner.bus.unsubscribe(sink)
-        w1, c1 = _clocks()
+        wall, cpu = _timed_step(runner, sched, sink if on else None)
         side = "on" if on else "off"
-        times[f"{side}_wall"].append(w1 - w0)
-        times[f"{side}_cpu"].append(c1 - c0)
+        times[f"{side}_wall"].append(wall)
+        times[f"{side}_cpu"].append(cpu)
         i += 1
     n = min(len(times["off_cpu"]), len(times["on_cpu"]))
     return {k: v[:n] for k, v in times.items()}
+
+
+def _timed_step(runner: Any, sched: Any, sink: Callable[[list[Any]], None] | None) -> tuple[float, float]:
+    """(wall, CPU) seconds of one scheduler step, with ``sink`` listening (None: nobody listens). A listened
+    step ends by handing its events to the sink, so the sink's work is inside the step's time."""
+    if sink is not None:
+        runner.bus.subscribe(sink)
+    w0, c0 = _clocks()
+    sched.step()
+    if sink is not None:
+        runner.bus.unsubscribe(sink)
+    w1, c1 = _clocks()
+    return w1 - w0, c1 - c0
+
+
+def sink_split(runner: Any, sinks: dict[str, Callable[[list[Any]], None]], prompts: list[list[int]], new_tokens: int,
+               runs: int) -> dict[str, Any]:
+    """The extra time of a step listened by each of ``sinks`` over an unlistened step, in cycles of one
+    unlistened step and one step per sink (the sinks' order rotating cycle by cycle, so none always follows
+    the unlistened step): a sink that discards the events measures what producing them costs the engine,
+    a trace writer what writing them adds. Medians of each sink's step minus its cycle's unlistened step,
+    with quartiles; a step's spread on a shared machine needs hundreds of cycles to resolve 0.5%."""
+    from kvdoctor.engine.scheduler import Request, Scheduler
+
+    names = list(sinks)
+    extra: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in names}
+    off: dict[str, list[float]] = {"wall": [], "cpu": []}
+    cycles = 0
+    for _ in range(runs):
+        sched = Scheduler(runner, max_batch=len(prompts))
+        for p in prompts:
+            sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
+        sched.step()  # prefill
+        while sched.live:
+            base = _timed_step(runner, sched, None)
+            steps = []
+            for name in names[cycles % len(names):] + names[: cycles % len(names)]:
+                if sched.live:
+                    steps.append((name, _timed_step(runner, sched, sinks[name])))
+            if len(steps) < len(names):
+                break  # the batch ended inside the cycle: an incomplete cycle is left out
+            for j, clock in enumerate(("wall", "cpu")):
+                off[clock].append(base[j])
+                for name, times in steps:
+                    extra[name][clock].append(times[j] - base[j])
+            cycles += 1
+    out: dict[str, Any] = {"cycles": cycles}
+    for clock in ("wall", "cpu"):
+        step = _median(off[clock])
+        out[clock] = {"off_ms": round(1e3 * step, 2)}
+        for name in names:
+            lo, hi = _quartiles(extra[name][clock])
+            out[clock][name] = {"extra_ms": round(1e3 * _median(extra[name][clock]), 3),
+                                "share": round(_median(extra[name][clock]) / step, 4),
+                                "share_q1": round(lo / step, 4), "share_q3": round(hi / step, 4)}
+    return out
 
 
 @contextlib.contextmanager
@@ -464,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--digest-pairs", type=int, default=0,
                     help="also ABBA pairs of whole runs per digest comparison (off vs sample, off vs full): a "
                     "cross-check, too noisy on a shared machine to resolve 1%% (default 0: skipped)")
+    ap.add_argument("--sink-split", type=int, default=0, metavar="RUNS",
+                    help="also RUNS batch-1 and batch-8 runs cycling step by step through events off, the JSON trace, "
+                         "the msgpack trace and a sink that discards the events (the engine's own cost of producing "
+                         "them): where a listened step's extra time goes (default 0: skipped)")
     ap.add_argument("--only-events", action="store_true", help="skip the transformers speed comparison")
     ap.add_argument("--compiled-events", choices=("on", "off", "both"), default="on",
                     help="events runs with the attention statistics and digest sums compiled (on), by torch and "
@@ -495,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvdoctor.engine.model import load_model
     from kvdoctor.engine.runner import Runner
+    from kvdoctor import binary_trace
     from kvdoctor.trace import TraceWriter
 
     # With --only-events transformers never runs: the runner's own light modules (engine/llama.py) then, so
@@ -575,6 +633,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[key][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(listened), 2),
                                        "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
                                        "overhead_q3": round(hi, 4)}
+    if args.sink_split:
+        binary = TraceWriter(trace_path + binary_trace.SUFFIX, runner.cache.header())
+        sinks = {"json": writer.write_many, "msgpack": binary.write_many, "discard": lambda events: None}
+        for name, prompts in (("sinks_batch1", batch1), ("sinks_batch8", batch8)):
+            results[name] = sink_split(runner, sinks, prompts, E, args.sink_split)
+        binary.close()
     for name, prompts in (("digests_batch1", batch1), ("digests_batch8", batch8)):
         for mode in ("sample", "full"):
             results[f"{name}_{mode}_share"] = digest_share(runner, writer.write_many, prompts, E, mode)
@@ -614,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} on vs off ({clock} clock): step {r['off_ms']:.1f} ms off, {r['on_ms']:.1f} ms on, "
                   f"overhead {100 * r['overhead']:+.1f}% (median of {results[name]['pairs']} neighbouring step "
                   f"pairs; quartiles {100 * r['overhead_q1']:+.1f}% to {100 * r['overhead_q3']:+.1f}%)")
+    for name in ("sinks_batch1", "sinks_batch8") if args.sink_split else ():
+        r = results[name]["wall"]
+        parts = [f"{sink} {v['extra_ms']:+.3f} ms ({100 * v['share']:+.1f}%; {100 * v['share_q1']:+.1f}% to "
+                 f"{100 * v['share_q3']:+.1f}%)" for sink, v in r.items() if sink != "off_ms"]
+        print(f"{name} (wall clock, median of {results[name]['cycles']} cycles; quartiles): step {r['off_ms']:.1f} ms "
+              "unlistened, listened by " + ", ".join(parts))
     for name in ("digests_batch1", "digests_batch8"):
         for mode in ("sample", "full"):
             r = results[f"{name}_{mode}_share"]
