@@ -259,7 +259,9 @@ STUBBORN = """
 import os, signal, time
 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, signal.SIG_IGN)
-open({pids!r}, "w").write(str(os.getpid()))
+with open({pids!r} + ".tmp", "w") as f:  # whole or absent: the waiters test only that it exists
+    f.write(str(os.getpid()))
+os.replace({pids!r} + ".tmp", {pids!r})
 time.sleep(300)
 """
 
@@ -279,7 +281,7 @@ def test_a_workload_that_ignores_every_polite_signal_is_still_stopped(tmp_path, 
     pids_file = tmp_path / "pid"
     workload = STUBBORN.format(pids=str(pids_file))
     child = TracedChild([sys.executable, "-c", workload], str(tmp_path / "a.kvtrace"))
-    while not pids_file.exists() or not pids_file.read_text():
+    while not pids_file.exists():
         time.sleep(0.02)
     # WHEN kvdoctor stops it THEN it escalates to SIGKILL
     child.stop(timeout=0.3)
