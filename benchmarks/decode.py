@@ -119,14 +119,22 @@ def hf_decode(model: Any, prompts: list[list[int]], new_tokens: list[int], pad_i
     return rates
 
 
-def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: list[int]) -> tuple[float, float]:
-    """Decode tokens/s (wall, CPU) of the runner with continuous batching over the unpadded prompts."""
+def _prefilled(runner: Any, prompts: list[list[int]], new_tokens: int | list[int]) -> Any:
+    """A scheduler serving ``prompts`` in one batch to ``new_tokens`` each (one count, or one a prompt) whatever
+    they generate, after its first step: every prompt's prefill and first token, so what follows is decode."""
     from kvdoctor.engine.scheduler import Request, Scheduler
 
+    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
     sched = Scheduler(runner, max_batch=len(prompts))
-    for p, n in zip(prompts, new_tokens):
+    for p, n in zip(prompts, counts):
         sched.submit(Request(p, max_new_tokens=n, ignore_eos=True))
-    sched.step()  # every prompt's prefill and first token
+    sched.step()
+    return sched
+
+
+def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: list[int]) -> tuple[float, float]:
+    """Decode tokens/s (wall, CPU) of the runner with continuous batching over the unpadded prompts."""
+    sched = _prefilled(runner, prompts, new_tokens)
     t0 = _clocks()
     sched.run()
     rates = _rates(sum(n - 1 for n in new_tokens), t0)
@@ -139,12 +147,7 @@ def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list
     """Seconds per decode step (wall, CPU) with events off and with ``sink`` listening, alternating step
     by step in one continuous batch (off, on, on, off, …): each pair compares two neighbouring steps of
     the same batch, so machine load and the growing context hit both sides alike."""
-    from kvdoctor.engine.scheduler import Request, Scheduler
-
-    sched = Scheduler(runner, max_batch=len(prompts))
-    for p in prompts:
-        sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
-    sched.step()  # prefill
+    sched = _prefilled(runner, prompts, new_tokens)
     times: dict[str, list[float]] = {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []}
     i = 0
     while len(sched.done) < len(prompts):
@@ -178,17 +181,12 @@ def sink_split(runner: Any, sinks: dict[str, Callable[[list[Any]], None]], promp
     the unlistened step): a sink that discards the events measures what producing them costs the engine,
     a trace writer what writing them adds. Medians of each sink's step minus its cycle's unlistened step,
     with quartiles; a step's spread on a shared machine needs hundreds of cycles to resolve 0.5%."""
-    from kvdoctor.engine.scheduler import Request, Scheduler
-
     names = list(sinks)
     extra: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in names}
     off: dict[str, list[float]] = {"wall": [], "cpu": []}
     cycles = 0
     for _ in range(runs):
-        sched = Scheduler(runner, max_batch=len(prompts))
-        for p in prompts:
-            sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
-        sched.step()  # prefill
+        sched = _prefilled(runner, prompts, new_tokens)
         while sched.live:
             base = _timed_step(runner, sched, None)
             steps = []
@@ -207,9 +205,8 @@ def sink_split(runner: Any, sinks: dict[str, Callable[[list[Any]], None]], promp
         step = _median(off[clock])
         out[clock] = {"off_ms": round(1e3 * step, 2)}
         for name in names:
-            lo, hi = _quartiles(extra[name][clock])
-            out[clock][name] = {"extra_ms": round(1e3 * _median(extra[name][clock]), 3),
-                                "share": round(_median(extra[name][clock]) / step, 4),
+            mid, (lo, hi) = _median(extra[name][clock]), _quartiles(extra[name][clock])
+            out[clock][name] = {"extra_ms": round(1e3 * mid, 3), "share": round(mid / step, 4),
                                 "share_q1": round(lo / step, 4), "share_q3": round(hi / step, 4)}
     return out
 
@@ -293,14 +290,9 @@ class _Timers:
 def _listened_decode(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
                      timers: _Timers, each_step: Callable[[], None] = lambda: None) -> tuple[int, float]:
     """Decode ``prompts`` with ``sink`` listening, ``timers`` reset after the prefill; decode steps and seconds."""
-    from kvdoctor.engine.scheduler import Request, Scheduler
-
     runner.bus.subscribe(sink)
     try:
-        sched = Scheduler(runner, max_batch=len(prompts))
-        for p in prompts:
-            sched.submit(Request(p, max_new_tokens=new_tokens, ignore_eos=True))
-        sched.step()  # prefill
+        sched = _prefilled(runner, prompts, new_tokens)
         timers.reset()
         steps, t0 = 0, time.perf_counter()
         while sched.live:
