@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,10 +74,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_file(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> dict:
+def _wait_file(path: Path, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> Any:
+    """The JSON ``path`` holds once it appears (its writers rename it into place whole), while ``proc``, where
+    given, still runs."""
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, f"the parent exited early ({proc.returncode})"
+        assert proc is None or proc.poll() is None, f"the parent exited early ({proc.returncode})"
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
     return json.loads(path.read_text())
@@ -168,11 +171,7 @@ def test_stop_ends_the_whole_group_and_releases_the_guard(tmp_path):
     pids_file = tmp_path / "pids.json"
     trace = str(tmp_path / "w.kvtrace")
     child = TracedChild([sys.executable, "-c", WORKLOAD.format(tests=TESTS, pids=str(pids_file))], trace)
-    deadline = time.monotonic() + 30
-    while not pids_file.exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    pids = json.loads(pids_file.read_text())
+    pids = _wait_file(pids_file)
     # WHEN it is stopped
     child.stop()
     # THEN both processes are gone, the workload closed its trace on the Ctrl-C it got first,
@@ -235,11 +234,7 @@ def test_the_workload_of_watch_stops_however_the_tui_ends(tmp_path, started, how
     tmux = started(["tmux", "-L", server, "new-session", "-d", "-x", "100", "-y", "30", command])
     tmux.wait(30)
     try:
-        deadline = time.monotonic() + 60
-        while not pids_file.exists():
-            assert time.monotonic() < deadline, "the workload never started"
-            time.sleep(0.05)
-        pids = json.loads(pids_file.read_text())
+        pids = _wait_file(pids_file, timeout=60)
         started.leftovers += [pids["workload"], pids["grandchild"]]
         # WHEN the terminal goes away (every process in it gets SIGHUP), or the TUI gets a signal
         if how == "close-terminal":
@@ -281,8 +276,7 @@ def test_a_workload_that_ignores_every_polite_signal_is_still_stopped(tmp_path, 
     pids_file = tmp_path / "pid"
     workload = STUBBORN.format(pids=str(pids_file))
     child = TracedChild([sys.executable, "-c", workload], str(tmp_path / "a.kvtrace"))
-    while not pids_file.exists():
-        time.sleep(0.02)
+    _wait_file(pids_file)
     # WHEN kvdoctor stops it THEN it escalates to SIGKILL
     child.stop(timeout=0.3)
     assert child.returncode == -signal.SIGKILL
