@@ -187,9 +187,10 @@ def build_runner(lm: Any, scenario: Scenario):
 
 
 def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any = None,
-                 listeners: tuple = (), corrupt: Any = None) -> Tally:
+                 listeners: tuple = (), corrupt: Any = None, record: Recorder | None = None) -> Tally:
     """Every request of ``specs`` through one engine built for ``scenario``, checked live. ``corrupt``
-    (a function of the scaled scores) is applied to the middle layer's attention from step 2 on."""
+    (a function of the scaled scores) is applied to the middle layer's attention from step 2 on;
+    ``record`` keeps the run's events, tokens and findings for a before/after diff."""
     from kvdoctor.engine.runner import SamplingParams
     from kvdoctor.engine.scheduler import Request, Scheduler
     from kvdoctor.events import SwapOut
@@ -202,7 +203,7 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
         middle = lm.config.num_hidden_layers // 2
         runner.cache.score_hook = lambda layer: corrupt if layer == middle and runner.bus.step >= 2 else None
     session = Session.on_bus(runner.bus, config, header=runner.cache.header())
-    for listen in listeners:
+    for listen in listeners + ((record.events,) if record is not None else ()):
         runner.bus.subscribe(listen)
     sched = Scheduler(runner, max_batch=scenario.max_batch, max_step_tokens=scenario.max_step_tokens)
     tally = Tally(requests=len(specs))
@@ -231,6 +232,8 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
         tally.seq_steps += len(result.rows)
         tally.tokens += result.num_tokens
         tally.preempted += len(result.preempted)
+        if record is not None:
+            record.tokens.extend([str(g.seq), g.token_ids, g.finish_reason] for g in result.finished)
     tally.seconds = time.perf_counter() - t0
     cache = runner.cache
     tally.leaked = {b.id for b in cache.pool.blocks.values() if not any(o in cache.seqs for o in b.owners)}
@@ -239,11 +242,44 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
     session.close()
     tally.events = session.num_events
     tally.found = list(session.findings)
+    if record is not None:
+        record.save(scenario.name, tally.found)
     for f in session.findings:
         key = f"{f.check}/{f.rule}"
         tally.findings[key] += 1
         tally.examples.setdefault(key, f"[{scenario.name}] {f.message}")
     return tally
+
+
+class Recorder:
+    """A run's events (without wall-clock fields), finished tokens and findings, written to ``DIR/NAME.*``
+    so two commits' runs of the same corpus can be compared with ``diff -r``: a refactoring that changes
+    no behaviour leaves every file equal."""
+
+    _CLOCK = ("t", "duration_ns")
+
+    def __init__(self, directory: str) -> None:
+        from pathlib import Path
+
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.lines: list[str] = []
+        self.tokens: list[list] = []
+
+    def events(self, events: list) -> None:
+        from kvdoctor.events import to_dict
+
+        for e in events:
+            d = to_dict(e)
+            if d["kind"] != "mem":  # memory probes read the process, not the engine
+                self.lines.append(json.dumps({k: v for k, v in d.items() if k not in self._CLOCK}))
+
+    def save(self, name: str, findings: list) -> None:
+        (self.dir / f"{name}.events.jsonl").write_text("\n".join(self.lines) + "\n")
+        (self.dir / f"{name}.tokens.json").write_text(json.dumps(self.tokens) + "\n")
+        rows = [[f.check, f.rule, f.severity, str(f.seq), f.block, f.layer, f.step, f.message] for f in findings]
+        (self.dir / f"{name}.findings.json").write_text("\n".join(map(json.dumps, rows)) + "\n")
+        self.lines, self.tokens = [], []
 
 
 # ---- recall on the engine's faults --------------------------------------------------------------------
@@ -270,7 +306,8 @@ def _target_layer(hits: list, lm: Any) -> bool:
         f.seq is not None for f in hits)
 
 
-def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], corrupt: Any = None) -> FaultResult:
+def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], corrupt: Any = None,
+              record: Recorder | None = None) -> FaultResult:
     """``fault`` on a small workload that exercises it: a 12-block device tier and random priorities
     (preemption by swap, blocks that go down and come back up several times), clients abandoning
     swapped-out requests, batches of several rows, greedy decoding to the full length."""
@@ -279,7 +316,7 @@ def run_fault(lm: Any, fault: str, rule: str, specs: list[Spec], corrupt: Any = 
                         pressure=True, abort_rate=0.3 if fault == "leak-swapped" else 0.0, fault=engine_fault,
                         codec="nf4" if fault == "wrong-scale" else None)  # a scale exists only where codes are stored
     greedy = [Spec(s.ids, s.chat, True, s.max_new_tokens, s.seed) for s in specs]
-    tally = run_scenario(lm, scenario, greedy, corrupt=corrupt)
+    tally = run_scenario(lm, scenario, greedy, corrupt=corrupt, record=record)
 
     def matches(f: Any) -> bool:  # a rule "check/rule", or a whole check for the content faults
         return f"{f.check}/{f.rule}" == rule or f.check == rule
@@ -349,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", help="comma-separated faults and corruptions to run (default: all)")
     p.add_argument("--learn-profile", metavar="OUT", help="also learn an attention profile from the corpus into OUT")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--record", metavar="DIR", help="write each run's events, tokens and findings to DIR (diff two commits)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     lo, hi = (int(x) for x in args.new_tokens.split(","))
@@ -363,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "scenarios": {}}
     total = Tally()
     learner = None
+    record = Recorder(args.record) if args.record else None
     if args.learn_profile:
         from kvdoctor.checks.attention_profile import ProfileBuilder
 
@@ -374,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             if not part:
                 continue
             listeners = (learner.feed,) if learner is not None else ()
-            tally = run_scenario(lm, scenario, part, listeners=listeners)
+            tally = run_scenario(lm, scenario, part, listeners=listeners, record=record)
             total.add(tally)
             out["scenarios"][scenario.name] = tally.as_dict()
             print(f"{scenario.name:10} {tally.requests:4} requests {tally.seq_steps:6} seq-steps "
@@ -393,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(name, rule, fn) for name, (fn, rule) in CORRUPTIONS.items()]
         runs = [r for r in runs if not args.faults or r[0] in args.faults.split(",")]
         for fault, rule, corrupt in runs:
-            r = run_fault(lm, fault, rule, fault_specs, corrupt)
+            r = run_fault(lm, fault, rule, fault_specs, corrupt, record)
             results.append(r)
             print(f"fault {fault:15} caught={r.caught} right_target={r.right_target} {r.detail}",
                   file=sys.stderr, flush=True)
