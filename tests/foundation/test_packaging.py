@@ -17,10 +17,11 @@ FOLDERS = {"kvdoctor": "kvdoctor", "engine": "kvdoctor.engine", "checks": "kvdoc
 # What each layer may import from kvdoctor itself. The trace format is part of the contract, so the
 # engine may write traces; checks see events and findings only.
 ALLOWED = {
-    "kvdoctor.engine": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.engine"),
-    "kvdoctor.checks": ("kvdoctor.events", "kvdoctor.findings", "kvdoctor.checks"),
+    "kvdoctor.engine": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.knobs", "kvdoctor.engine"),
+    "kvdoctor.checks": ("kvdoctor.events", "kvdoctor.findings", "kvdoctor.knobs", "kvdoctor.checks"),
     # Producers for other engines: another engine's trace must not depend on ours.
-    "kvdoctor.integrations": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.integrations"),
+    "kvdoctor.integrations": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.knobs",
+                              "kvdoctor.integrations"),
 }
 FORBIDDEN_THIRD_PARTY = {"kvdoctor.checks": ("torch", "transformers", "numpy", "textual")}
 
