@@ -13,9 +13,8 @@ entropy in nats, the probability mass on the sequence's first block (attention
 sinks), and the number of non-finite scores or probabilities. ``layer_stats`` takes the
 same statistics from each layer's scores as they are, without stacking them, on CPU in
 two compiled vector passes per head (``attn_stats.c``, built by ``native``), in decode from
-the probabilities attention computed, with no exponential: the dozen torch passes cost
-0.7 ms of a 38 ms SmolLM2 step at batch 1 and 1.7 ms at batch 8, the compiled ones 0.24 and
-0.62 ms with their events (docs/benchmarks.md). When they are not
+the probabilities attention computed, with no exponential, a fraction of what the dozen torch
+passes they stand in for cost (those run where no compiler is). When they are not
 due, prefill takes PyTorch's fused ``scaled_dot_product_attention``; decode (one
 query per row) is explicit either way, as fast as the fused kernel at that size, so
 a step with statistics attends no slower than one without.

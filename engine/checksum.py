@@ -7,18 +7,16 @@ would not. It is an opaque value to everything else (compared for equality, carr
 ``checksum_error`` events), so only this module defines it.
 
 *Why fused.* A copy that is checked costs a second trip over the bytes unless the check is
-made while the bytes are in registers. Measured on a 2-core AMD EPYC (Zen, AVX2), 90 MiB of
-KV blocks, medians of interleaved runs (docs/benchmarks.md): a plain memcpy 6.6-7.7 GB/s; copy
-then sum in cache-sized pieces 0.79-0.83x of it (numpy's sum), xxh3 from ``xxhash`` 0.79-0.83x,
-CRC32C from ``crc32c`` 0.75x (both hash from cache at 24-48 GB/s, but the second pass is
-what costs); one loop that stores each word and adds it to the sum, compiled by numba (LLVM
-vectorises it), 1.00-1.07x. On the Intel Xeon of issue 18 that loop ran at 0.91x: its regular stores
-read each destination line before writing it, which memcpy's string moves do not. ``checksum.c`` is
-the same loop with non-temporal stores for large batches (1.2x a memcpy there); numba's is the
-fallback where no C compiler is. The kernel is made by ``prepare`` when an engine with a slower tier
-starts (compiled once, then loaded from a cache on disk; numba's costs 0.6-1.5 s a process, most of it
-numba's own import), in a thread of its own, so neither importing the engine nor its first steps
-wait for it (the demo's first token came 0.8 s later when they did); a swap before it is ready waits.
+made while the bytes are in registers: copying and then hashing from cache (numpy's sum, xxh3,
+CRC32C) loses a sixth to a third of a memcpy's bandwidth however fast the hash, because the
+second pass is what costs; one loop that stores each word and adds it to the sum runs at memcpy's speed.
+``checksum.c`` is that loop with non-temporal stores for large batches: regular stores read each
+destination line before writing it, a third trip over the bytes that memcpy's string moves skip.
+numba's loop (LLVM vectorises it) is the fallback where no C compiler is. Figures per CPU:
+docs/benchmarks.md, "Engine tiers". The kernel is made by ``prepare`` when an engine with a slower
+tier starts (compiled once, then loaded from a cache on disk; numba's costs up to a second and a half
+a process, most of it numba's own import), in a thread of its own, so neither importing the engine nor
+its first steps wait for it; a swap before it is ready waits.
 """
 
 from __future__ import annotations

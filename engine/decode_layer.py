@@ -1,13 +1,13 @@
 """A decode step's layers in one compiled call, for plain Llama models on CPU.
 
-At batch 1 a bf16 SmolLM2 step spent as long in the glue between its products as in the products:
-~60 small torch ops a layer (norms, rotations, dtype conversions, the SwiGLU product, residuals, the
-attention's gathers and softmax), 1.5-5 us each. ``decode_layer.c`` does a layer's glue in a few
+On the torch path a bf16 SmolLM2 decode step at batch 1 spends as long in the glue between its products
+as in the products: ~60 small torch ops a layer (norms, rotations, dtype conversions, the SwiGLU product,
+residuals, the attention's gathers and softmax), each a few microseconds. ``decode_layer.c`` does a layer's glue in a few
 passes over rows of a few hundred floats: RMSNorm, the q/k/v product, RoPE, the new K/V into the
 cache's arena where the cache's store plan puts them (``PagedKVCache.store_rows``; the runner then
 books them with ``stored``, so digests are the cache's as always), attention over the layer's paged
 K/V, the o product, residual, RMSNorm, the gate/up product, SiLU, the down product, residual; every
-layer of the step in one call (a call per half-layer cost ~0.5 ms a step in ctypes and Python). It
+layer of the step in one call (a call per half-layer would cost ~0.5 ms a step in ctypes and Python). It
 computes what the torch path computes, rounding bf16 where torch's bf16 ops round (see the C file);
 it hands back each row's newest-query scores and probabilities, so attention statistics see what
 attention used.

@@ -3,10 +3,10 @@ one TLB entry each 4 KB.
 
 A SmolLM2 decode step reads 270 MB (bf16) to 540 MB (fp32) of weights: on 4 KB pages that is 66,000 to
 132,000 page translations a step, far more than the TLB holds, so each page's first read waits on a page
-walk. On 2 MB pages the same weights take 135 to 270 translations. (The event path's cost after the stream
-is cache misses, not page walks: it is the same on either, docs/benchmarks.md.) Measured on
-the Intel Xeon against the same model on 4 KB pages (docs/benchmarks.md, ``decode.py --page-pairs``): fp32
-decode 1.07-1.10x, bf16 1.03-1.13x at batch 1 and 0.99-1.03x at batch 8 (there the tiles make it more compute).
+walk. On 2 MB pages the same weights take 135 to 270 translations. The gain is largest where a step is
+most a stream of weights (fp32, batch 1) and vanishes where it is more compute than stream (bf16 at batch 8
+on AMX tiles); the event path's cost after the stream is cache misses, not page walks, and is the same on
+either (figures: docs/benchmarks.md, ``decode.py --page-pairs``).
 
 Linux gives a private anonymous mapping 2 MB pages where it is advised ``MADV_HUGEPAGE`` and transparent
 huge pages are not switched off (``/sys/kernel/mm/transparent_hugepage/enabled``: "always" or "madvise").

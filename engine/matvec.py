@@ -1,11 +1,11 @@
 """The decode step's matrix products on CPU: a small C kernel that reads each weight once, on both cores.
 
 A decode step multiplies a few rows (one per sequence) by every weight of the model, so it is
-bound by how fast the weights stream from memory. On the 2-core AMD EPYC we measure on, MKL's
-one-row product (``F.linear``) runs at one core's bandwidth (11-12 GB/s) whether torch has one
-thread or two, and oneDNN's prepacked product does little better; a plain loop split across
-torch's own OpenMP threads streams 17-20 GB/s, and for up to 16 rows beats both (SmolLM2's
-linear weights, medians, docs/benchmarks.md). Above ``MAX_ROWS`` (prefill) MKL's GEMM is faster.
+bound by how fast the weights stream from memory. MKL's one-row product (``F.linear``) streams at
+one core's bandwidth whether torch has one thread or two, and oneDNN's prepacked product does little
+better; a plain loop split across torch's own OpenMP threads streams at what both cores give, and up
+to ``MAX_ROWS`` rows it beats both (figures: docs/benchmarks.md, "The decode path's parts"). Above
+``MAX_ROWS`` (prefill) MKL's GEMM is faster.
 bfloat16 weights stream half the bytes: multiplied on AMX's tiles from 4 rows on where the CPU has them,
 by AVX-512 BF16's dot products below that, and elsewhere widened to float32 in registers (two integer
 operations per 16 weights). At 8 rows the products are as much compute as streaming, which is what the
