@@ -31,9 +31,10 @@ back to the compute dtype. Quantized rows are bytes (``uint8``):
   inside the group's range the codes do not change (the range's ends are stored
   exactly and decode back to themselves); a key outside widens the range, and the
   earlier keys are rounded again onto the coarser grid — at most half a step more
-  each time. Measured on the same 4096 tokens with every group filled one token
-  at a time (all decoding, the worst case): +3.3% perplexity against +2.1% for
-  groups encoded whole (prefill chunks, which ``benchmarks/quality.py`` measures).
+  each time. On the same 4096 tokens with every group filled one token at a time
+  (all decoding, the worst case) that costs +3.3% perplexity against +2.1% for
+  groups encoded whole (prefill chunks, which ``benchmarks/quality.py`` measures;
+  figures in docs/quality.md).
   NF4 does not use the calibration: a key group carries its own ranges.
 
 Calibrated key scales are rotation-invariant: RoPE rotates channel pairs
