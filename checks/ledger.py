@@ -44,7 +44,15 @@ class SeqState:
 
 
 class Ledger:
-    """Updated by the suite after the checks saw each event (``appliers``); checks read it."""
+    """Updated by the suite after the checks saw each event (``appliers``); checks read it.
+
+    It is also the one fold of block ownership and tiers: the TUI's block map applies the same
+    updates (``OWNERSHIP``), so the map and the checks cannot tell two stories about a block.
+    """
+
+    # The events that change who owns a block or where it sits; ``owners``, ``tier``, ``used`` and
+    # each sequence's ``blocks`` follow from these alone.
+    OWNERSHIP: frozenset[type] = frozenset({SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, SwapOut, SwapIn})
 
     def __init__(self, *, history: int = 12, freed_kept: int = FREED_KEPT, ended_kept: int = ENDED_KEPT) -> None:
         self.history_len = history

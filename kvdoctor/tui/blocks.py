@@ -11,7 +11,7 @@ walks the table.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Any
+from typing import Any, Collection
 
 from ..events import PREFIX_CACHE
 
@@ -50,7 +50,7 @@ class BlockRecord:
         self.block = block
         self.cell = cell
         self.tier = FREE
-        self.owners: list[Any] = []
+        self.owners: Collection[Any] = frozenset()  # the checks' fold's own set while allocated (see Monitor._sync)
         self.version = 0
         self.flags = 0
         self.born: Any = None  # the Alloc event of the current allocation (with its stack, when recorded)

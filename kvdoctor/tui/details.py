@@ -132,7 +132,7 @@ def describe_block(m: Monitor, block: int) -> Text | None:
     flags = [n for f, n in ((UNOWNED, "unowned"), (LEAKED, "leaked"), (STALE, "stale")) if rec.flags & f]
     if flags:
         out.append("  " + " ".join(flags), "bold red")
-    out.append(f"\nowners: {', '.join(map(str, rec.owners)) or 'none'}   version: {rec.version}")
+    out.append(f"\nowners: {', '.join(sorted(map(str, rec.owners))) or 'none'}   version: {rec.version}")
     out.append(f"   last read at step: {'-' if rec.last_read_step is None else rec.last_read_step}\n")
     mine = [f for f in m.findings if f.block == block]
     if mine:

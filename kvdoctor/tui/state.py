@@ -20,9 +20,10 @@ from ..events import (
     TIERS, Alloc, Attn, AttnStep, Batch, ChecksumError, Evict, Free, Header, Mem, Prefetch, Read, Release,
     Recode, Rollback, SeqEnd, SeqStart, Share, StepEnd, SwapIn, SwapOut, TraceEnd, Unknown, Usage, Write,
 )
+from ..checks import Ledger
 from ..findings import Finding
 from ..limits import Limits
-from .blocks import FREE, LEAKED, STALE, TIER_CODES, UNOWNED, BlockTable
+from .blocks import FREE, LEAKED, STALE, TIER_CODES, UNOWNED, BlockRecord, BlockTable
 
 __all__ = ["Monitor", "Snapshot", "TierView", "LayerView", "SeqRecord", "MEM_SERIES"]
 
@@ -30,6 +31,7 @@ _SPARK_LEN = 240          # samples kept per sparkline (one per step)
 _LOG_LEN = 2000           # events kept for the log tail
 _MAX_FINDINGS = 5000      # findings kept for the list (the counts keep going)
 _RATE_WINDOW_NS = 2_000_000_000
+_NO_OWNERS: frozenset = frozenset()  # a free block's owners
 _SERIALS = itertools.count(1)  # shared by all monitors: a replay that rebuilds its monitor keeps counting up
 
 # Memory timeline rows: (label, Mem field or "kv:<tier>" for a tier's KV bytes from `usage`).
@@ -46,13 +48,13 @@ class SeqRecord:
 
     __slots__ = ("seq", "prompt_len", "start_step", "end_step", "reason", "blocks", "length", "version", "stack")
 
-    def __init__(self, seq: Any, prompt_len: int, step: int, stack: list[str] | None) -> None:
+    def __init__(self, seq: Any, prompt_len: int, step: int, stack: list[str] | None, blocks: set[int]) -> None:
         self.seq = seq
         self.prompt_len = prompt_len
         self.start_step = step
         self.end_step: int | None = None
         self.reason: str | None = None
-        self.blocks: set[int] = set()
+        self.blocks = blocks  # the checks' fold's set: it keeps it, the record shows it (ended too)
         self.length = 0
         self.version = 0
         self.stack = stack
@@ -140,6 +142,9 @@ class Monitor:
     def __init__(self, header: Header | None = None, limits: Limits | None = None) -> None:
         limits = limits or Limits()
         self.header: Header | None = None
+        # Who owns each block and where it sits: the checks' own fold, so the map shows what they judge.
+        self.fold = Ledger(history=1, freed_kept=0, ended_kept=limits.tui_ended_seqs)
+        self._fold_apply = {cls: fn for cls, fn in self.fold.appliers().items() if cls in Ledger.OWNERSHIP}
         self.blocks = BlockTable(max_free=limits.tui_freed_blocks)
         self.max_ended = limits.tui_ended_seqs
         self.seqs: dict[Any, SeqRecord] = {}
@@ -167,8 +172,8 @@ class Monitor:
         self._prefix_hits = self._prefix_lookups = 0
         self._ids_cache: tuple[int, tuple[int, ...]] = (-1, ())
         self._handlers: dict[type, Callable[[Any], None]] = {
-            SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._share,
-            Release: self._release, Free: self._free, Evict: self._free, Write: self._write,
+            SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._owners_change,
+            Release: self._owners_change, Free: self._free, Evict: self._free, Write: self._write,
             Read: self._read, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
             Batch: self._batch, Attn: self._attn, AttnStep: self._attn_step, Usage: self._usage_ev, Mem: self._mem_ev,
             StepEnd: self._step_end, ChecksumError: self._checksum, Prefetch: _ignore,
@@ -317,77 +322,62 @@ class Monitor:
     # ---- handlers -----------------------------------------------------------------------
 
     def _seq_start(self, ev: SeqStart) -> None:
-        self.seqs[ev.seq] = SeqRecord(ev.seq, ev.prompt_len, ev.step, ev.stack)
+        self._fold_apply[SeqStart](ev)
+        self.seqs[ev.seq] = SeqRecord(ev.seq, ev.prompt_len, ev.step, ev.stack, self.fold.seqs[ev.seq].blocks)
 
     def _seq_end(self, ev: SeqEnd) -> None:
+        fold = self.fold
+        state = fold.seqs.get(ev.seq)
+        held = [b for b in state.blocks if ev.seq in fold.owners.get(b, ())] if state is not None else []
+        self._fold_apply[SeqEnd](ev)
+        for b in held:
+            brec = self.blocks.records.get(b)
+            if brec is not None:
+                brec.history.append(ev)
+                self._sync(brec)
         rec = self.seqs.pop(ev.seq, None)
         if rec is None:
             return
         rec.end_step, rec.reason = ev.step, ev.reason
-        table = self.blocks
-        for b in rec.blocks:
-            brec = table.records.get(b)
-            if brec is not None and ev.seq in brec.owners:
-                brec.owners.remove(ev.seq)
-                brec.history.append(ev)
-                if not brec.owners:
-                    self._unowned.add(b)
-                table.recode(brec)
         self._ended[ev.seq] = rec
         if len(self._ended) > self.max_ended:
             self._ended.popitem(last=False)
 
     def _alloc(self, ev: Alloc) -> None:
-        table = self.blocks
-        rec = table.get(ev.block)
-        rec.tier = TIER_CODES.get(ev.tier, 1)
-        rec.owners = [ev.seq]
+        self._fold_apply[Alloc](ev)
+        rec = self.blocks.get(ev.block)
         rec.version = 0
         rec.flags = 0
         rec.codec = ev.codec
         rec.born = ev
         rec.history.append(ev)
-        table.recode(rec)
-        s = self.seqs.get(ev.seq)
-        if s is not None:
-            s.blocks.add(ev.block)
+        self._sync(rec)
 
-    def _share(self, ev: Share) -> None:
-        table = self.blocks
-        rec = table.get(ev.block)
-        if ev.seq not in rec.owners:
-            rec.owners.append(ev.seq)
+    def _owners_change(self, ev: Share | Release) -> None:
+        self._fold_apply[type(ev)](ev)
+        rec = self.blocks.get(ev.block)
         rec.history.append(ev)
-        table.recode(rec)
-        s = self.seqs.get(ev.seq)
-        if s is not None:
-            s.blocks.add(ev.block)
-
-    def _release(self, ev: Release) -> None:
-        table = self.blocks
-        rec = table.get(ev.block)
-        rec.history.append(ev)
-        if ev.seq in rec.owners:
-            rec.owners.remove(ev.seq)
-            if not rec.owners:
-                self._unowned.add(ev.block)
-            table.recode(rec)
-        s = self.seqs.get(ev.seq)
-        if s is not None:
-            s.blocks.discard(ev.block)
+        self._sync(rec)
 
     def _free(self, ev: Free | Evict) -> None:
-        table = self.blocks
-        rec = table.get(ev.block)
+        self._fold_apply[type(ev)](ev)
+        rec = self.blocks.get(ev.block)
         rec.history.append(ev)
-        for owner in rec.owners:
-            s = self.seqs.get(owner)
-            if s is not None:
-                s.blocks.discard(ev.block)
-        rec.owners = []
-        rec.tier = FREE
         rec.flags = 0
-        table.recode(rec)
+        self._sync(rec)
+
+    def _sync(self, rec: BlockRecord) -> None:
+        """Show the block as the fold now has it: its tier and owners, and whether it lost its last owner."""
+        fold = self.fold
+        tier = fold.tier.get(rec.block)
+        owners = fold.owners.get(rec.block)
+        rec.tier = FREE if tier is None else TIER_CODES.get(tier, 1)  # a tier we do not draw shows as device
+        rec.owners = owners if owners is not None else _NO_OWNERS
+        if owners:
+            rec.flags &= ~UNOWNED  # owned again (a prefix-cache hit, say): the leak check stops counting it too
+        elif tier is not None:
+            self._unowned.add(rec.block)
+        self.blocks.recode(rec)
 
     def _write(self, ev: Write) -> None:
         rec = self.blocks.records.get(ev.block)
@@ -410,14 +400,12 @@ class Monitor:
                 rec.last_read_step = ev.step
 
     def _swap(self, ev: SwapOut | SwapIn) -> None:
-        table = self.blocks
-        rec = table.get(ev.block)
+        self._fold_apply[type(ev)](ev)
+        rec = self.blocks.get(ev.block)
         rec.history.append(ev)
         if ev.codec is not None:
             rec.codec = ev.codec
-        if rec.tier != FREE:
-            rec.tier = TIER_CODES.get(ev.dst, rec.tier)
-            table.recode(rec)
+        self._sync(rec)
 
     def _recode(self, ev: Recode) -> None:
         rec = self.blocks.get(ev.block)
