@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from ..knobs import VERIFY_MODES  # content digests: see engine.digest
 from .faults import FAULTS
 
-VERIFY_MODES = ("off", "sample", "full")  # content digests: see engine.digest
 DISK_IO_MODES = ("auto", "direct", "buffered")  # disk arena I/O: see engine.storage.DiskArena
 
 __all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED", "VERIFY_MODES",

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from .. import knobs
 from . import native
 from .attention import AttnStats, Newest
 from .matvec import MAX_ROWS
@@ -120,7 +120,7 @@ class DecodeLayers:
     def for_model(cls, model: Any, modules: Sequence[Any], weights: Sequence[LayerWeights]) -> DecodeLayers | None:
         """For a plain Llama model on CPU in float32 or bf16 whose projections run on the matvec kernel
         (``KVDOCTOR_DECODE_LAYER=0`` switches them off: the torch path, as for a benchmark's A/B)."""
-        if os.environ.get("KVDOCTOR_DECODE_LAYER", "1") == "0":
+        if not knobs.get(knobs.DECODE_LAYER):
             return None
         cfg = model.config
         param = next(model.parameters())

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
@@ -47,12 +46,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from .. import knobs
 from . import native
 from .config import VERIFY_MODES
 
-__all__ = ["VERIFY_MODES", "VERIFY_ENV", "MASK64", "resolve_verify", "BlockRecord", "DigestBook"]
+__all__ = ["VERIFY_MODES", "MASK64", "resolve_verify", "BlockRecord", "DigestBook"]
 
-VERIFY_ENV = "KVDOCTOR_VERIFY"
 MASK64 = (1 << 64) - 1  # digests and the swap checksums (tiers) are 64-bit wrapping sums
 _SEED = 0x6B76646F63746F72  # "kvdoctor": the weights are fixed, so every run and producer agrees
 _STAGE_PARTS_MAX = 64  # tokens per store kept as tensors until commit; larger stores are summed at once
@@ -62,10 +61,9 @@ _NP_INT = {2: np.int16, 4: np.int32}
 
 def resolve_verify(mode: str | None) -> str:
     """The verification mode in force: ``mode`` if given, else ``$KVDOCTOR_VERIFY``, else ``"sample"``."""
-    chosen = mode or os.environ.get(VERIFY_ENV, "").strip() or "sample"
+    chosen = mode or knobs.get(knobs.VERIFY)  # the knob validates the variable's value
     if chosen not in VERIFY_MODES:
-        where = f"{VERIFY_ENV}={chosen!r}" if not mode else f"verify={chosen!r}"
-        raise ValueError(f"{where}: must be one of {', '.join(VERIFY_MODES)}")
+        raise ValueError(f"verify={chosen!r}: must be one of {', '.join(VERIFY_MODES)}")
     return chosen
 
 

@@ -9,12 +9,11 @@ real one. All faults are off unless ``EngineConfig(fault=NAME)`` or the
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
-__all__ = ["FAULTS", "CONTENT_FAULTS", "ENV_VAR", "resolve_fault", "Faults"]
+from .. import knobs
 
-ENV_VAR = "KVDOCTOR_FAULT"
+__all__ = ["FAULTS", "CONTENT_FAULTS", "resolve_fault", "Faults"]
 
 FAULTS: dict[str, str] = {
     "leak-swapped": "blocks swapped out to host or disk are forgotten when their sequence ends: "
@@ -63,11 +62,11 @@ def resolve_fault(name: str | None) -> str | None:
     """The fault in force: ``name`` if given, else ``$KVDOCTOR_FAULT``; validated."""
     if name:
         return name
-    env = os.environ.get(ENV_VAR, "").strip()
+    env = knobs.get(knobs.FAULT)
     if not env:
         return None
     if env not in FAULTS:
-        raise ValueError(f"{ENV_VAR}={env!r}: must be one of {', '.join(FAULTS)}")
+        raise ValueError(f"{knobs.FAULT.name}={env!r}: must be one of {', '.join(FAULTS)}")
     return env
 
 

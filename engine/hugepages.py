@@ -21,13 +21,14 @@ import ctypes
 import functools
 import math
 import mmap
-import os
 import sys
 import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .. import knobs
 
 __all__ = ["HUGE_PAGE", "NOT_LINUX", "SWITCHED_OFF", "Arena", "enabled", "give_back", "holds", "unavailable"]
 
@@ -44,7 +45,7 @@ NOT_LINUX = "not Linux: no transparent huge pages"
 
 def unavailable() -> str | None:
     """Why a mapping that asks gets no 2 MB pages here, or None when it does."""
-    if os.environ.get("KVDOCTOR_HUGEPAGES", "1") == "0":
+    if not knobs.get(knobs.HUGEPAGES):
         return SWITCHED_OFF
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return NOT_LINUX

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .. import knobs
 from . import native
 
 __all__ = ["DTYPES", "MAX_ROWS", "Matvec", "load", "probe"]
@@ -61,7 +61,7 @@ class Matvec:
 @functools.cache
 def probe() -> Matvec | str:
     """The compiled kernel, or why there is none here (see the module's notes); built once a process."""
-    if os.environ.get("KVDOCTOR_MATVEC", "1") == "0":
+    if not knobs.get(knobs.MATVEC):
         return "switched off by KVDOCTOR_MATVEC=0"
     args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib = native.load(_SOURCE, {"kvdoctor_matvec_f32": args, "kvdoctor_matvec_bf16": args})

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import knobs
+
 __all__ = [
     "LoadedModel",
     "ModelLoadError",
@@ -89,7 +91,7 @@ def embedded_gguf() -> Path:
 
 
 def models_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = knobs.get(knobs.XDG_CACHE_HOME) or str(Path.home() / ".cache")
     return Path(base) / "kvdoctor" / "models"
 
 

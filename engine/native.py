@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import knobs
 from .model import models_dir
 
 __all__ = ["function", "library_of", "load"]
@@ -92,7 +93,7 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | str:
     ctypes; they return nothing) typed; or why it cannot run here on torch's threads."""
     if not torch.backends.openmp.is_available():
         return "this torch build has no OpenMP thread pool to share"
-    cc = os.environ.get("CC", "cc")
+    cc = knobs.get(knobs.CC)
     try:
         before = _mapped_libgomp()  # torch's, loaded with torch
         lib = ctypes.CDLL(str(_build(cc, source)))

@@ -1,8 +1,9 @@
 """The ``kvdoctor`` command line: one subcommand per module in ``kvdoctor.commands``.
 
-Exit codes (documented in README and docs/cli.md, relied on by CI gates):
+Exit codes (``errors.EXIT_CODES``, listed in README and docs/cli.md, relied on by CI gates):
 0 ok; 1 findings at or above ``--fail-on``; 2 usage or configuration error;
-3 unreadable or incompatible trace. Bad input is one line on stderr, never a traceback.
+3 unreadable or incompatible trace; 4 the engine failed while running. Bad input is one line on
+stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pkgutil
 import sys
 from typing import NoReturn
 
-from . import commands
-from .errors import EXIT_TRACE, EXIT_USAGE, KvdoctorError
+from . import commands, knobs
+from .errors import EXIT_CODES, EXIT_USAGE, KvdoctorError
 
 __all__ = ["main", "build_parser"]
 
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvdoctor",
         description="Memory diagnostics and debugging for the KV cache of LLM inference.",
-        epilog="exit codes: 0 ok, 1 findings, 2 usage or configuration error, 3 unreadable trace",
+        epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Each command module is light at import (heavy imports live inside its run()), so
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except KvdoctorError as exc:
         print(f"kvdoctor {args.command}: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
+    except knobs.KnobError as exc:  # a KVDOCTOR_* variable set to a value it does not accept (docs/knobs.md)
+        print(f"kvdoctor {args.command}: {one_line(str(exc))} (docs/knobs.md)", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from . import knobs
 from .compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, codec_setting, merge_threshold
 from .engine.model import DTYPES
 from .errors import UsageError
@@ -93,7 +94,7 @@ def run_demo(cfg: DemoConfig) -> int:
     from .compression import calibrated, engine_settings
     from .engine.scheduler import Request, Scheduler
     from .engine.speculative import NgramDrafter
-    from .probes import ENV_PROBES, attach_to_cache
+    from .probes import attach_to_cache
 
     parent = os.getppid() if cfg.parent is None else cfg.parent
     lm = (tiny_llama(num_layers=4, max_position_embeddings=2048, dtype=cfg.dtype) if cfg.model == "tiny"
@@ -103,8 +104,9 @@ def run_demo(cfg: DemoConfig) -> int:
         host_blocks=cfg.host_blocks, fault=cfg.fault, extra={"model": lm.name}, prefix_cache=cfg.prefix_cache,
         merge=cfg.merge, **engine_settings(cfg.codec, 0, lm),
     )
-    if runner.bus.enabled and not os.environ.get(ENV_PROBES):
-        # Memory readings when a trace is being written, unless the engine's probe hook attached them.
+    if runner.bus.enabled and knobs.get(knobs.PROBES) is None:
+        # Memory readings when a trace is being written, unless KVDOCTOR_PROBES said: on (the engine's hook
+        # attached them) or off.
         attach_to_cache(runner.cache)
     sched = Scheduler(runner, max_batch=cfg.concurrency, drafter=NgramDrafter() if cfg.speculative else None)
     rng = random.Random(cfg.seed)

@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping
 __all__ = [
     "Knob", "KnobError", "KNOBS", "get", "markdown",
     "TRACE", "FAULT", "VERIFY", "VERIFY_MODES", "PROBES", "PROBES_INTERVAL", "PROBES_HEAP",
-    "MATVEC", "DECODE_LAYER", "HUGEPAGES", "HYPOTHESIS", "FUZZ_EXAMPLES", "FUZZ_REPORT", "TP_SHELL",
+    "MATVEC", "DECODE_LAYER", "HUGEPAGES", "CC", "XDG_CACHE_HOME", "HYPOTHESIS", "FUZZ_EXAMPLES", "FUZZ_REPORT",
+    "TP_SHELL",
 ]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -42,7 +43,7 @@ class Knob:
     accepted: str  # what a value may be, in the words the docs and the error use
     parse: Callable[[str], Any]  # raises ValueError on a value it does not accept
     config_field: str | None = None  # the config field this variable is the default of, where there is one
-    scope: str = "kvdoctor"  # "kvdoctor": read by the package; "tests": read by its test suite only
+    scope: str = "kvdoctor"  # kvdoctor: its own variables; standard: other programs' that it honours; tests
 
 
 def _flag(raw: str) -> bool:
@@ -107,6 +108,11 @@ DECODE_LAYER = _flag_knob(
     "KVDOCTOR_DECODE_LAYER", True, "the compiled decode step for a plain Llama model on CPU; 0: the torch path")
 HUGEPAGES = _flag_knob(
     "KVDOCTOR_HUGEPAGES", True, "the model's weights copied onto 2 MB pages on Linux; 0: they stay where torch put them")
+CC = Knob("CC", "command", "cc", "the C compiler that builds the native kernels on first use", "a compiler command",
+          str, scope="standard")
+XDG_CACHE_HOME = _text_knob(
+    "XDG_CACHE_HOME", "path", "where kvdoctor/ keeps the converted embedded model, the compiled kernels and "
+    "calibrations. Unset: ~/.cache", "a directory", scope="standard")
 HYPOTHESIS = Knob(
     "KVDOCTOR_HYPOTHESIS", "word", "explore", "the test suite's hypothesis profile: ci draws the same inputs every "
     "run, so a CI failure reproduces; explore searches afresh", "one of ci, explore", _choice("ci", "explore"),
@@ -122,7 +128,7 @@ TP_SHELL = _text_knob(
     "a file path", scope="tests")
 
 KNOBS: tuple[Knob, ...] = (TRACE, FAULT, VERIFY, PROBES, PROBES_INTERVAL, PROBES_HEAP, MATVEC, DECODE_LAYER,
-                           HUGEPAGES, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT, TP_SHELL)
+                           HUGEPAGES, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT, TP_SHELL)
 
 _parsed: dict[str, tuple[str, Any]] = {}  # name -> (the raw value last parsed, its value)
 
@@ -144,7 +150,7 @@ def get(knob: Knob, environ: Mapping[str, str] | None = None) -> Any:
 
 
 def markdown() -> str:
-    """docs/knobs.md: every knob as a table row, the package's first, then the test suite's."""
+    """docs/knobs.md: every knob as a table row, kvdoctor's own first, then the standard ones, then the tests'."""
     lines = [
         "# Environment variables",
         "",
@@ -154,7 +160,8 @@ def markdown() -> str:
         "(exit code 2 from the command line). Where a variable is the default of an `EngineConfig` field, "
         "the field, when set, wins.",
     ]
-    for scope, title in (("kvdoctor", "Read by kvdoctor"), ("tests", "Read by the test suite")):
+    for scope, title in (("kvdoctor", "kvdoctor's own"), ("standard", "Standard variables kvdoctor honours"),
+                         ("tests", "Read by the test suite")):
         lines += ["", f"## {title}", "", "| variable | type | default | accepted | meaning |", "|---|---|---|---|---|"]
         for k in (k for k in KNOBS if k.scope == scope):
             default = "unset" if k.default is None else f"`{_shown(k.default)}`"

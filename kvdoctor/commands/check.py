@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from .. import knobs
+
 NAME = "check"
 HELP = "check a trace, a running workload or the demo for KV-cache bugs (leaks, stale data, misaligned batches, attention anomalies)"
 
@@ -47,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N "
                         "while checking; with --trace --follow, headless monitoring of a serving process")
     p.add_argument("--fault", metavar="NAME", help="with --demo or a command: switch on an engine fault (KVDOCTOR_FAULT)")
-    p.add_argument("--verify", choices=("off", "sample", "full"),
+    p.add_argument("--verify", choices=knobs.VERIFY_MODES,
                    help="with --demo or a command: check the engine's K/V content digests on every read (full: CI), "
                    "a sample of reads (sample: the default; full with a content fault) or none (off) (KVDOCTOR_VERIFY)")
     p.add_argument("--model", metavar="tiny|PATH", help="with --demo: 'tiny' random model or a local checkpoint")
@@ -124,7 +126,7 @@ def _check(args: argparse.Namespace) -> int:
     verify = args.verify
     if verify is None and content_fault:
         verify = "full"  # a fault shown on purpose should be caught at its first read, not at a sampled one
-    env = dict(os.environ, KVDOCTOR_VERIFY=verify) if verify else None
+    env = dict(os.environ, **{knobs.VERIFY.name: verify}) if verify else None
     if args.trace:
         source = open_source(args.trace, follow=True if args.follow else None, wait_s=args.wait)
     elif args.demo:

@@ -16,13 +16,12 @@ import time
 from ..compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, calibrated, codec_setting, engine_settings, merge_threshold
 from ..engine.faults import FAULTS
 from ..engine.model import DTYPES
+from ..knobs import VERIFY_MODES  # content digest verification of reads (engine.digest)
 
 NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
 
 FAULT_NAMES = tuple(FAULTS)  # engine.faults is light (no torch), so --help stays fast
-# Content digest verification of reads (engine.digest); kept equal to engine.config.VERIFY_MODES by a test.
-VERIFY_MODES = ("off", "sample", "full")
 
 
 def _int_at_least(lo: int):
@@ -117,7 +116,7 @@ def _prompt(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    from ..errors import EngineFailure, UsageError
 
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
@@ -188,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         reads = cache.rows_from_device + cache.rows_from_slower
         merging = runner.merging.stats() if runner.merging is not None else None
     except EngineError as exc:
-        raise UsageError(f"the engine failed: {exc}") from None
+        raise EngineFailure(f"the engine failed: {exc}") from None
     finally:
         runner.close()
         if drafter is not None:
@@ -224,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         "merge": merging,  # token merging (--merge): threshold, blocks merged, (layer, head, slot) rows freed
     }
     if args.staging_blocks:
-        moved = cache.bytes_staged + sum(n for n, _ in cache.tiers.moved.values()) * cache.config.bytes_per_block
+        moved = cache.bytes_staged + sum(stats["swaps"].values()) * cache.config.bytes_per_block
         tokens = len(prompt_ids) + len(gen.token_ids)
         result["bytes_moved_per_token"] = round(moved / max(tokens, 1), 1)  # staged rows and whole-block swaps
         result["device_hit_rate"] = round(cache.rows_from_device / reads, 4) if reads else None

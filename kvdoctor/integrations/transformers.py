@@ -27,14 +27,13 @@ import weakref
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from .. import knobs
 from ..events import Attn, Batch, Event, Header, StepEnd, TierSpec
 from ..trace import TraceWriter
 from .transformers_attention import AttentionTap, tap_name
 from .transformers_rows import CacheRows, Row, Versions
 
-__all__ = ["observe", "Observer", "BLOCK_SIZE", "TRACE_ENV"]
-
-TRACE_ENV = "KVDOCTOR_TRACE"
+__all__ = ["observe", "Observer", "BLOCK_SIZE"]
 BLOCK_SIZE = 16  # tokens per logical block in the trace (transformers' caches have no blocks)
 _LAYER_OPS = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave", "crop", "reset")
 
@@ -94,7 +93,7 @@ def observe(model: Any, trace: str | os.PathLike[str] | None = None, *, stats: b
         raise TypeError(f"kvdoctor.observe needs a transformers model, not {type(model).__name__}")
     if trace is not None:
         return Observer(model, _Trace(TraceWriter(trace, _header(model))), owns_trace=True, stats=stats)
-    path = os.environ.get(TRACE_ENV)
+    path = knobs.get(knobs.TRACE)
     return Observer(model, _shared_trace(path, model) if path else None, owns_trace=False, stats=stats)
 
 

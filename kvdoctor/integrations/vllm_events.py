@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from .. import knobs
 from ..events import Alloc, Evict, Header, Share, StepEnd, TierSpec
 from ..trace import TraceWriter
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="subscribe to vLLM's KV events and write them as a kvdoctor trace")
     ap.add_argument("endpoint", help="vLLM's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
     ap.add_argument("--topic", default="", help="the topic vLLM publishes on (default: all)")
-    ap.add_argument("--trace", default=os.environ.get("KVDOCTOR_TRACE"), help="trace to write (default $KVDOCTOR_TRACE)")
+    ap.add_argument("--trace", default=knobs.get(knobs.TRACE), help="trace to write (default $KVDOCTOR_TRACE)")
     ap.add_argument("--idle-exit", type=float, default=0.0, metavar="S",
                     help="stop after S seconds without a message once events have arrived (default: run until stopped)")
     args = ap.parse_args(argv)

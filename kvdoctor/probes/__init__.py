@@ -16,9 +16,9 @@ Importing this package is light (no torch); see docs/probes.md.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from .. import knobs
 from ..errors import UsageError
 from .prober import DEFAULT_INTERVAL_S, Prober, Reading
 from .torch_mem import AccountingFn, cache_accounting
@@ -28,9 +28,7 @@ __all__ = [
     "Prober", "Reading", "attach_probes", "attach_to_cache", "from_env",
 ]
 
-ENV_PROBES = "KVDOCTOR_PROBES"  # "1" switches the probes on in a workload that builds the engine
-ENV_INTERVAL = "KVDOCTOR_PROBES_INTERVAL"  # seconds between readings (default DEFAULT_INTERVAL_S)
-ENV_HEAP = "KVDOCTOR_PROBES_HEAP"  # "1" also starts tracemalloc (py_heap, heap attribution; costly)
+ENV_PROBES, ENV_INTERVAL, ENV_HEAP = knobs.PROBES.name, knobs.PROBES_INTERVAL.name, knobs.PROBES_HEAP.name
 
 
 def attach_probes(
@@ -55,30 +53,11 @@ def attach_to_cache(cache: Any, interval_s: float = DEFAULT_INTERVAL_S, **option
 
 def from_env(cache: Any, *, default: bool = False) -> Prober | None:
     """The engine hook: attach to ``cache`` when ``KVDOCTOR_PROBES`` is on (unset: ``default``), else do nothing."""
-    if not _flag(ENV_PROBES, default=default):
-        return None
-    return attach_to_cache(cache, _interval(), heap=_flag(ENV_HEAP, default=False))
-
-
-def _flag(name: str, *, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if raw == "":
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise UsageError(f"{name}={raw!r}: expected 1 or 0")
-
-
-def _interval() -> float:
-    raw = os.environ.get(ENV_INTERVAL, "").strip()
-    if not raw:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UsageError(f"{ENV_INTERVAL}={raw!r}: expected a number of seconds > 0")
-    return value
+    try:  # the interval and the heap are read only with the probes on: a value nobody uses is no error
+        on = knobs.get(knobs.PROBES)
+        if not (default if on is None else on):
+            return None
+        interval, heap = knobs.get(knobs.PROBES_INTERVAL), knobs.get(knobs.PROBES_HEAP)
+    except knobs.KnobError as exc:  # the probes' callers (a workload's engine, kvdoctor run) expect a UsageError
+        raise UsageError(str(exc)) from None
+    return attach_to_cache(cache, interval, heap=heap)

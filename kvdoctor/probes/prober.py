@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from .. import knobs
 from ..events import Event, Mem
 from .heap import DEFAULT_FRAME_LIMIT, HeapProbe
 from .nvml import Nvml, NvmlReading
@@ -27,7 +28,7 @@ from .torch_mem import AccountingFn, CudaAllocator, CudaReading, EngineBytes, en
 
 __all__ = ["DEFAULT_INTERVAL_S", "Reading", "Prober"]
 
-DEFAULT_INTERVAL_S = 0.5
+DEFAULT_INTERVAL_S: float = knobs.PROBES_INTERVAL.default
 
 
 @dataclass(frozen=True)
