@@ -39,8 +39,8 @@ def measure(beams: int, new_tokens: int) -> dict[str, object]:
         out = model.generate(**batch, cache=cache, **options)
         eng = cache.engine
         stats = eng.stats()
-        held = sum(len(eng.seqs[seq].blocks) for seq in cache.seqs)
-        peak = eng.peak_kv_bytes
+        held = sum(len(eng.blocks_of(seq)) for seq in cache.seqs)
+        peak = stats["peak_kv_bytes"]
     return {
         "prompt_tokens": int(batch["input_ids"].shape[1]), "beams": beams, "new_tokens": new_tokens,
         "identical_tokens": out.tolist() == ref.tolist(),

@@ -68,9 +68,9 @@ def record(path: Path, num_events: int, seed: int = 0) -> int:
             live[seq] = rng.randint(16, 160)
         rows = [s for s in live if s not in swapped]
         bus.emit(Batch, rows=rows, positions=[cache.seq_len(s) or 0 for s in rows],
-                 n=[1 if cache.seq_len(s) else cache.seqs[s].prompt_len for s in rows])
+                 n=[1 if cache.seq_len(s) else cache.sequence(s).prompt_len for s in rows])
         for seq in rows:
-            n = 1 if cache.seq_len(seq) else cache.seqs[seq].prompt_len
+            n = 1 if cache.seq_len(seq) else cache.sequence(seq).prompt_len
             try:
                 cache.ensure_resident([seq])
                 cache.reserve(seq, n)

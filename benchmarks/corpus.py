@@ -236,7 +236,7 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
             record.tokens.extend([str(g.seq), g.token_ids, g.finish_reason] for g in result.finished)
     tally.seconds = time.perf_counter() - t0
     cache = runner.cache
-    tally.leaked = {b.id for b in cache.pool.blocks.values() if not any(o in cache.seqs for o in b.owners)}
+    tally.leaked = cache.ownerless_blocks()
     tally.fault_hit = cache.faults.hit
     runner.close()
     session.close()

@@ -307,12 +307,12 @@ def _listened_decode(runner: Any, sink: Callable[[list[Any]], None], prompts: li
 def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
                  mode: str) -> dict[str, Any]:
     """Time inside the digest code per decode step, and its share of the step, with every event on."""
-    book, tiers = runner.cache.digests, runner.cache.tiers
+    book = runner.cache.digests
     before = book.mode
     book.mode = mode
     try:
-        with _Timers({"digest": [(book, "stage"), (book, "stage_units"), (book, "record_write"), (tiers, "verify"),
-                                 (tiers, "retake")]}) as t:
+        with _Timers({"digest": [(book, "stage"), (book, "stage_units"), (book, "record_write"), (book, "verify"),
+                                 (book, "retake")]}) as t:
             steps, total = _listened_decode(runner, sink, prompts, new_tokens, t)
     finally:
         book.mode = before

@@ -108,7 +108,7 @@ def run_text(model: Any, ids: list[int], args: argparse.Namespace) -> dict[str, 
     for name, r in runners.items():
         c = r.cache
         reads = c.rows_from_device + c.rows_from_slower
-        moved = c.bytes_staged + sum(n for n, _ in c.tiers.moved.values()) * c.config.bytes_per_block
+        moved = c.bytes_staged + sum(c.stats()["swaps"].values()) * c.config.bytes_per_block
         steps = ctx + args.eval + (args.greedy if name in free else 0)
         out["settings"][name] = {
             "ppl": math.exp(nll[name] / args.eval),
@@ -117,7 +117,7 @@ def run_text(model: Any, ids: list[int], args: argparse.Namespace) -> dict[str, 
             "disk_blocks": c.config.disk_blocks,
             "bytes_moved_per_token": moved / steps,
             "device_hit_rate": c.rows_from_device / reads if reads else None,
-            "prefetch_hit_rate": c.tiers.hit_rate,
+            "prefetch_hit_rate": c.stats()["prefetch_hit_rate"],
             "swaps": c.stats()["swaps"],
         }
         r.close()

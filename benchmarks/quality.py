@@ -142,7 +142,7 @@ def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namesp
             read.append(runner._sparse.bytes_read)
             dense.append(runner._sparse.bytes_dense)
         else:  # dense attention reads every block, each in its own codec (mixed: fp16 or nf4)
-            codecs = [cache.pool.blocks[b].codec for b in cache.block_table("text")]
+            codecs = [cache.block(b).codec for b in cache.block_table("text")]
             read.append(sum(c.layout(codec).row_bytes for codec in codecs) * c.num_layers * c.num_kv_heads)
             dense.append(read[-1])
         cache.end_step()

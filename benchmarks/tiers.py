@@ -63,6 +63,14 @@ def _sync(cache: PagedKVCache) -> None:
         torch.cuda.synchronize()
 
 
+def _move(cache: PagedKVCache, ids: list[int], dst: str) -> None:
+    """The engine's swap of blocks ``ids`` to ``dst``, whichever way it goes."""
+    if dst == "device":
+        cache.swap_in(ids)
+    else:
+        cache.swap_out(ids, dst=dst)
+
+
 def _rows(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
 
@@ -95,14 +103,11 @@ def swap_bandwidth(num_blocks: int, repeats: int, spill_dir: str, checksums: boo
         slots = cache.reserve("s", num_blocks * cache.block_size)
         cache.commit("s")
         cache.layer_kv(0)  # touch
-        for t in cache.config.tiers:  # grow every arena to full size up front, like a warm engine
-            a = cache.arenas[t]
-            while a.num_slots < a.capacity:
-                cache.pool.tiers[t].grown += len(r := a.grow())
-                cache.pool.tiers[t].free_slots.extend(r)
+        cache.preallocate()  # grow every arena to full size up front, like a warm engine
         for t in cache.config.tiers:
             cache.arenas[t].view(0, cache.arenas[t].num_slots).view(torch.int16).random_(-30000, 30000)
-        blocks = [cache.pool.blocks[i] for i in cache.block_table("s")]
+        ids = cache.block_table("s")
+        blocks = [cache.block(i) for i in ids]
         nbytes = num_blocks * cache.config.bytes_per_block
         pairs = [("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"),
                  ("device", "disk"), ("disk", "device")]
@@ -111,14 +116,14 @@ def swap_bandwidth(num_blocks: int, repeats: int, spill_dir: str, checksums: boo
             swap_s, copy_s = [], []
             a_src, a_dst = cache.arenas[src], cache.arenas[dst]
             for rep in range(repeats):
-                cache.tiers.move(blocks, src)  # start from src, outside the timing
+                _move(cache, ids, src)  # start from src, outside the timing
                 for b in blocks:
                     b.checksum = None if src == "device" else b.checksum  # just written: swap-out must checksum
                 for run_swap in ((True, False) if rep % 2 else (False, True)):  # alternate which goes first
                     _sync(cache)
                     t0 = time.perf_counter()
                     if run_swap:
-                        cache.tiers.move(blocks, dst)
+                        _move(cache, ids, dst)
                     else:  # the plain copy: the same bytes between the same two arenas, in one call
                         _plain_copy(a_dst, a_src, num_blocks)
                     _sync(cache)

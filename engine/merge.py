@@ -138,9 +138,9 @@ class TokenMerging:
         """Blocks of ``seq`` to look at now: past its sinks, wholly older than its recent window (its newest
         ``local_blocks * block_size`` tokens, so a rollback of that many never reaches a merged block), not
         looked at yet, owned by ``seq`` alone, settled on the device."""
-        s = self.cache.seqs.get(seq)
-        if s is None:
+        if not self.cache.has_sequence(seq):
             return []
+        s = self.cache.sequence(seq)
         bs = self.cache.block_size
         end = s.length - self.local_blocks * bs
         return [b.id for b in s.blocks if b.merged is None and b.index >= self.sink_blocks
@@ -163,7 +163,7 @@ class TokenMerging:
 
     def live_rows(self, seq: Any) -> tuple[int, int]:
         """``seq``'s live (layer, head, slot) rows and the rows its blocks have (committed tokens only)."""
-        s = self.cache.seqs[seq]
+        s = self.cache.sequence(seq)
         c, bs = self.cache.config, self.cache.block_size
         per_token = c.num_layers * c.num_kv_heads
         total = live = 0

@@ -12,15 +12,15 @@ their size), and emits the ownership events. Moving bytes is ``tiers``'s job.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 from ..events import Alloc, Free, Share, Release
 from .bus import Bus
 from .config import EngineConfig
 from .errors import OutOfBlocks
 
-__all__ = ["Block", "Sequence", "TierSlots", "BlockPool"]
+__all__ = ["Block", "TierSlots", "BlockPool"]
 
 
 @dataclass(eq=False, slots=True)
@@ -42,20 +42,6 @@ class Block:
     merged: Any = None  # merge.SlotCounts once token merging looked at the block: tokens per slot; None: never
 
 
-@dataclass(eq=False, slots=True)
-class Sequence:
-    id: Any
-    prompt_len: int
-    priority: int = 0
-    blocks: list[Block] = field(default_factory=list)  # present blocks in position order (evicted ones leave gaps)
-    length: int = 0  # committed tokens
-    pending: int = 0  # reserved, stored, not yet committed
-    version: int = 0
-    writes: list[tuple[Block, int, int]] = field(default_factory=list)  # (block, pos, n) of the pending reservation
-    last_access: int = 0
-    index_cache: Any = None  # device tensor of the blocks' slots, rebuilt when the table or a slot changes
-
-
 class TierSlots:
     """Slots of one tier, shared by its codec arenas: the count of blocks living there (the tier's
     capacity is a block count, whatever the codecs) and, per arena, a lowest-first free heap of local
@@ -74,22 +60,17 @@ class TierSlots:
         self.used_by = [0] * num_arenas  # per arena: slots holding a block (or a stale-version fault's copy)
         self.used = 0
 
-    # the primary arena's, under the names a single-codec tier had
-    @property
-    def free_slots(self) -> list[int]:
-        return self.free[0]
-
-    @property
-    def grown(self) -> int:
-        return self.grown_by[0]
-
-    @grown.setter
-    def grown(self, value: int) -> None:
-        self.grown_by[0] = value
-
     @property
     def num_free(self) -> int:
         return self.capacity - self.used
+
+    def grow_fully(self, arena: int = 0) -> None:
+        """Grow ``arena`` to the tier's capacity now, so no later ``take`` pays for it."""
+        while self.grown_by[arena] < self.capacity:
+            new = self._grow(arena)
+            self.grown_by[arena] += len(new)
+            self.free[arena].extend(new)
+        heapq.heapify(self.free[arena])
 
     def arena_of(self, slot: int) -> int:
         return slot >> self.shift
@@ -120,12 +101,19 @@ class BlockPool:
     def __init__(self, config: EngineConfig, bus: Bus, grow: dict[str, Callable[[int], range]]) -> None:
         self.config = config
         self.bus = bus
-        self.tiers: dict[str, TierSlots] = {
+        self.slots: dict[str, TierSlots] = {  # tier name -> its slot table
             t: TierSlots(t, config.capacity(t), grow[t], len(config.arena_codecs(t))) for t in config.tiers}
         self.blocks: dict[int, Block] = {}
         self._free_ids: list[int] = []
         self._next_id = 0
         self.epoch = 0  # advances whenever a block's slot changes or a block goes, so slot tables can be cached
+
+    def lookup(self, ids: Iterable[int]) -> list[Block]:
+        """The blocks of ``ids``; a ``ValueError`` names the first one not allocated."""
+        try:
+            return [self.blocks[i] for i in ids]
+        except KeyError as exc:
+            raise ValueError(f"block {exc.args[0]} is not allocated") from None
 
     def _new_id(self) -> int:
         if self._free_ids:
@@ -136,7 +124,7 @@ class BlockPool:
     def alloc(self, tier: str, seq: Any, index: int, codec: str | None = None) -> Block:
         """A new block in ``tier`` owned by ``seq``, held in ``codec`` (default: the tier's own; raises
         ``OutOfBlocks`` if the tier is full)."""
-        slots = self.tiers[tier]
+        slots = self.slots[tier]
         if slots.num_free <= 0:
             raise OutOfBlocks(tier, 1, 0)
         codec = codec or self.config.tier_codec(tier)
@@ -163,9 +151,9 @@ class BlockPool:
         """Return the block's slot and id without an event (``free`` and ``evict`` emit their own)."""
         assert blk.inflight is None, f"block {blk.id} dropped with a swap in flight"
         self.epoch += 1
-        self.tiers[blk.tier].give(blk.slot)
+        self.slots[blk.tier].give(blk.slot)
         if blk.retained is not None:
-            self.tiers[blk.retained[0]].give(blk.retained[1])
+            self.slots[blk.retained[0]].give(blk.retained[1])
             blk.retained = None
         del self.blocks[blk.id]
         heapq.heappush(self._free_ids, blk.id)
@@ -177,13 +165,13 @@ class BlockPool:
 
     def move(self, blk: Block, tier: str, slot: int) -> None:
         """Record that ``blk``'s bytes now live at ``slot`` of ``tier`` (the old slot is given back)."""
-        self.tiers[blk.tier].give(blk.slot)
+        self.slots[blk.tier].give(blk.slot)
         blk.tier, blk.slot = tier, slot
         self.epoch += 1
 
     def check(self) -> None:
         """Assert the accounting invariants (tests and debugging; O(blocks))."""
-        for name, ts in self.tiers.items():
+        for name, ts in self.slots.items():
             codecs = self.config.arena_codecs(name)
             held = [b.slot for b in self.blocks.values() if b.tier == name]
             held += [b.retained[1] for b in self.blocks.values() if b.retained and b.retained[0] == name]

@@ -138,9 +138,9 @@ class Scheduler:
         seq = request.seq
         if seq is None:
             seq = next(self._ids)
-            while seq in self.live or seq in self.done or seq in self.cache.seqs:
+            while seq in self.live or seq in self.done or self.cache.has_sequence(seq):
                 seq = next(self._ids)
-        elif seq in self.live or seq in self.done or seq in self.cache.seqs:
+        elif seq in self.live or seq in self.done or self.cache.has_sequence(seq):
             raise ValueError(f"sequence id {seq!r} is already in use")
         live = _Live(request, seq, next(self._order))
         if not request.sampling.greedy:
@@ -310,7 +310,7 @@ class Scheduler:
                 # Longer than the whole device tier (every tier, with long context): it can never run.
                 self._finish(live, "aborted")
                 continue
-            todo = len(live.tokens) - (self.cache.seq_len(live.seq) if live.seq in self.cache.seqs else 0)
+            todo = len(live.tokens) - (self.cache.seq_len(live.seq) if self.cache.has_sequence(live.seq) else 0)
             fits = need <= room and len(chosen) < self.max_batch and (tokens > 0 or todo <= 1)
             if fits:
                 chosen.append(live)
@@ -328,10 +328,9 @@ class Scheduler:
         if self.cache.staging is not None:
             return chosen
         for live in chosen:
-            s = self.cache.seqs.get(live.seq)
-            if live.seq not in self.live or s is None:
+            if live.seq not in self.live or not self.cache.has_sequence(live.seq):
                 continue
-            if any(b.tier != Tier.DEVICE or b.inflight is not None for b in s.blocks):
+            if any(b.tier != Tier.DEVICE or b.inflight is not None for b in self.cache.blocks_of(live.seq)):
                 try:
                     self.cache.ensure_resident([live.seq])
                 except (StorageError, ChecksumMismatch) as exc:
@@ -341,7 +340,7 @@ class Scheduler:
     def _fail(self, live: _Live, exc: StorageError | ChecksumMismatch) -> None:
         """Finish ``live``, and every request owning a block ``exc`` says was lost, as "error" with ``exc``."""
         lost = exc.blocks if isinstance(exc, StorageError) else (exc.block,)
-        owners = {o for b in lost if (blk := self.cache.pool.blocks.get(b)) is not None for o in blk.owners}
+        owners = {o for b in lost if (blk := self.cache.block(b)) is not None for o in blk.owners}
         for lv in [live] + [lv for lv in self.live.values() if lv.seq in owners and lv is not live]:
             self._finish(lv, "error", exc)
 
@@ -359,7 +358,7 @@ class Scheduler:
         if nxt.state != "swapped":
             return
         growth = sum(max(self._blocks_after_step(lv) - self._device_blocks(lv.seq), 0) for lv in running)
-        room = self.cache.pool.tiers[Tier.DEVICE].num_free - growth
+        room = self.cache.free_blocks(Tier.DEVICE) - growth
         if room > 0:
             self.cache.prefetch(nxt.seq, max_blocks=room)
 
@@ -368,7 +367,7 @@ class Scheduler:
         draft tokens included. Long context: at most the device, which streams the rest (``_plan`` checks the
         total against every tier)."""
         drafts = self.num_draft if self.drafter is not None else 0
-        held = self.cache.seq_len(live.seq) + 1 if live.seq in self.cache.seqs else 0  # more than its tokens only
+        held = self.cache.seq_len(live.seq) + 1 if self.cache.has_sequence(live.seq) else 0  # more than its tokens only
         blocks = -(-(max(len(live.tokens), held) + drafts) // self.cache.block_size)  # after a rollback left uncut
         if self.cache.staging is not None:
             return min(blocks, self.capacity)
@@ -376,10 +375,9 @@ class Scheduler:
 
     def _device_blocks(self, seq: SeqId) -> int:
         """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""
-        s = self.cache.seqs.get(seq)
-        if s is None:
+        if not self.cache.has_sequence(seq):
             return 0
-        return sum(1 for b in s.blocks if b.tier == Tier.DEVICE or (b.inflight is not None and b.inflight.dst == Tier.DEVICE))
+        return sum(1 for b in self.cache.blocks_of(seq) if b.tier == Tier.DEVICE or (b.inflight is not None and b.inflight.dst == Tier.DEVICE))
 
     def _reclaimable(self, chosen: list[_Live]) -> int:
         """Device blocks that prefetches brought up for requests not running this step: their copies
@@ -387,11 +385,10 @@ class Scheduler:
         ids = {lv.seq for lv in chosen}
         n = 0
         for lv in self.live.values():
-            s = self.cache.seqs.get(lv.seq)
-            if lv.state != "swapped" or lv.seq in ids or s is None:
+            if lv.state != "swapped" or lv.seq in ids or not self.cache.has_sequence(lv.seq):
                 continue
-            for b in s.blocks:
-                if not self.cache.tiers.try_settle(b):
+            for b in self.cache.blocks_of(lv.seq):
+                if not self.cache.settle(b):
                     continue  # the bad copy was discarded; the block stays away, its slot is free again
                 n += b.tier == Tier.DEVICE
         return n
@@ -404,7 +401,7 @@ class Scheduler:
         free = tiers[Tier.DEVICE]["free_blocks"]
         need = sum(self._blocks_after_step(lv) - self._device_blocks(lv.seq) for lv in chosen)
         if need > free:
-            free = (self._reclaimable(chosen) + self.cache.pool.tiers[Tier.DEVICE].num_free
+            free = (self._reclaimable(chosen) + self.cache.free_blocks(Tier.DEVICE)
                     + self.cache.reclaimable(Tier.DEVICE))
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
@@ -416,9 +413,8 @@ class Scheduler:
 
     def _preempt(self, live: _Live, tiers: dict[str, Any]) -> int:
         """Move ``live``'s blocks off the device: swap to host, else disk, else drop for recompute."""
-        s = self.cache.seqs[live.seq]
         # (a block the prefix-freed-in-use fault dropped under the request is no longer the pool's to move)
-        on_device = [b.id for b in s.blocks if b.tier == Tier.DEVICE and self.cache.pool.blocks.get(b.id) is b]
+        on_device = [b.id for b in self.cache.blocks_of(live.seq) if b.tier == Tier.DEVICE and self.cache.block(b.id) is b]
         for dst in (Tier.HOST, Tier.DISK):
             t = tiers.get(dst)
             if t is not None and t["free_blocks"] >= len(on_device):
@@ -430,8 +426,8 @@ class Scheduler:
                 live.state = "swapped"
                 return len(on_device)
         # Nowhere to keep the K/V: drop it and recompute from the tokens when the request resumes.
-        if s.length:
-            self.cache.rollback(live.seq, s.length)
+        if self.cache.seq_len(live.seq):
+            self.cache.rollback(live.seq, self.cache.seq_len(live.seq))
         live.state = "dropped"
         return len(on_device)
 
@@ -445,7 +441,7 @@ class Scheduler:
         del self.live[live.seq]
         if self.drafter is not None:
             self.drafter.finished(live.seq)
-        if live.seq in self.cache.seqs:
+        if self.cache.has_sequence(live.seq):
             self.cache.remove_sequence(live.seq, reason="aborted" if reason in ("aborted", "error") else "finished",
                                        error=type(error).__name__ if error is not None else None)
         gen = Generation(live.seq, list(live.request.prompt_ids), list(live.generated), reason,

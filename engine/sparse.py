@@ -130,7 +130,7 @@ class KeySummaries:
 
     def begin(self, seq: Any) -> None:
         """Line the summaries up with ``seq``'s blocks for this step; mark the ones to recompute."""
-        s = self.cache.seqs[seq]
+        s = self.cache.sequence(seq)
         old = self._seqs.get(seq) or _SeqSummary()
         where = {id(b): i for i, b in enumerate(old.blocks)}
         written = {id(b) for b, _, _ in s.writes}

@@ -36,135 +36,26 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 
 from ..events import ChecksumError, IoError, Prefetch, SwapIn, SwapOut
+from .blockcopy import copy_slots, transcode
 from .bus import Bus
 from .codecs import Codec, lossier
-from .checksum import copy_sum, prepare as prepare_checksums, sum64 as _sum64
+from .checksum import prepare as prepare_checksums, sum64 as _sum64
 from .digest import DigestBook
 from .config import TIER_NAMES, EngineConfig, Tier
 from .errors import ChecksumMismatch, OutOfBlocks, StorageError
 from .faults import Faults
 from .policy import EvictionPolicy
 from .pool import Block, BlockPool
-from .storage import Arena, DiskArena, TierArenas, runs
+from .storage import Arena, DiskArena, TierArenas
 
-__all__ = ["TierManager", "copy_slots"]
+__all__ = ["TierMover"]
 
 _RANK = {t: i for i, t in enumerate(TIER_NAMES)}
-
-
-def copy_slots(
-    src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], *, checksum: bool = False,
-    non_blocking: bool = False,
-) -> list[int | None]:
-    """Copy blocks slot by slot: between memory arenas one slice copy per run of slots neighbouring on both
-    sides; to or from the disk one transfer per run of neighbouring *disk* slots (``_disk_copy``).
-
-    With ``checksum``, returns each copied block's checksum (in the order given), taken in the
-    same pass as the copy wherever the bytes pass through the CPU (``checksum.copy_sum``). On a
-    GPU the sum is taken where the copy landed.
-    """
-    if isinstance(dst, DiskArena) or isinstance(src, DiskArena):
-        return _disk_copy(src, src_slots, dst, dst_slots, checksum)
-    order = sorted(range(len(src_slots)), key=src_slots.__getitem__)
-    s = [src_slots[i] for i in order]
-    d = [dst_slots[i] for i in order]
-    sums: dict[int, int] = {}
-    for s0, d0, n in runs(s, d, src.chunk, dst.chunk):
-        out, inp = dst.view(d0, n), src.view(s0, n)
-        if out.device.type == "cpu" and inp.device.type == "cpu":
-            # one memcpy-speed pass; torch's parallel copy stalls on a busy machine for batches this size
-            if checksum:
-                sums.update(zip(range(d0, d0 + n), copy_sum(_rows(out), _rows(inp))))
-            else:
-                np.copyto(_rows(out), _rows(inp))
-        else:
-            out.copy_(inp, non_blocking=non_blocking)
-            if checksum:
-                sums.update(zip(range(d0, d0 + n), _sum64(out)))
-    return [sums.get(x) for x in dst_slots]
-
-
-def _disk_copy(src: Arena, src_slots: list[int], dst: Arena, dst_slots: list[int], checksum: bool
-               ) -> list[int | None]:
-    """``copy_slots`` to or from the disk: runs follow the disk's slots alone, so blocks scattered in memory
-    still make one large transfer, gathered into (or scattered from) it in the pass that takes the checksum.
-    A GPU's blocks go through host memory."""
-    write = isinstance(dst, DiskArena)
-    disk, mem = (dst, src) if write else (src, dst)
-    assert not isinstance(mem, DiskArena), "disk to disk is no tier move"
-    disk_slots, mem_slots = (dst_slots, src_slots) if write else (src_slots, dst_slots)
-    whole = mem.view(0, mem.num_slots)  # a memory arena is one tensor: (num_slots, L, H, R)
-    host = _rows(whole) if whole.device.type == "cpu" else None
-    out: list[int | None] = [None] * len(disk_slots)
-    for k0, at in _disk_runs(disk, disk_slots):
-        slots, n = [mem_slots[j] for j in at], len(at)
-        if host is not None:  # a 2-D slice where the memory slots neighbour too, else the blocks' rows
-            rows = host[slots[0] : slots[0] + n] if slots == list(range(slots[0], slots[0] + n)) \
-                else [host[m] for m in slots]
-            got = disk.write(k0, rows, checksum=checksum) if write else disk.read(k0, rows, checksum=checksum)
-        else:
-            idx = torch.tensor(slots, device=whole.device)
-            if write:
-                got = disk.write(k0, _rows(whole.index_select(0, idx).cpu()), checksum=checksum)
-            else:
-                staged = torch.empty((n, *whole.shape[1:]), dtype=whole.dtype)  # (n, L, H, R) in host memory
-                got = disk.read(k0, _rows(staged), checksum=checksum)
-                whole[idx] = staged.to(whole.device)
-        if got is not None:
-            for j, c in zip(at, got):
-                out[j] = c
-    return out
-
-
-def _disk_runs(disk: DiskArena, disk_slots: list[int]) -> Iterator[tuple[int, list[int]]]:
-    """The runs of neighbouring ``disk_slots`` (within a spill file), each as its first slot and the positions
-    in ``disk_slots`` of its slots, in slot order: one disk transfer each."""
-    order = sorted(range(len(disk_slots)), key=disk_slots.__getitem__)
-    ks = [disk_slots[i] for i in order]
-    i = 0
-    for k0, _, n in runs(ks, ks, disk.chunk, disk.chunk):
-        yield k0, order[i : i + n]
-        i += n
-
-
-def _rows(blocks: torch.Tensor) -> np.ndarray:
-    """``(n, bytes_per_block)`` uint8 numpy view of ``n`` whole blocks in host memory (no copy)."""
-    return blocks.view(torch.uint8).numpy().reshape(blocks.shape[0], -1)
-
-
-def transcode(src: Arena, src_slots: list[int], src_codec: Codec, dst: Arena, dst_slots: list[int],
-              dst_codec: Codec, *, checksum: bool = False) -> list[int | None]:
-    """Re-encode blocks from ``src`` (held in ``src_codec``) into ``dst`` (in ``dst_codec``), one layer at a
-    time over the whole batch; with ``checksum``, each new block's checksum, taken from the destination.
-
-    The arithmetic runs where the source is (the GPU for a device block going down), and only the
-    re-encoded, smaller rows cross to the destination."""
-    n, L = len(src_slots), src.config.num_layers
-    staged = torch.stack([src.view(s, 1)[0] for s in src_slots])  # (n, L, H, R_src)
-    out = torch.empty((n, *dst.block_shape), dtype=dst.dtype, device=src.device)  # (n, L, H, R_dst)
-    for layer in range(L):
-        layers = torch.full((n,), layer, dtype=torch.long, device=src.device)
-        k, v = src_codec.read(staged[:, layer], layer)  # (n, H, bs, D) each
-        out[:, layer] = dst_codec.encode_rows(k, v, layers, dst.block_shape[-1])
-    sums: list[int | None] = [None] * n
-    if isinstance(dst, DiskArena):  # one transfer per run of neighbouring disk slots, as for a plain copy
-        rows = _rows(out.cpu())
-        for k0, at in _disk_runs(dst, dst_slots):
-            for j, c in zip(at, dst.write(k0, [rows[j] for j in at], checksum=checksum) or ()):
-                sums[j] = c
-        return sums
-    for i, d in enumerate(dst_slots):
-        view = dst.view(d, 1)
-        view.copy_(out[i : i + 1])
-        if checksum:
-            sums[i] = _sum64(view)[0]
-    return sums
 
 
 @dataclass(slots=True)
@@ -176,7 +67,7 @@ class _Inflight:
     i: int  # this block's index in the job's result
 
 
-class TierManager:
+class TierMover:
     """Owns the arenas' contents in motion; the pool owns the bookkeeping it updates."""
 
     def __init__(
@@ -224,7 +115,7 @@ class TierManager:
         """Free ``n`` slots in ``tier``: a prefix cache's idle blocks first, then by demoting policy-chosen
         blocks one tier down (evicting from the last tier); raises ``OutOfBlocks`` without demoting
         anything if that cannot work (the prefix cache may have given up blocks by then)."""
-        slots = self.pool.tiers[tier]
+        slots = self.pool.slots[tier]
         need = n - slots.num_free
         if need <= 0:
             return
@@ -275,7 +166,7 @@ class TierManager:
                 raise
             self._exchange(blocks, dst, keep)
             return
-        dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
+        dst_slots = self.take(dst, [self._arena_index(b, dst) for b in blocks])
         try:
             self._check_spill(dst, dst_slots)  # a file cut short is made whole before a write reaches it
         except StorageError:
@@ -321,7 +212,7 @@ class TierManager:
         return exc
 
     def _give(self, tier: str, slots: list[int]) -> None:
-        ts = self.pool.tiers[tier]
+        ts = self.pool.slots[tier]
         for s in slots:
             ts.give(s)
 
@@ -380,16 +271,16 @@ class TierManager:
             else:
                 good.append((i, b, b.tier))
         for _, b, src in good:
-            self.pool.tiers[src].give(b.slot)
+            self.pool.slots[src].give(b.slot)
         try:
             self.make_room(dst, len(good), keep)
         except (OutOfBlocks, StorageError):
             for i, b, src in good:  # nothing moved: put the staged copies back where they came from
-                b.slot = self.pool.tiers[src].take(self.arenas[src].index(b.codec))
+                b.slot = self.pool.slots[src].take(self.arenas[src].index(b.codec))
                 self.lost[src].discard(b.slot)  # (a slot a cut file lost holds these good bytes now)
                 self._at(src, b.slot).copy_(staged[i])
             raise
-        for (i, b, src), slot in zip(good, self._take(dst, [self._arena_index(b, dst) for _, b, _ in good])):
+        for (i, b, src), slot in zip(good, self.take(dst, [self._arena_index(b, dst) for _, b, _ in good])):
             self._at(dst, slot).copy_(staged[i])
             if actual[i] is not None:
                 b.checksum = actual[i]
@@ -440,9 +331,9 @@ class TierManager:
                 out[i] = c
         return out
 
-    def _take(self, tier: str, arenas: list[int]) -> list[int]:
+    def take(self, tier: str, arenas: list[int]) -> list[int]:
         """One slot of ``tier`` in each of the given arenas (all or none)."""
-        ts = self.pool.tiers[tier]
+        ts = self.pool.slots[tier]
         taken: list[int] = []
         try:
             for a in arenas:
@@ -461,7 +352,7 @@ class TierManager:
             if b.retained is not None and b.retained[0] == dst:
                 # stale-version fault: "the copy is already there" - reuse the one left at the
                 # last swap-in without comparing versions; the fresh slot goes back unused.
-                self.pool.tiers[dst].give(slot)
+                self.pool.slots[dst].give(slot)
                 _, slot, old_version, old_checksum = b.retained
                 b.retained = None
                 emitted = b.version
@@ -527,7 +418,7 @@ class TierManager:
     def _arrive(self, b: Block, src: str, dst: str, slot: int, got: int | None) -> ChecksumMismatch | None:
         """Book a copy that reached ``slot`` of ``dst``: verify it, then make it the block's copy."""
         if got is not None and b.checksum is not None and got != b.checksum:
-            self.pool.tiers[dst].give(slot)  # the corrupt copy is dropped; the block stays in src
+            self.pool.slots[dst].give(slot)  # the corrupt copy is dropped; the block stays in src
             if self.bus.enabled:
                 self.bus.emit(ChecksumError, block=b.id, tier=src, expected=b.checksum, actual=got)
             return ChecksumMismatch(b.id, src, b.checksum, got)
@@ -565,11 +456,11 @@ class TierManager:
         try:
             self.make_room(dst, len(blocks), keep)
         except (OutOfBlocks, StorageError):  # a hint, not a demand: take what already fits
-            blocks = blocks[: self.pool.tiers[dst].num_free]
+            blocks = blocks[: self.pool.slots[dst].num_free]
         if not blocks:
             return 0
         try:
-            dst_slots = self._take(dst, [self._arena_index(b, dst) for b in blocks])
+            dst_slots = self.take(dst, [self._arena_index(b, dst) for b in blocks])
         except StorageError:
             return 0
         if self._worker is None:
@@ -636,7 +527,7 @@ class TierManager:
         try:
             got = job.future.result()[job.i]
         except (OSError, StorageError) as exc:  # the copy failed: its slot goes back, the block stays behind
-            self.pool.tiers[job.dst].give(job.slot)
+            self.pool.slots[job.dst].give(job.slot)
             raise self._failed(exc, job.src, "read") from None
         err = self._arrive(b, job.src, job.dst, job.slot, got)
         if err is not None:

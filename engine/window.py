@@ -62,7 +62,7 @@ class SlidingWindow:
     def dead_blocks(self, cache: Any, seq: Any) -> list[int]:
         """Blocks of ``seq`` that no later query will see: every position in them is at or before
         ``length - window``, the oldest position the next query (at ``length``) no longer sees."""
-        s = cache.seqs[seq]
+        s = cache.sequence(seq)
         oldest_seen = s.length - self.window + 1
         bs = cache.block_size
         # the newest block stays whatever the window: the next token is written there

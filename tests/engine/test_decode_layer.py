@@ -159,9 +159,9 @@ def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tm
     monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
     with _runner(model, True, monkeypatch, verify=verify, verify_every=1, fault=fault) as runner:
         direct, looked = [], []
-        rows, verify_again = runner.cache.store_rows, runner.cache.tiers.verify
+        rows, verify_again = runner.cache.store_rows, runner.cache.mover.verify
         runner.cache.store_rows = lambda slots: direct.append(rows(slots)) or direct[-1]
-        runner.cache.tiers.verify = lambda blocks: looked.append(len(blocks)) or verify_again(blocks)
+        runner.cache.mover.verify = lambda blocks: looked.append(len(blocks)) or verify_again(blocks)
         runner.generate(PROMPTS, max_new_tokens=8)
     monkeypatch.delenv("KVDOCTOR_TRACE")
     _, events, findings = findings_of(path)

@@ -119,7 +119,7 @@ def test_any_flipped_bit_of_a_written_value_is_found_at_its_layer(tmp_path_facto
     else:
         width = c._regions["v"][1] // c.block_size
         start = c._regions["v"][0] + pos * width
-    cache._raw(blk)[layer, head].view(torch.uint8)[start + element] ^= 1 << bit
+    cache.fault_hooks.raw(blk)[layer, head].view(torch.uint8)[start + element] ^= 1 << bit
     cache.emit_read("a")
     # THEN the read's digest differs from the write's, and the first differing layer is the one hit
     (w,), (r,) = rec.kinds("write"), rec.kinds("read")
@@ -186,7 +186,7 @@ def test_the_sampled_mode_finds_a_corrupt_block_within_a_turn_of_its_sequence(ma
     rec.cache.bus.subscribe(suite.observe_many)
     rec.add("a", 12)
     blk = rec.cache.seqs["a"].blocks[2]
-    rec.cache._raw(blk)[1, 0, 5] += 1.0  # one element of layer 1 changes under the cache
+    rec.cache.fault_hooks.raw(blk)[1, 0, 5] += 1.0  # one element of layer 1 changes under the cache
     for _ in range(2 * 3):
         rec.cache.emit_read("a")
     rec.cache.bus.flush()

@@ -109,7 +109,7 @@ def test_corrupt_copy_found_by_prefetch_is_never_served(make_cache):
     blk = r.cache.pool.blocks[r.cache.block_table("a")[0]]
     r.cache.arenas["host"].view(blk.slot, 1).view(-1)[0] += 1.0  # a bit flip in host memory
     r.cache.prefetch("a")
-    r.cache.tiers.drain()  # the copy has landed ...
+    r.cache.mover.drain()  # the copy has landed ...
     r.cache.end_step()  # ... and is checked when booked: it fails, and the block stays behind
     assert blk.tier == "host" and [e.block for e in r.kinds("checksum_error")] == [blk.id]
     with pytest.raises(ChecksumMismatch):

@@ -18,7 +18,7 @@ from kvdoctor.engine.checksum import copy_sum, sum64, sum64_rows
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.errors import StorageError
 from kvdoctor.engine.storage import DISK_ALIGN, IO_PIECE, DiskArena, TensorArena
-from kvdoctor.engine.tiers import copy_slots
+from kvdoctor.engine.blockcopy import copy_slots
 
 
 def cfg(tmp_path, **kw):

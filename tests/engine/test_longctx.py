@@ -108,7 +108,7 @@ def test_topk_streamed_reads_only_its_picks_and_prefetches_them(model):
     # THEN the tokens agree (merged parts round differently from one softmax, and on a random model's near-ties
     # that may flip a late pick, so the first 12 of 16), and picks that stayed picked were on the device (hits)
     assert streamed[:12] == resident[:12]
-    assert cache.tiers.prefetch_hits > 0 and cache.tiers.prefetch_misses > 0
+    assert cache.mover.prefetch_hits > 0 and cache.mover.prefetch_misses > 0
     assert cache.rows_from_device > 0
 
 

@@ -189,14 +189,14 @@ def test_a_write_failing_in_the_middle_of_a_swap_gives_back_every_slot(make_cach
 
     monkeypatch.setattr(os, "pwritev", failing_write)
     before = {b.id: (b.tier, b.slot) for b in r.cache.pool.blocks.values()}
-    free = r.cache.pool.tiers["disk"].num_free
+    free = r.cache.pool.slots["disk"].num_free
     # WHEN the swap fails after its first write
     with pytest.raises(StorageError) as exc:
         r.cache.swap_out(r.cache.block_table("a"), "disk")
     # THEN nothing was booked, every disk slot is free again, and the failure is an io_error
     assert exc.value.errno == errno.ENOSPC and exc.value.op.startswith("write") and exc.value.path.endswith(".kv")
     assert {b.id: (b.tier, b.slot) for b in r.cache.pool.blocks.values()} == before
-    assert r.cache.pool.tiers["disk"].num_free == free
+    assert r.cache.pool.slots["disk"].num_free == free
     assert [e.op for e in r.kinds("io_error")] == ["write"]
     monkeypatch.undo()
     r.assert_intact("a")
@@ -235,13 +235,13 @@ def test_a_prefetch_whose_read_fails_leaves_the_block_where_it_was(make_cache, m
         return real_read(fd, buffers, pos)
 
     monkeypatch.setattr(os, "preadv", failing_read)
-    free = r.cache.pool.tiers["device"].num_free
+    free = r.cache.pool.slots["device"].num_free
     # WHEN the prefetch is booked at the end of the step
     assert r.cache.prefetch("a") == 2
-    r.cache.tiers.drain()
+    r.cache.mover.drain()
     r.cache.end_step()
     # THEN its device slots are free again, the blocks are still on disk, and each failure is an io_error
-    assert r.cache.pool.tiers["device"].num_free == free and not r.cache.tiers.inflight
+    assert r.cache.pool.slots["device"].num_free == free and not r.cache.mover.inflight
     assert all(r.cache.pool.blocks[b].tier == "disk" for b in r.cache.block_table("a"))
     assert [(e.op, e.errno) for e in r.kinds("io_error")] == [("read", errno.EIO)] * 2
     r.cache.pool.check()
@@ -339,7 +339,7 @@ def test_a_spill_file_cut_while_a_prefetch_waits_is_not_read(make_cache, monkeyp
     # WHEN b's spill file is cut to nothing while b's prefetch is still queued
     os.truncate(disk.path(1), 0)
     busy.set()
-    r.cache.tiers.drain()
+    r.cache.mover.drain()
     r.cache.end_step()
     # THEN the prefetch did not read it (no SIGBUS): it failed, and b's blocks stayed on disk
     assert all(b.tier == "disk" for b in b_blocks)
@@ -431,7 +431,7 @@ def test_whatever_the_disk_does_every_request_ends_and_only_lost_ones_fail(
                 eng.submit(pending.pop(), priority=data.draw(st.integers(0, 2)))
             if step == cut_at and eng.disk.num_slots:
                 cache = eng.runner.cache
-                cache.tiers.drain()  # (a file cut while a prefetch reads it faults: docs/reliability.md, limits)
+                cache.mover.drain()  # (a file cut while a prefetch reads it faults: docs/reliability.md, limits)
                 # a block whose prefetch has copied it is safe on the device: only the others are lost
                 hit = [b for b in cache.pool.blocks.values()
                        if b.tier == "disk" and b.slot < eng.disk.chunk and b.inflight is None]

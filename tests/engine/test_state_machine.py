@@ -196,7 +196,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.prefetch(data.draw(st.sampled_from(self.seqs())))
         # let the worker finish, so what a later rule finds never depends on thread timing
         # (hypothesis replays must see the same states)
-        self.cache.tiers.drain()
+        self.cache.mover.drain()
 
     @rule(data=st.data())
     def read(self, data):
@@ -240,7 +240,7 @@ class CacheMachine(RuleBasedStateMachine):
         c = self.cache
         c.pool.check()
         self.cache.bus.flush()
-        for t, ts in c.pool.tiers.items():
+        for t, ts in c.pool.slots.items():
             assert ts.used + ts.num_free == ts.capacity
         in_flight = {b.id for b in c.pool.blocks.values() if b.inflight is not None}
         assert self.ledger.tier == {b.id: b.tier for b in c.pool.blocks.values()} or in_flight
