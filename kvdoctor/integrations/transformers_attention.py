@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["AttentionTap", "tap_name"]
+__all__ = ["AttentionTap", "newest_query_stats", "tap_name"]
 
 _PREFIX = "kvdoctor_observe_"
 
@@ -92,37 +92,51 @@ class AttentionTap:
     def _summarise(self, items: list) -> list:
         _, _, mask, scale, B, H = items[0]
         T = items[0][1].shape[-1]
-        scores = torch.stack([i[1] for i in items]).view(len(items), B, H, T)  # (L, B, H, T), unscaled
-        scores = (scores if scores.dtype == torch.float32 else scores.float()) * scale
+        raw = torch.stack([i[1] for i in items]).view(len(items), B, H, T)  # (L, B, H, T), unscaled
         visible = None
         if mask is not None:
             row = mask[:, 0, -1, :T] if mask.dim() == 4 else mask[..., -1, :T]  # the newest query's mask row, (B|1, T)
-            visible = (row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2).expand(B, T).reshape(1, B, 1, T)
-            scores = scores.masked_fill(~visible, float("-inf"))
-        heads_max = scores.amax(dim=-1)  # (L, B, H)
-        logp = torch.log_softmax(scores, dim=-1)
-        probs = logp.exp()
-        if visible is not None:  # a masked key: probability 0, log -inf; its term of the entropy is 0
-            logp = logp.masked_fill(~visible, 0.0)
-            sink = (probs * (visible & (visible.cumsum(dim=-1) <= self.block_size))).sum(dim=-1)  # the first block it sees
-        else:
-            sink = probs[..., :self.block_size].sum(dim=-1)  # (L, B, H)
-        entropy = (probs * logp).sum(dim=-1)  # (L, B, H), minus the entropy in nats
-        summary = torch.stack([heads_max.amax(dim=-1), entropy.mean(dim=-1).neg_(), sink.mean(dim=-1)],
-                              dim=-1).tolist()  # (L, B, 3)
-        # A seen score that is NaN or infinite makes its row's largest score or entropy non-finite (NaN
-        # poisons the softmax, +inf the maximum, -inf a 0 * -inf term), so they are counted only then.
-        if all(math.isfinite(r[0] + r[1]) for rows in summary for r in rows):
-            for rows in summary:
-                for r in rows:
-                    r.append(0)
-        else:
-            bad = ~torch.isfinite(torch.stack([i[1] for i in items]).view(len(items), B, H, T))
-            counts = (bad if visible is None else bad & visible).sum(dim=(-1, -2)).tolist()  # (L, B)
-            for rows, row_counts in zip(summary, counts):
-                for r, n in zip(rows, row_counts):
-                    r.append(n)
-        return summary
+            visible = (row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2).expand(B, T)
+        return newest_query_stats(raw, scale, visible, self.block_size)
+
+
+def newest_query_stats(raw: torch.Tensor, scale: float, visible: torch.Tensor | None, block_size: int
+                       ) -> list[list[list[float]]]:
+    """Per layer and row ``[max_logit, entropy, sink, nonfinite]`` of the newest query, from its unscaled
+    scores ``raw`` (L, B, H, T) and the keys it sees, ``visible`` (B, T) bool (None: all of them).
+
+    The sink is the mass on the first ``block_size`` keys the query sees (left padding is not the
+    sequence's first block). tests/test_attention_statistics.py holds this, the engine's torch passes
+    and its compiled kernel to one reference."""
+    L, B, H, T = raw.shape
+    scores = (raw if raw.dtype == torch.float32 else raw.float()) * scale
+    if visible is not None:
+        visible = visible.reshape(1, B, 1, T)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    heads_max = scores.amax(dim=-1)  # (L, B, H)
+    logp = torch.log_softmax(scores, dim=-1)
+    probs = logp.exp()
+    if visible is not None:  # a masked key: probability 0, log -inf; its term of the entropy is 0
+        logp = logp.masked_fill(~visible, 0.0)
+        sink = (probs * (visible & (visible.cumsum(dim=-1) <= block_size))).sum(dim=-1)  # the first block it sees
+    else:
+        sink = probs[..., :block_size].sum(dim=-1)  # (L, B, H)
+    entropy = (probs * logp).sum(dim=-1)  # (L, B, H), minus the entropy in nats
+    summary = torch.stack([heads_max.amax(dim=-1), entropy.mean(dim=-1).neg_(), sink.mean(dim=-1)],
+                          dim=-1).tolist()  # (L, B, 3)
+    # A seen score that is NaN or infinite makes its row's largest score or entropy non-finite (NaN
+    # poisons the softmax, +inf the maximum, -inf a 0 * -inf term), so they are counted only then.
+    if all(math.isfinite(r[0] + r[1]) for rows in summary for r in rows):
+        for rows in summary:
+            for r in rows:
+                r.append(0)
+    else:
+        bad = ~torch.isfinite(raw)
+        counts = (bad if visible is None else bad & visible).sum(dim=(-1, -2)).tolist()  # (L, B)
+        for rows, row_counts in zip(summary, counts):
+            for r, n in zip(rows, row_counts):
+                r.append(n)
+    return summary
 
 
 def _eager_of(module: Any) -> Callable[..., Any]:
