@@ -9,10 +9,11 @@ process. A ``Session`` pulls from a source and runs every check on every event:
         ...
     report = session.report()
 
-or, with no loop of one's own, ``session.run()``. For an engine in this process,
-``Session.on_bus(bus)`` checks the events synchronously at every step end (the pytest
-plugin and the live-cost benchmark use it); ``BusSource`` instead queues them for a
-consumer thread, like the TUI's worker.
+or, with no loop of one's own, ``session.run()``. The TUI's worker reads the same sources
+(``kvdoctor.tui.feed.SourceFeed``), so a trace, a workload or a bus looks the same to the checks
+on screen and in ``kvdoctor check``. For an engine in this process, ``Session.on_bus(bus)``
+checks the events synchronously at every step end (the pytest plugin and the live-cost
+benchmark use it); ``BusSource`` instead queues them for a consumer thread.
 """
 
 from __future__ import annotations
@@ -42,12 +43,21 @@ _STOP = object()  # ends a BusSource's queue
 
 
 class Source(Protocol):
-    """Where events come from. ``batches`` yields lists of events (possibly empty while idle)."""
+    """Where events come from: the one interface the checks (``Session``), the TUI's worker
+    (``kvdoctor.tui.feed.SourceFeed``), metrics and reports read through.
+
+    ``batches`` yields lists of events, an empty one on each idle wait so that a consumer may
+    look up (draw a frame, notice a stop). ``ended`` says, once ``batches`` is done, why in words.
+    ``close`` may come from another thread: the stream then ends as if the source had.
+    """
 
     name: str
     trace_path: str | None
     truncated: bool
     notes: list[str]
+
+    @property
+    def ended(self) -> str | None: ...
 
     def wait_header(self) -> Header | None: ...
 
@@ -69,6 +79,10 @@ class TraceSource:
     @property
     def truncated(self) -> bool:
         return self._reader.truncated
+
+    @property
+    def ended(self) -> str:
+        return "end of trace" + (" (last line cut short)" if self._reader.truncated else "")
 
     def wait_header(self) -> Header:
         return self._reader.header
@@ -97,6 +111,15 @@ class FollowSource:
     @property
     def truncated(self) -> bool:
         return self._follower.truncated
+
+    @property
+    def ended(self) -> str | None:
+        how = self._follower.ended
+        if how == "closed":
+            return "trace closed by its writer"
+        if how == "writer-gone":
+            return "the writing process is gone" + (" (last line cut short)" if self.truncated else "")
+        return how
 
     def wait_header(self) -> Header:
         return self._follower.wait_header()
@@ -141,6 +164,10 @@ class CommandSource:
     def truncated(self) -> bool:
         return self._follow.truncated
 
+    @property
+    def ended(self) -> str | None:
+        return self.exit_message() if self.returncode is not None else self._follow.ended
+
     def wait_header(self) -> Header:
         try:
             return self._follow.wait_header()
@@ -178,17 +205,21 @@ def _stderr_fd() -> int | None:
 class BusSource:
     """An engine ``Bus`` in this process, queued for a consumer on another thread.
 
-    The engine thread only appends each step's batch to a queue; ``batches`` hands them
-    out until ``close()``.
+    The engine thread only appends each step's batch to a queue (subscribed at once, so no
+    event is missed); ``batches`` hands them out, an empty batch after each ``idle_s`` without
+    one, until ``close()``.
     """
 
-    def __init__(self, bus: Any, header: Header | None = None, *, name: str = "engine bus") -> None:
+    def __init__(self, bus: Any, header: Header | None = None, *, name: str = "engine bus",
+                 idle_s: float = 0.1) -> None:
         self.name = name
         self.trace_path = None
         self.truncated = False
         self.notes: list[str] = []
+        self.ended: str | None = None
         self._bus = bus
         self._header = header
+        self._idle_s = idle_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         bus.subscribe(self._queue.put)
 
@@ -197,16 +228,21 @@ class BusSource:
 
     def batches(self) -> Iterator[list[Any]]:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                yield []
+                continue
             if item is _STOP:
                 return
             yield item
 
-    def close(self) -> None:
-        """Flush what the bus still holds and end the stream (safe to call twice)."""
+    def close(self, reason: str = "the engine stopped") -> None:
+        """Flush what the bus still holds and end the stream (safe to call twice: the first reason stays)."""
         if self._bus is None:
             return
         bus, self._bus = self._bus, None
+        self.ended = reason
         bus.unsubscribe(self._queue.put)
         self._queue.put(_STOP)
 

@@ -81,6 +81,41 @@ def test_open_source_reads_a_finished_trace_whole(tmp_path):
     assert isinstance(open_source(path, follow=True), FollowSource)
 
 
+def test_every_source_says_why_it_ended(tmp_path):
+    # GIVEN a closed trace, one whose last line was cut, and one still followed
+    closed = write_trace(tmp_path / "closed.kvtrace", clean_events(1))
+    cut = write_trace(tmp_path / "cut.kvtrace", clean_events(1), close=False)
+    with open(cut, "ab") as f:
+        f.write(b'{"kind":"seq_start"')
+    ended = {}
+    for name, source in (("read", TraceSource(closed)), ("cut", TraceSource(cut)),
+                         ("followed", FollowSource(closed, wait_s=5, poll_s=0.01))):
+        # WHEN each is read to its end
+        Session(source).run()
+        ended[name] = source.ended
+    # THEN each gives the reason in words, as the TUI's status line shows it
+    assert ended == {"read": "end of trace", "cut": "end of trace (last line cut short)",
+                     "followed": "trace closed by its writer"}
+
+
+def test_a_bus_source_yields_empty_batches_while_the_engine_is_idle_and_keeps_the_first_reason():
+    # GIVEN a bus source with a short idle wait
+    bus = Bus()
+    source = BusSource(bus, idle_s=0.01)
+    batches = source.batches()
+    # WHEN nothing is emitted THEN the consumer still gets a turn (an empty batch)
+    assert next(batches) == []
+    # WHEN a step ends THEN its events come as one batch
+    bus.emit(SeqStart, seq=1, prompt_len=1)
+    bus.end_step()
+    assert [type(e).__name__ for e in next(b for b in batches if b)] == ["SeqStart", "StepEnd"]
+    # WHEN it is closed twice THEN the stream ends and the first reason stays
+    source.close("the engine's work finished")
+    source.close("stopped")
+    assert list(batches) == []
+    assert source.ended == "the engine's work finished" and not bus.enabled
+
+
 def test_bus_session_checks_in_the_engine_thread_and_flushes_on_close():
     bus = Bus()
     session = Session.on_bus(bus)

@@ -7,9 +7,10 @@ checks. It hands each event to the checks and to the ``Monitor`` in order, then 
 faster than the screen redraws; events never are. The UI thread asks the monitor
 questions (a block's history, a sequence) through ``query``, under the same lock.
 
-``LiveFeed`` follows a trace still being written (by a workload we started, or by
-another process); ``ReplayFeed`` plays a finished trace with pause, step and seek;
-``BusFeed`` takes an engine's ``Bus`` in this process through a queue.
+``SourceFeed`` reads any ``kvdoctor.session.Source``, the interface ``kvdoctor check`` reads
+through too: ``LiveFeed`` follows a trace still being written (by a workload we started, or by
+another process), ``BusFeed`` takes an engine's ``Bus`` in this process. ``ReplayFeed`` plays a
+finished trace with pause, step and seek, so it holds the whole trace in memory.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from ..errors import KvdoctorError
 from ..events import Header
 from ..findings import Finding
 from ..limits import Limits
+from ..session import BusSource, FollowSource, Source, TraceSource
 from .state import Monitor, Snapshot
 from .workload import Workload
 
-__all__ = ["Checker", "CheckerFactory", "Feed", "LiveFeed", "ReplayFeed", "BusFeed", "all_checks", "suite_factory"]
+__all__ = [
+    "Checker", "CheckerFactory", "Feed", "SourceFeed", "LiveFeed", "ReplayFeed", "BusFeed", "all_checks", "suite_factory",
+]
 
 _SLICE = 4096  # events processed per lock hold: bounds how long a UI query can wait
 
@@ -42,7 +46,7 @@ class Checker(Protocol):
     def finish(self) -> Iterable[Finding] | None: ...
 
 
-CheckerFactory = Callable[[Header], "Checker | None"]
+CheckerFactory = Callable[[Header | None], "Checker | None"]
 Publish = Callable[[Snapshot], None]
 
 
@@ -50,10 +54,10 @@ def suite_factory(config: Any = None) -> CheckerFactory:
     """The checks ``kvdoctor check`` runs, with the same settings (a ``kvdoctor.config.Config``;
     default settings when None). A fresh suite per (re)start: a replay that seeks back rebuilds."""
 
-    def make(header: Header) -> Checker:
+    def make(header: Header | None) -> Checker:
         from ..config import Config
 
-        return (config or Config()).make_suite(header.model)
+        return (config or Config()).make_suite(header.model if header is not None else None)
 
     return make
 
@@ -111,7 +115,7 @@ class Feed(threading.Thread):
     def _run(self) -> None:
         raise NotImplementedError
 
-    def _reset(self, header: Header) -> None:
+    def _reset(self, header: Header | None) -> None:
         with self.lock:
             self.monitor = Monitor(header, self._limits)
             self._checker = self._factory(header) if self._factory is not None else None
@@ -179,33 +183,38 @@ class Feed(threading.Thread):
         self._publish_cb(snap)
 
 
-class LiveFeed(Feed):
-    """Follows a trace as it is written; with a ``workload``, also reports how the workload ended."""
+class SourceFeed(Feed):
+    """Any ``kvdoctor.session.Source`` (the one the checks' sessions read): a trace being written,
+    a workload's trace, an engine's bus. With a ``workload``, also reports how the workload ended."""
 
     def __init__(
         self,
-        path: str,
+        source: Source,
         publish: Publish,
         *,
         workload: Workload | None = None,
+        waiting: str | None = None,
+        running: str | None = None,
         checker_factory: CheckerFactory | None = all_checks,
-        wait_s: float = 10.0,
         fps: float = 15.0,
         limits: Limits | None = None,
     ) -> None:
         super().__init__(publish, checker_factory=checker_factory, fps=fps, limits=limits)
-        self.path = path
+        self.source = source
         self.workload = workload
-        self.wait_s = wait_s
+        self._waiting = (f"starting {workload.title}" if workload is not None
+                         else waiting or f"waiting for {source.name}")
+        self._running = running or f"following {source.name}"
+
+    def stop(self) -> None:
+        super().stop()
+        self.source.close()
 
     def _run(self) -> None:
-        from ..trace import follow
-
-        pid = self.workload.pid if self.workload is not None else None
-        follower = follow(self.path, stop=self._stop_event, pid=pid, wait_s=self.wait_s)
-        self._set_status(f"starting {self.workload.title}" if self.workload else f"waiting for {self.path}")
+        source = self.source
+        self._set_status(self._waiting)
         try:
-            header = follower.wait_header()
+            header = source.wait_header()
         except KvdoctorError as exc:
             self._fail(self._explain(str(exc)))
             return
@@ -215,33 +224,30 @@ class LiveFeed(Feed):
 
             # The workload is our child, so py-spy may read its stacks when a finding fires.
             self._attributor = Attributor(pid=self.workload.pid, pyspy_timeout_s=3.0)
-        self._set_status(f"following {self.path}")
+        self._set_status(self._running)
         try:
-            for batch in follower.batches():
+            for batch in source.batches():
                 if batch:
                     self._consume(batch)
                 else:
-                    self._publish()
+                    self._publish()  # a quiet source: show what the last events left
         except KvdoctorError as exc:
             self._finish_checks("trace unreadable")
             self._fail(self._explain(str(exc)))
             return
-        self._finish_checks(self._end_reason(follower.ended, follower.truncated))
+        self._finish_checks(self._end_reason())
         self._set_status(self.monitor.ended or "")
 
-    def _end_reason(self, ended: str | None, truncated: bool) -> str:
-        if self.workload is not None and ended != "stopped":
+    def _end_reason(self) -> str:
+        stopped = self._stop_event.is_set()
+        if self.workload is not None and not stopped:
             if self.workload.wait(2.0) is None:
                 # The trace is closed but the process is still tearing down: show the state meanwhile.
                 self._set_status("trace closed; waiting for the workload to exit")
                 while self.workload.wait(0.5) is None and not self._stop_event.is_set():
                     pass
             return self.workload.exit_message()
-        if ended == "closed":
-            return "trace closed by its writer"
-        if ended == "writer-gone":
-            return "the writing process is gone" + (" (last line cut short)" if truncated else "")
-        return "stopped"
+        return self.source.ended or "stopped"
 
     def _explain(self, message: str) -> str:
         if self.workload is None:
@@ -249,6 +255,16 @@ class LiveFeed(Feed):
         if self.workload.wait(0.5) is None:
             return message
         return f"{self.workload.exit_message()} — {message}"
+
+
+class LiveFeed(SourceFeed):
+    """Follows a trace as it is written (by ``workload``, when we started it, or by another process)."""
+
+    def __init__(self, path: str, publish: Publish, *, workload: Workload | None = None, wait_s: float = 10.0,
+                 **options: Any) -> None:
+        pid = workload.pid if workload is not None else None
+        super().__init__(FollowSource(path, pid=pid, wait_s=wait_s), publish, workload=workload, **options)
+        self.path = path
 
 
 class ReplayFeed(Feed):
@@ -342,14 +358,12 @@ class ReplayFeed(Feed):
         self._show(force=True)
 
     def _load(self) -> None:
-        from ..trace import TraceReader
-
-        reader = TraceReader(self.path)
-        self._header = reader.header
+        source = TraceSource(self.path)
+        self._header = source.wait_header()
         events = self._events
-        for batch in reader.batches():
+        for batch in source.batches():
             events.extend(batch)
-        self._truncated = reader.truncated
+        self._truncated = source.truncated
         last = None
         for i, ev in enumerate(events):
             if ev.step != last:
@@ -381,45 +395,17 @@ class ReplayFeed(Feed):
         self._publish(force=force)
 
 
-class BusFeed(Feed):
-    """An engine in this process: its bus hands each step's events to a queue this thread drains.
+class BusFeed(SourceFeed):
+    """An engine in this process, through a ``BusSource``: the engine thread pays one ``put`` per step.
 
-    The engine thread pays one ``put`` per step. ``close(reason)`` (from any thread, once the
-    engine is done) flushes the bus and ends the feed; the screen keeps the last state.
+    ``close(reason)`` (from any thread, once the engine is done) flushes the bus and ends the
+    feed; the screen keeps the last state.
     """
 
-    _END = object()
-
-    def __init__(self, bus: Any, header: Header, publish: Publish, *,
-                 checker_factory: CheckerFactory | None = all_checks, fps: float = 15.0,
-                 limits: Limits | None = None) -> None:
-        super().__init__(publish, checker_factory=checker_factory, fps=fps, limits=limits)
-        self.header = header
-        self._bus = bus
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._reason = "the engine stopped"
-        bus.subscribe(self._queue.put)  # before the engine runs, so no event is missed
+    def __init__(self, bus: Any, header: Header, publish: Publish, **options: Any) -> None:
+        fps = options.get("fps", 15.0)
+        super().__init__(BusSource(bus, header, idle_s=1.0 / fps), publish,
+                         running="watching an engine in this process", **options)
 
     def close(self, reason: str = "the engine stopped") -> None:
-        self._reason = reason
-        self._bus.unsubscribe(self._queue.put)  # flushes what the bus still buffers
-        self._queue.put(self._END)
-
-    def stop(self) -> None:
-        super().stop()
-        self._queue.put(self._END)
-
-    def _run(self) -> None:
-        self._reset(self.header)
-        self._set_status("watching an engine in this process")
-        while True:
-            try:
-                batch = self._queue.get(timeout=self._interval)
-            except queue.Empty:
-                self._publish()  # a quiet engine: show what the last steps left
-                continue
-            if batch is self._END:
-                break
-            self._consume(batch)
-        self._finish_checks(self._reason)
-        self._set_status(self._reason)
+        self.source.close(reason)
