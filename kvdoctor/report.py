@@ -1,6 +1,6 @@
 """What ``kvdoctor check`` prints: text for people, JSON for scripts, JUnit and SARIF for CI.
 
-All four render one ``Report``. The JSON shape is the contract of EVENTS.md:
+All four render one ``Report``. The JSON shape is a contract (docs/checks.md):
 ``{"findings": [...], "summary": {...}}``, every finding with ``check``, ``rule``,
 ``severity``, ``message``, ``seq``, ``block``, ``layer``, ``step`` (null where they do not
 apply) and its evidence. A baseline file lists findings accepted as known, by their

@@ -1,4 +1,4 @@
-"""A trace of the engine under a tiny device tier is consistent by EVENTS.md, and each fault shows.
+"""A trace of the engine under a tiny device tier is consistent by docs/trace-format.md, and each fault shows.
 
 A seeded random workload (prompts, decode, forks, rollbacks, aborts, prefetch and
 explicit swaps) runs against device 6 / host 6 / disk 10 blocks with tracing switched

@@ -75,7 +75,7 @@ any_event = st.one_of([_strategy(cls) for cls in E.KNOWN_EVENTS])
 
 
 def test_every_known_kind_has_a_strategy_and_a_unique_tag():
-    # GIVEN the contract's classes THEN each kind tag is unique and covers EVENTS.md's vocabulary
+    # GIVEN the contract's classes THEN each kind tag is unique and covers docs/trace-format.md's vocabulary
     assert len(E.KINDS) == len(E.KNOWN_EVENTS)
     for kind in ("seq_start", "seq_end", "alloc", "share", "release", "free", "evict", "write", "read",
                  "swap_out", "swap_in", "rollback", "batch", "attn", "usage", "mem"):

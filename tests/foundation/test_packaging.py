@@ -1,4 +1,4 @@
-"""Packaging and layering guards: one distribution, one import package, and the layers of ARCHITECTURE.md."""
+"""Packaging and layering guards: one distribution, one import package, and the layers of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,14 +15,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"kvdoctor": "kvdoctor", "engine": "kvdoctor.engine", "checks": "kvdoctor.checks"}
 
-# What each layer may import from kvdoctor itself. The trace format is part of the contract, so the
-# engine may write traces; checks see events and findings only.
-ALLOWED = {
-    "kvdoctor.engine": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.knobs", "kvdoctor.engine"),
-    "kvdoctor.checks": ("kvdoctor.events", "kvdoctor.findings", "kvdoctor.knobs", "kvdoctor.checks"),
-    # Producers for other engines: another engine's trace must not depend on ours.
-    "kvdoctor.integrations": ("kvdoctor.events", "kvdoctor.trace", "kvdoctor.errors", "kvdoctor.knobs",
-                              "kvdoctor.integrations"),
+CONTRACT = ("kvdoctor.events", "kvdoctor.errors", "kvdoctor.knobs")  # what every layer shares
+TRACE_FORMAT = ("kvdoctor.trace", "kvdoctor.binary_trace")
+UI = ("kvdoctor.cli", "kvdoctor.commands", "kvdoctor.tui")
+ENGINE_SIDE = ("kvdoctor.engine", "kvdoctor.demo", "kvdoctor.compression")  # import the engine, hence torch
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the modules under a name may import from kvdoctor: only ``allowed`` (with their own package), or,
+    where ``allowed`` is None, anything but ``forbidden``; ``why`` is said when a module breaks it."""
+
+    why: str
+    allowed: tuple[str, ...] | None = None
+    forbidden: tuple[str, ...] = ()
+
+
+# docs/architecture.md's layers, for every package and top-level module; a module follows the most specific name.
+RULES = {
+    "kvdoctor.events": Rule("the event contract is plain data every layer shares", allowed=()),
+    "kvdoctor.errors": Rule("errors and exit codes are shared by every layer", allowed=()),
+    "kvdoctor.knobs": Rule("every layer reads its environment variables here", allowed=()),
+    "kvdoctor.findings": Rule("a finding points at events, nothing more", allowed=("kvdoctor.events",)),
+    "kvdoctor.binary_trace": Rule("the trace format is events in, events out", allowed=CONTRACT),
+    "kvdoctor.trace": Rule("the trace format is events in, events out", allowed=CONTRACT + TRACE_FORMAT),
+    "kvdoctor.engine": Rule("the engine records events and writes its trace; it knows no consumer",
+                            allowed=CONTRACT + TRACE_FORMAT),
+    "kvdoctor.checks": Rule("checks are pure consumers of events", allowed=("kvdoctor.events", "kvdoctor.findings",
+                                                                            "kvdoctor.knobs")),
+    "kvdoctor.integrations": Rule("another engine's trace must not depend on ours", allowed=CONTRACT + TRACE_FORMAT),
+    "kvdoctor.probes": Rule("probes read memory into events, light to import", allowed=CONTRACT),
+    "kvdoctor.probes.machine": Rule("`kvdoctor doctor` asks the engine what it can use on this machine",
+                                    allowed=CONTRACT + ("kvdoctor.engine",)),
+    "kvdoctor.export": Rule("an export writes a session's events and findings for another tool",
+                            allowed=CONTRACT + TRACE_FORMAT + ("kvdoctor.findings", "kvdoctor.config",
+                                                               "kvdoctor.session")),
+    "kvdoctor.tui": Rule("the TUI is fed by a session; an engine runs in a child process (the demo), never in it",
+                         forbidden=ENGINE_SIDE + ("kvdoctor.cli", "kvdoctor.commands", "kvdoctor.pytest_plugin")),
+    "kvdoctor.commands": Rule("a command may use anything but the parser that lists it", forbidden=("kvdoctor.cli",)),
+    "kvdoctor.cli": Rule("the parser is the top", forbidden=()),
+    "kvdoctor": Rule("sessions, reports, config and metrics work from a trace without the engine, and never reach "
+                     "up into the UI", forbidden=ENGINE_SIDE + UI),
+    "kvdoctor.compression": Rule("the engine's codec settings, below the UI", forbidden=UI),
+    "kvdoctor.demo": Rule("the demo workload drives the engine, below the UI", forbidden=UI),
+    "kvdoctor.pytest_plugin": Rule("the plugin checks a test's engine, below the UI", forbidden=UI),
 }
 FORBIDDEN_THIRD_PARTY = {"kvdoctor.checks": ("torch", "transformers", "numpy", "textual")}
 
@@ -69,19 +106,53 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("layer", sorted(ALLOWED))
-def test_layering(layer):
-    # GIVEN the sources of a layer THEN they import only what ARCHITECTURE.md's table allows
+def _module_of(path: Path) -> str:
+    package = _package_of(path)
+    return package if path.stem == "__init__" else f"{package}.{path.stem}"
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _rule_of(module: str) -> str:
+    """The most specific name in RULES that ``module`` is or lies under."""
+    return max((key for key in RULES if _under(module, (key,))), key=len)
+
+
+def _own_package(path: Path) -> str:
+    """What a module may always import: its subpackage of kvdoctor (tui/widgets/x.py: kvdoctor.tui), or itself."""
+    package = _package_of(path)
+    return _module_of(path) if package == "kvdoctor" else ".".join(package.split(".")[:2])
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_layering(rule):
+    # GIVEN every module that follows a rule THEN it imports from kvdoctor only what the rule allows
     bad = []
     for path in _sources():
-        if not _package_of(path).startswith(layer):
+        module = _module_of(path)
+        if _rule_of(module) != rule:
             continue
+        r = RULES[rule]
         for name in _imports(path):
-            if name.startswith("kvdoctor") and not name.startswith(ALLOWED[layer]):
-                bad.append(f"{path.relative_to(ROOT)} imports {name}")
-            if name.split(".")[0] in FORBIDDEN_THIRD_PARTY.get(layer, ()):
+            if not _under(name, ("kvdoctor",)) or _under(name, (_own_package(path),)):
+                pass
+            elif (r.allowed is not None and not _under(name, r.allowed)) or _under(name, r.forbidden):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}: {r.why}")
+            if name.split(".")[0] in FORBIDDEN_THIRD_PARTY.get(rule, ()):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_a_layering_rule_catches_a_crossing_import():
+    # GIVEN the checks importing the engine, and the TUI importing the demo THEN both break a rule
+    assert _rule_of("kvdoctor.checks.leak") == "kvdoctor.checks" and not _under("kvdoctor.engine.pool",
+                                                                              RULES["kvdoctor.checks"].allowed)
+    assert _rule_of("kvdoctor.tui.app") == "kvdoctor.tui" and _under("kvdoctor.demo", RULES["kvdoctor.tui"].forbidden)
+    assert _rule_of("kvdoctor.session") == "kvdoctor" and _under("kvdoctor.engine.bus", RULES["kvdoctor"].forbidden)
+    assert _own_package(ROOT / "kvdoctor/tui/widgets/blocks.py") == "kvdoctor.tui"
+    assert _own_package(ROOT / "kvdoctor/report.py") == "kvdoctor.report"
 
 
 def test_no_top_level_engine_or_checks_modules():
