@@ -220,10 +220,9 @@ class PagedKVCache:
         self.writes.store(layer, slots, k, v)
 
     def store_rows(self, slots: torch.Tensor) -> torch.Tensor | None:
-        """Where ``store`` writes each token's K and V heads in every layer's device arena, seen from
-        ``layer_kv(layer)``'s first element as rows of ``head_dim`` elements, ordered (K/V, token, head): for
-        a caller that writes them itself (the compiled decode layers) and then calls ``stored``. None where
-        a store must go through ``store``: codes, blocks in several codecs, a fault that moves rows."""
+        """Where ``store`` writes each token's K and V heads, as rows of ``head_dim`` elements from ``layer_kv``'s
+        start, ordered (K/V, token, head), for a caller that writes them itself and then calls ``stored``. None
+        where a store must go through ``store``: codes, blocks in several codecs, a fault that moves rows."""
         return self.writes.store_rows(slots)
 
     def digest_weights(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -237,9 +236,8 @@ class PagedKVCache:
         self.writes.stored(slots, units, shares)
 
     def commit(self, seq: Any, n: int | None = None, tokens: Sequence[int] | None = None) -> None:
-        """The first ``n`` reserved tokens (default: all) are stored in every layer: advance the version by ``n``
-        and emit a ``write`` per block touched; reserved tokens beyond ``n`` are dropped. ``tokens``: their ids,
-        which the prefix cache keys the blocks they fill by."""
+        """The first ``n`` reserved tokens (default: all) are stored in every layer: a ``write`` per block touched;
+        the rest are dropped. ``tokens``: their ids, which the prefix cache keys the blocks they fill by."""
         self.writes.commit(seq, n, tokens)
 
     def recode(self, blocks: Iterable[int], codec: str) -> None:
@@ -278,9 +276,8 @@ class PagedKVCache:
         return self.reads.layer_kv(layer)
 
     def read_rows(self, table: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-        """Where in a layer's device arena each block's keys, and its values, of each head start, as element
-        offsets ordered (K/V, row, head, block), for ``table`` (B, blocks) of device slots, and the extent they
-        index; the same for every layer. None where ``layer_kv`` is no view of the dtype (codes, several codecs)."""
+        """Element offsets of each block's keys and values per head in a layer's arena, ordered (K/V, row, head,
+        block), for ``table`` (B, blocks) of device slots, and their extent; None where ``layer_kv`` fails."""
         return self.reads.read_rows(table)
 
     def read_blocks(self, layer: int, slots: torch.Tensor, heads: torch.Tensor | None = None
@@ -296,9 +293,8 @@ class PagedKVCache:
         return self.reads.gather(seq, layer)
 
     def sample_reads(self, seqs: Sequence[Any]) -> list[int] | None:
-        """For each of ``seqs``' next whole reads, the block (an index into its table; -1: none) the sampler picks
-        to verify, for a reader that takes a block's digest in its own pass over the bytes: it then hands
-        ``emit_read`` what it found (``checked``). None unless someone listens with ``verify="sample"``."""
+        """For each of ``seqs``' next reads, the block index (-1: none) the sampler picks to verify, for a reader
+        that digests it in its own pass and hands ``emit_read`` what it found; None unless ``verify="sample"``."""
         return self.reads.sample_reads(seqs)
 
     def emit_read(self, seq: Any, blocks: Sequence[int] | None = None, layer: int | None = None, *,
@@ -368,20 +364,10 @@ class PagedKVCache:
         self.digests.end_step()
         self.step.clear()
 
-    @property
-    def bytes_staged(self) -> int:
-        """Long context: bytes the staging area moved, every step so far."""
-        return self.longctx.bytes_staged
-
-    @property
-    def rows_from_device(self) -> int:
-        """Long context: (layer, block) reads served by a copy already on the device."""
-        return self.longctx.rows_from_device
-
-    @property
-    def rows_from_slower(self) -> int:
-        """Long context: (layer, block) reads that had to be copied up from a slower tier."""
-        return self.longctx.rows_from_slower
+    # long context's counters, every step so far: bytes staged, (layer, block) reads served on the device or not
+    bytes_staged = property(lambda self: self.longctx.bytes_staged)
+    rows_from_device = property(lambda self: self.longctx.rows_from_device)
+    rows_from_slower = property(lambda self: self.longctx.rows_from_slower)
 
     def stats(self) -> dict[str, Any]:
         """Occupancy per tier (blocks and the real bytes of each block's codec), tokens, prefetch and swaps."""
