@@ -461,13 +461,6 @@ def test_kvdoctor_check_finds_nothing_on_a_mixed_run_with_swaps(tmp_path, capsys
     assert out.rstrip().splitlines()[-1] == "KVDOCTOR SUMMARY: 0 errors, 0 warnings, 0 info"
 
 
-def test_tui_monitor_takes_recode_events():
-    from kvdoctor.events import Recode
-    from kvdoctor.tui.state import Monitor
-
-    Monitor().observe(Recode(block=0, tier="device", src_codec="fp16", dst_codec="nf4", version=4))
-
-
 # ---- kvdoctor run ----
 @pytest.mark.parametrize("setting, tier_codecs", [
     ("mixed", {"device": "fp16", "host": "fp16"}),

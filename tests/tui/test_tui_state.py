@@ -173,6 +173,17 @@ def test_block_detail_shows_the_codec_its_bytes_are_held_in_and_its_recodes():
     assert "recode" in text
 
 
+def test_a_recode_of_a_block_never_seen_allocated_is_told_without_placing_it():
+    # GIVEN a monitor that joined a run late: the first it hears of block 0 is a recode
+    m = fold(Recode(block=0, tier="device", src_codec="fp16", dst_codec="nf4", version=4))
+    # THEN the block has a story (the recode) and its codec, but no tier holds it and its cell is free
+    rec = m.blocks.records[0]
+    assert [type(e) for e in rec.history] == [Recode] and rec.codec == "nf4"
+    s = m.snapshot()
+    assert s.cells[s.cell_ids.index(0)] == 0 and all(t.used == 0 for t in s.tiers)
+    assert describe_block(m, 0).plain.startswith("block 0  free nf4")
+
+
 def test_prefix_cache_blocks_are_marked_cached_and_the_hit_rate_counts_served_prompt_blocks():
     # GIVEN a request whose first block the prefix cache registers, then a second request that hits it
     m = fold(

@@ -1,0 +1,131 @@
+"""Reports: one set of findings rendered as text, JSON, JUnit and SARIF, failing at ``fail_on``, and
+baselines that accept known findings so CI fails only on new ones."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+import pytest
+
+from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+from kvdoctor.findings import Finding
+from kvdoctor.report import (
+    FORMATS, Report, apply_baseline, load_baseline, render, summary_line, write_baseline,
+)
+
+LEAK = Finding(check="leak", rule="unreachable-swapped", severity="error", message="block 3 leaked on host",
+               seq="r1", block=3, step=7, evidence={
+                   "event_index": 41,
+                   "history": [{"kind": "alloc", "step": 2, "tier": "device", "seq": "r1"},
+                               {"kind": "swap_out", "step": 5, "src": "device", "dst": "host", "version": 16},
+                               {"kind": "seq_end", "step": 7, "seq": "r1"}]})
+UNKNOWN = Finding(check="accounting", rule="unknown-block", severity="warning", message="free of block 9",
+                  block=9, step=1)
+NOTE = Finding(check="attention", rule="entropy-collapse", severity="info", message="layer 2 looks at one key",
+               seq="r2", layer=2, step=3)
+
+
+def report(**kw) -> Report:
+    return Report([NOTE, LEAK, UNKNOWN], source="run.kvtrace", trace_path="traces/run.kvtrace", num_events=120, **kw)
+
+
+def test_findings_are_ordered_by_severity_then_step_and_counted():
+    r = report()
+    assert [f.rule for f in r.findings] == ["unreachable-swapped", "unknown-block", "entropy-collapse"]
+    assert r.counts() == {"error": 1, "warning": 1, "info": 1}
+    assert summary_line(r) == "KVDOCTOR SUMMARY: 1 errors, 1 warnings, 1 info"
+
+
+@pytest.mark.parametrize("fail_on, failing, code", [
+    ("error", ["unreachable-swapped"], EXIT_FINDINGS),
+    ("warning", ["unreachable-swapped", "unknown-block"], EXIT_FINDINGS),
+    ("info", ["unreachable-swapped", "unknown-block", "entropy-collapse"], EXIT_FINDINGS),
+])
+def test_what_fails_a_run_is_what_reaches_fail_on(fail_on, failing, code):
+    r = report(fail_on=fail_on)
+    assert [f.rule for f in r.failing()] == failing and r.exit_code == code
+    assert Report([UNKNOWN, NOTE], fail_on="error").exit_code == EXIT_OK
+
+
+def test_text_says_where_each_finding_is_and_tells_the_block_story():
+    # GIVEN a report of a cut trace with a note and findings past the cap
+    text = render(report(truncated=True, suppressed=4, baselined=2, notes=["workload finished (exit 0)"]), "text")
+    lines = text.splitlines()
+    # THEN the head names the source and the cut, then the notes, each finding, the counts, the summary last
+    assert lines[0] == "kvdoctor check: run.kvtrace: 120 events (last line cut short)"
+    assert lines[1] == "note: workload finished (exit 0)"
+    assert "ERROR   leak/unreachable-swapped  step 7  seq 'r1'  block 3" in lines
+    assert ("        history: alloc@2(device, seq 'r1') -> swap_out@5 device->host v16 -> seq_end@7(seq 'r1')"
+            in lines)
+    assert "4 further findings over the per-rule cap were counted but not listed" in lines
+    assert "2 findings accepted by the baseline were not listed" in lines
+    assert lines[-1] == summary_line(report())
+
+
+def test_json_is_the_findings_and_the_summary():
+    doc = json.loads(render(report(fail_on="warning", notes=["n"]), "json"))
+    assert [f["rule"] for f in doc["findings"]] == ["unreachable-swapped", "unknown-block", "entropy-collapse"]
+    first = doc["findings"][0]
+    assert (first["seq"], first["block"], first["layer"], first["step"]) == ("r1", 3, None, 7)
+    assert first["evidence"]["event_index"] == 41
+    assert doc["summary"] == {
+        "errors": 1, "warnings": 1, "info": 1, "fail_on": "warning", "failed": True, "exit_code": EXIT_FINDINGS,
+        "events": 120, "truncated": False, "suppressed": 0, "baselined": 0, "source": "run.kvtrace", "notes": ["n"],
+    }
+
+
+def test_junit_fails_a_case_per_failing_finding_and_passes_the_quiet_checks():
+    root = ET.fromstring(render(report(), "junit").split("\n", 1)[1])
+    suite = root.find("testsuite")
+    cases = {c.get("name"): c for c in suite.iter("testcase")}
+    # THEN the error fails, the warning and the info are told but pass, and every quiet check has its case
+    assert cases["unreachable-swapped step 7  seq 'r1'  block 3"].find("failure") is not None
+    assert cases["unknown-block step 1  block 9"].find("failure") is None
+    assert "stale: no findings" in cases and "leak: no findings" not in cases
+    assert (suite.get("tests"), suite.get("failures")) == (str(len(cases)), "1")
+
+
+def test_sarif_points_each_result_at_its_rule_and_trace_line():
+    run = json.loads(render(report(), "sarif"))["runs"][0]
+    rules = [r["id"] for r in run["tool"]["driver"]["rules"]]
+    leak = next(r for r in run["results"] if r["ruleId"] == "leak/unreachable-swapped")
+    assert rules[leak["ruleIndex"]] == "leak/unreachable-swapped" and leak["level"] == "error"
+    # event 41 is line 43: the header is line 1
+    assert leak["locations"][0]["physicalLocation"] == {
+        "artifactLocation": {"uri": "traces/run.kvtrace"}, "region": {"startLine": 43}}
+    assert leak["partialFingerprints"] == {"kvdoctor/v1": LEAK.key}
+    info = next(r for r in run["results"] if r["ruleId"] == "attention/entropy-collapse")
+    assert info["level"] == "note" and "region" not in info["locations"][0]["physicalLocation"]
+
+
+def test_an_unknown_format_is_a_usage_error_naming_the_formats():
+    with pytest.raises(UsageError, match="unknown format 'html': use one of " + ", ".join(FORMATS)):
+        render(report(), "html")
+
+
+def test_a_baseline_accepts_as_many_of_each_finding_as_it_lists(tmp_path):
+    # GIVEN a baseline written from one leak
+    path = tmp_path / "baseline.json"
+    assert write_baseline(path, [LEAK]) == 1
+    accepted = load_baseline(path)
+    assert accepted == Counter({LEAK.key: 1})
+    # WHEN the same leak comes twice, beside a new finding
+    kept, dropped = apply_baseline([LEAK, UNKNOWN, LEAK], accepted)
+    # THEN one leak is accepted; the second and the new finding are kept
+    assert (kept, dropped) == ([UNKNOWN, LEAK], 1)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("{not json", "is not readable JSON"),
+    ('{"format": "other", "findings": []}', "is not a kvdoctor baseline"),
+    ('{"format": "kvdoctor-baseline", "findings": [{"check": "leak"}]}', "needs a string 'key'"),
+])
+def test_a_bad_baseline_is_a_usage_error_saying_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / "baseline.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        load_baseline(path)
