@@ -10,7 +10,6 @@ searches afresh. ``.ci/run`` selects the profile with ``KVDOCTOR_HYPOTHESIS=ci``
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 from types import ModuleType
 from typing import Callable
@@ -18,9 +17,11 @@ from typing import Callable
 import pytest
 from hypothesis import settings
 
+from kvdoctor import knobs
+
 settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("explore")
-settings.load_profile(os.environ.get("KVDOCTOR_HYPOTHESIS", "explore"))
+settings.load_profile(knobs.get(knobs.HYPOTHESIS))
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import signal
 import traceback
 from collections import Counter
@@ -23,11 +22,12 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
 
+from kvdoctor import knobs
 from kvdoctor.cli import main
 
 CI_EXAMPLES = 40
 TIME_BOUND_S = 10.0
-EXAMPLES = int(os.environ.get("KVDOCTOR_FUZZ_EXAMPLES", CI_EXAMPLES))
+EXAMPLES = knobs.get(knobs.FUZZ_EXAMPLES) or CI_EXAMPLES
 
 # derandomize: CI runs the same inputs every time (a failure reproduces); a long run explores afresh.
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= CI_EXAMPLES, database=None,
@@ -101,7 +101,7 @@ class Tally:
         assert broken is None, f"kvdoctor {' '.join(outcome.argv)}: {broken}"
 
     def write(self) -> None:
-        path = os.environ.get("KVDOCTOR_FUZZ_REPORT")
+        path = knobs.get(knobs.FUZZ_REPORT)
         if path:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"test": self.name, **self.counts}) + "\n")

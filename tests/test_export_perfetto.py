@@ -6,13 +6,13 @@ through the trace processor itself when a shell binary is named in KVDOCTOR_TP_S
 from __future__ import annotations
 
 import json
-import os
 
 import msgspec
 import pytest
 from check_traces import leaky_events, with_usage, write_trace
 
 from kvdoctor import events as E
+from kvdoctor import knobs
 from kvdoctor.cli import main
 
 
@@ -101,14 +101,14 @@ def test_unwritable_output_is_exit_2(tmp_path, capsys):
     assert code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.skipif(not os.environ.get("KVDOCTOR_TP_SHELL"),
+@pytest.mark.skipif(not knobs.get(knobs.TP_SHELL),
                     reason="the perfetto package downloads trace_processor_shell at run time; "
                            "set KVDOCTOR_TP_SHELL to a local binary to run this")
 def test_trace_processor_reads_the_export(exported):
     from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
 
     path, _ = exported
-    tp = TraceProcessor(trace=str(path), config=TraceProcessorConfig(bin_path=os.environ["KVDOCTOR_TP_SHELL"]))
+    tp = TraceProcessor(trace=str(path), config=TraceProcessorConfig(bin_path=knobs.get(knobs.TP_SHELL)))
     try:
         steps = tp.query("select count(*) as n from slice where name like 'step %'").as_pandas_dataframe()
         assert int(steps["n"][0]) == 3
