@@ -6,11 +6,12 @@ under tiers small enough that demotion and eviction happen all the time, with on
 codec everywhere, per-tier codecs (blocks re-encoded on the way down), or mixed
 resolution (blocks re-encoded in place on the device). After every step it checks:
 - per tier, free + used == capacity and the slots held match the blocks there;
-- every block is in exactly one tier, and the tier the events put it in;
+- every block is in exactly one tier, and the tier the events put it in (the checks' own ledger);
 - what ``gather`` returns equals what was written, through any chain of swaps (within
   each block's codec's error where a codec is lossy), and every block's codec is the
   one its events say, never less lossy than before;
-- a sequence's version never goes back; swaps and reads carry the version of the last write;
+- a sequence's version never goes back; every check finds nothing in the events (double allocations,
+  tier moves, swaps and reads of the last write's version, writes advancing versions exactly);
 - once every sequence has ended, nothing is left allocated anywhere.
 """
 
@@ -26,9 +27,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine_support import Recorder, tiny_config
+from kvdoctor.checks import make_suite
 from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine.codecs import PRECISION, Calibration
+from kvdoctor.engine.codecs import Calibration
 from kvdoctor.engine.errors import OutOfBlocks
+from kvdoctor.events import Alloc, Evict, Free, Recode, SwapIn, SwapOut
 
 MAX_LEN = 20  # tokens per sequence: at most 5 blocks of 4, so one sequence always fits the device
 # Key scale 8: the standard-normal keys written never reach it, so int8 never clips them.
@@ -48,57 +51,27 @@ TOLERANCE = {"fp32": (0.0, 0.0), "fp16": (0.005, 0.002), "bf16": (0.04, 0.01), "
              "nf4": (1.0, 0.25)}
 
 
-class Ledger:
-    """What the events alone say: allocated blocks, their tier and last written version."""
+class Codecs:
+    """What the checks leave to the engine's own contract: each block's codec as its events say, a swap-in
+    never re-encodes, and a recode starts from the block's current codec."""
 
     def __init__(self) -> None:
-        self.tier: dict[int, str] = {}
         self.codec: dict[int, str | None] = {}
-        self.written: dict[int, int] = {}
-        self.seq_version: dict[object, int] = {}
 
-    def observe(self, e) -> None:
-        kind = type(e).__struct_config__.tag
-        if kind == "alloc":
-            assert e.block not in self.tier, f"alloc of allocated block {e.block}"
-            self.tier[e.block] = e.tier
-            self.codec[e.block] = e.codec
-            self.written.pop(e.block, None)
-        elif kind in ("free", "evict"):
-            assert e.block in self.tier, f"{kind} of unallocated block {e.block}"
-            if kind == "evict":
-                assert self.tier[e.block] == e.tier
-            del self.tier[e.block]
-            del self.codec[e.block]
-        elif kind in ("swap_out", "swap_in"):
-            assert self.tier[e.block] == e.src, f"{kind} of block {e.block} from {e.src}, events say {self.tier[e.block]}"
-            self.tier[e.block] = e.dst
-            self._recoded(e.block, e.codec, kind)
-            assert e.version == self.written.get(e.block, e.version), f"{kind} of block {e.block} carries a stale version"
-        elif kind == "write":
-            last = self.seq_version.get(e.seq, 0)
-            assert e.version == last + e.n, f"write to {e.seq} jumps version {last} -> {e.version} for {e.n} tokens"
-            self.seq_version[e.seq] = e.version
-            self.written[e.block] = e.version
-        elif kind == "rollback":
-            last = self.seq_version.get(e.seq, 0)
-            assert e.version >= last + 1
-            self.seq_version[e.seq] = e.version
-        elif kind == "recode":
-            assert self.tier[e.block] == e.tier and self.codec[e.block] == e.src_codec, f"recode of {e.block}"
-            assert e.version == self.written.get(e.block, e.version), f"recode of block {e.block} changed its version"
-            self._recoded(e.block, e.dst_codec, kind)
-        elif kind == "read":
-            for b, v in zip(e.blocks, e.versions):
-                assert b in self.tier and v == self.written.get(b, v), f"read of block {b} at version {v}"
-
-
-    def _recoded(self, block: int, codec: str, kind: str) -> None:
-        old = self.codec[block]
-        assert PRECISION[codec] >= PRECISION[old], f"{kind} of block {block} took it from {old} up to {codec}"
-        if kind == "swap_in":
-            assert codec == old, f"swap_in of block {block} re-encoded it ({old} -> {codec})"
-        self.codec[block] = codec
+    def observe(self, events) -> None:
+        for e in events:
+            kind = type(e)
+            if kind is Alloc:
+                self.codec[e.block] = e.codec
+            elif kind in (Free, Evict):
+                self.codec.pop(e.block, None)
+            elif kind is SwapIn:
+                assert e.codec == self.codec[e.block], f"swap_in of block {e.block} re-encoded it"
+            elif kind is SwapOut:
+                self.codec[e.block] = e.codec
+            elif kind is Recode:
+                assert self.codec[e.block] == e.src_codec, f"recode of block {e.block} from {e.src_codec}"
+                self.codec[e.block] = e.dst_codec
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -111,8 +84,13 @@ class CacheMachine(RuleBasedStateMachine):
                           prefetch_depth=prefetch, chunk_blocks=3, disk_dir=self.dir, **CODECS[codecs])
         self.lossy = codecs != "one"
         self.r = Recorder(PagedKVCache(cfg))
-        self.ledger = Ledger()
-        self.r.cache.bus.subscribe(lambda evs: [self.ledger.observe(e) for e in evs])
+        # Every check judges the events (double allocations, tiers, versions, precision only going
+        # down), and its ledger is what the events say of each block, to hold the cache to.
+        self.suite = make_suite()
+        self.ledger = self.suite.ledger
+        self.codecs = Codecs()
+        self.r.cache.bus.subscribe(self.suite.observe_many)
+        self.r.cache.bus.subscribe(self.codecs.observe)
         self.next_id = 0
         self.versions: dict[object, int] = {}
         for n in (5, 9):  # start with two sequences so every rule has something to act on
@@ -244,7 +222,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert ts.used + ts.num_free == ts.capacity
         in_flight = {b.id for b in c.pool.blocks.values() if b.inflight is not None}
         assert self.ledger.tier == {b.id: b.tier for b in c.pool.blocks.values()} or in_flight
-        assert self.ledger.codec == {b.id: b.codec for b in c.pool.blocks.values()} or in_flight
+        assert self.codecs.codec == {b.id: b.codec for b in c.pool.blocks.values()} or in_flight
+        assert self.suite.findings == [], [f.message for f in self.suite.findings]
         for seq, s in c.seqs.items():
             assert s.version >= self.versions.get(seq, 0)
             self.versions[seq] = s.version
@@ -260,6 +239,7 @@ class CacheMachine(RuleBasedStateMachine):
             st_ = self.cache.stats()
             assert st_["blocks"] == 0 and all(t["used_blocks"] == 0 for t in st_["tiers"].values())
             assert self.ledger.tier == {}
+            assert self.suite.finish() == [] and self.suite.findings == []
         finally:
             self.cache.close()
             shutil.rmtree(self.dir, ignore_errors=True)
