@@ -20,7 +20,6 @@ chat system prompt (the demo's), so later requests are served those blocks from 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -63,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from kvdoctor import knobs
     from kvdoctor.demo import SYSTEM_PROMPT
     from kvdoctor.engine.model import load_model, tiny_llama
     from kvdoctor.engine.runner import Runner, SamplingParams
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # With KVDOCTOR_TRACE set (kvdoctor watch), the engine already writes that trace itself.
     writer = None
-    if "KVDOCTOR_TRACE" not in os.environ or args.trace:
+    if not knobs.get(knobs.TRACE) or args.trace:
         path = args.trace or "serve.kvtrace"
         writer = TraceWriter(path, runner.cache.header())
         runner.bus.subscribe(writer.write_many)
