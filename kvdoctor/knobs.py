@@ -159,6 +159,10 @@ def markdown() -> str:
         "A value a variable does not accept is an error naming the variable and what it accepts "
         "(exit code 2 from the command line). Where a variable is the default of an `EngineConfig` field, "
         "the field, when set, wins.",
+        "",
+        "Settings kept in files are declared where they are read: the checks' `[tool.kvdoctor]` in "
+        "`kvdoctor/config.py` ([checks.md](checks.md)), the engine's `EngineConfig` fields with their ranges in "
+        "`engine/config.py`.",
     ]
     for scope, title in (("kvdoctor", "kvdoctor's own"), ("standard", "Standard variables kvdoctor honours"),
                          ("tests", "Read by the test suite")):
