@@ -8,7 +8,7 @@ environment before it starts). A bad value raises ``KnobError`` (a ``ValueError`
 what it accepts; the CLI shows it as one line, exit code 2.
 
 This module imports only the standard library, so every layer may import it: the engine, the checks and the
-integrations as well as the app (the layering test allows exactly this module across the layers).
+integrations as well as the app (the layering test, tests/foundation/test_packaging.py, allows it to all).
 docs/knobs.md is generated from it: ``python -m kvdoctor.knobs > docs/knobs.md`` (a test keeps them equal).
 """
 
@@ -37,7 +37,7 @@ class Knob:
     """One environment variable; unset or empty means ``default``."""
 
     name: str
-    kind: str  # flag | path | name | choice | seconds | count | word: how ``parse`` reads it, for the docs
+    kind: str  # flag | path | command | name | choice | seconds | count | word: what ``parse`` reads, for the docs
     default: Any
     meaning: str
     accepted: str  # what a value may be, in the words the docs and the error use
