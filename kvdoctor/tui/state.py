@@ -7,6 +7,11 @@ or layers happens once per step. ``Monitor.snapshot()`` copies the compact state
 into an immutable ``Snapshot`` that the UI thread renders from while the worker
 keeps going. Rates are measured on the trace's own clock (``t``), so a replay shows
 the rates the workload had, and a recorded trace renders the same on every run.
+
+Who owns a block and where it sits is not folded here: the monitor applies the checks'
+``Ledger`` updates for those events and draws from its tables, so the map cannot show a
+block owned that the leak check counts as orphaned (tests/tui/test_tui_fold.py holds them
+together on fuzzed streams).
 """
 
 from __future__ import annotations
