@@ -320,3 +320,45 @@ def test_stats_count_tokens_and_fragmentation_of_partial_blocks(make_cache):
     assert r.cache.stats()["tokens"] == 10
     r.cache.remove_sequence("b")
     assert r.cache.stats()["tokens"] == 7
+
+
+def test_queries_answer_what_the_scheduler_and_features_ask(make_cache):
+    # GIVEN a sequence of two blocks, one of them swapped out to the host
+    r = make_cache()
+    r.add("a", 6)
+    first, last = r.cache.blocks_of("a")
+    r.cache.swap_out([first.id], dst="host")
+    # THEN the queries tell what the pool and the sequences table hold, without reaching into them
+    assert r.cache.has_sequence("a") and not r.cache.has_sequence("z")
+    assert r.cache.sequence("a").length == 6 and r.cache.blocks_of("a") == [first, last]
+    assert r.cache.block(first.id) is first and r.cache.block(99) is None
+    assert (r.cache.free_blocks("device"), r.cache.free_blocks("host")) == (3, 3)
+    assert r.cache.settle(first)  # nothing in flight: nothing to land
+    with pytest.raises(UnknownSequence):
+        r.cache.blocks_of("z")
+
+
+def test_ownerless_blocks_are_those_no_live_sequence_holds(make_cache):
+    # GIVEN a cache whose leak-swapped fault forgets a finished sequence's swapped-out block
+    r = make_cache(fault="leak-swapped")
+    r.add("a", 8)
+    r.add("b", 4)
+    away = r.cache.block_table("a")[0]
+    r.cache.swap_out([away], dst="host")
+    # WHEN a finishes
+    r.cache.remove_sequence("a")
+    # THEN its forgotten block is the one no live sequence owns
+    assert r.cache.ownerless_blocks() == {away}
+
+
+def test_preallocate_grows_every_arena_to_its_capacity_and_keeps_the_slots_free(make_cache):
+    # GIVEN a fresh cache WHEN it preallocates
+    r = make_cache()
+    r.cache.preallocate()
+    # THEN every tier's arena holds its capacity, all of it free, and blocks still land there
+    for tier, arena in r.cache.arenas.items():
+        assert arena.num_slots == r.cache.config.capacity(tier)
+        assert r.cache.free_blocks(tier) == r.cache.config.capacity(tier)
+    r.add("a", 6)
+    r.assert_intact("a")
+    r.cache.pool.check()
