@@ -26,6 +26,7 @@ from .codec import CodecCheck
 from .integrity import IntegrityCheck
 from .leak import LeakCheck, LeakSettings
 from .ledger import ENDED_KEPT, FREED_KEPT, Ledger
+from .observer import ObserverCheck
 from .prefix import PrefixCheck
 from .stale import StaleCheck
 
@@ -33,11 +34,12 @@ __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
     "AttentionProfile", "ProfileBuilder", "shipped_profile",
-    "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck",
+    "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck", "ObserverCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
     LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck, PrefixCheck,
+    ObserverCheck,
 )
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
@@ -59,7 +61,7 @@ def make_suite(
     checks = [
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),
-        IntegrityCheck(ledger), PrefixCheck(ledger),
+        IntegrityCheck(ledger), PrefixCheck(ledger), ObserverCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

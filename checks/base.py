@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import msgspec
 
-from ..events import Event, StepEnd, Unknown, to_dict
+from ..events import Event, ObserverError, StepEnd, Unknown, to_dict
 from ..findings import Finding, Severity
 
 from .ledger import Ledger
@@ -143,6 +143,7 @@ class CheckSuite:
         self._step = 0
         self._step_closed = False
         self._finished = False
+        self.lost = False  # a producer stopped tracing (observer_error): nothing after it is judged
         dispatch: dict[type, list[Handler]] = {}
         for check in self.checks:
             for cls, handler in check.handlers().items():
@@ -152,6 +153,7 @@ class CheckSuite:
         for cls, apply in self.ledger.appliers().items():
             dispatch.setdefault(cls, []).append(apply)
         dispatch.setdefault(StepEnd, []).append(self._step_end)
+        dispatch.setdefault(ObserverError, []).append(self._observer_error)
         self._route: dict[type, tuple[Handler, ...]] = {cls: tuple(hs) for cls, hs in dispatch.items()}
         self._by_name = {c.name: c for c in self.checks}
 
@@ -208,6 +210,8 @@ class CheckSuite:
         if self._finished:
             return []
         self._finished = True
+        if self.lost:
+            return []
         # End-of-trace rules first: a step the trace cut short never ended, so what is still
         # pending in it is "left at the end", not "not freed by the end of its step".
         out: Sequence[Finding] = NO_FINDINGS
@@ -219,9 +223,23 @@ class CheckSuite:
 
     # ---- internals --------------------------------------------------------------------
 
+    def _observer_error(self, event: ObserverError) -> Sequence[Finding]:
+        """After the checks' own handlers: a producer that stopped tracing leaves the trace incomplete, so
+        from here the suite judges nothing (no end-of-step or end-of-trace rule) but further such errors."""
+        if event.stopped and not self.lost:
+            self.lost = True
+            self._step_closed = True
+            keep = self._route[ObserverError]
+            self._route.clear()  # in place: observe_many's loop holds this dict's lookup
+            self._route[ObserverError] = keep
+        return NO_FINDINGS
+
     def _new_step(self, step: int) -> Sequence[Finding]:
         if step < self._step:
             return NO_FINDINGS  # a producer bug; never re-close an old step
+        if self.lost:
+            self._step = self.ledger.step = step
+            return NO_FINDINGS
         out = self._close_step(NO_FINDINGS)
         self._step = self.ledger.step = step
         self._step_closed = False

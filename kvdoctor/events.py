@@ -51,6 +51,7 @@ __all__ = [
     "PrefetchUse",
     "Merge",
     "TraceEnd",
+    "ObserverError",
     "Unknown",
     "KNOWN_EVENTS",
     "KINDS",
@@ -374,6 +375,19 @@ class TraceEnd(Event, tag="trace_end"):
     reason: str = "closed"
 
 
+class ObserverError(Event, tag="observer_error"):
+    """A producer inside an engine kvdoctor did not write (vLLM, transformers) failed in its own bookkeeping
+    (v1.x). It let the host go on as called and, with ``stopped``, wrote nothing more: what the trace shows
+    after this point is incomplete, so consumers do not judge it."""
+
+    producer: str  # "vllm", "transformers"
+    part: str  # what was being traced: the host's method ("BlockPool.touch") or "start-up"
+    error: str  # the exception's type name
+    message: str
+    where: str | None = None  # kvdoctor's own file:line where it failed
+    stopped: bool = True
+
+
 class Unknown(msgspec.Struct, frozen=True, kw_only=True):
     """A kind this version does not know, kept whole so nothing a producer wrote is lost."""
 
@@ -386,7 +400,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, AttnStep, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
-    TraceEnd,
+    TraceEnd, ObserverError,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

@@ -4,11 +4,13 @@ vLLM loads ``register`` in every process it starts (entry-point group ``vllm.gen
 With ``KVDOCTOR_TRACE`` set, the plugin patches the v1 ``Scheduler`` so that the process that
 builds one (the engine core) wraps that scheduler's block pool and KV cache manager and writes:
 
-- ``seq_start``/``seq_end`` per request (``aborted`` for aborts, ``finished`` otherwise);
+- ``seq_start``/``seq_end`` per request (``aborted`` for aborts, ``finished`` otherwise); a request whose
+  blocks a KV connector still sends ends when vLLM frees them, not when it finishes;
 - ``alloc`` when the pool hands a block to a request, ``share`` when a prefix-cache hit takes a
   reference, ``release``/``free`` as references return, ``evict`` when a cached block is reused;
 - the prefix cache as an owner of its own (``seq="prefix-cache"``): a full block registered under a
   hash stays owned by the cache after its last request ends, so it is never mistaken for a leak;
+  blocks whose free vLLM defers (until the step that may still write them is done) are held by ``vllm``;
 - one ``batch`` per step with each request's position and token count, the ``write``s those tokens
   make into the request's blocks, the ``read`` of its block table, and ``usage`` of the pool.
 
@@ -19,8 +21,12 @@ in each full block (with the request's cache salt and LoRA name), computed from 
 request that registers a block and again from the tokens of each request that hits it, so a hit on
 a block whose content is not the hitting request's prefix is visible whatever vLLM's hash says.
 
+The plugin never harms vLLM: every wrapper runs vLLM's method exactly as called (``guard.Guard``), and
+a failure of kvdoctor's own bookkeeping records one ``observer_error``, stops tracing and lets vLLM go
+on. Versions: ``vllm_versions`` (an unknown one is traced with a warning, never refused).
+
 Not observed: attention statistics (vLLM's CPU attention kernels give no cheap hook), KV offloading
-to CPU (no connector runs here), blocks freed lazily by KV connectors.
+to CPU, the bytes a KV connector moves.
 """
 
 from __future__ import annotations
@@ -34,61 +40,67 @@ from array import array
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+import msgspec
+
 from ..events import (
-    Alloc, Batch, Evict, Free, Header, Read, Release, SeqEnd, SeqStart, Share, StepEnd, TierSpec, Usage, Write,
+    Alloc, Batch, Evict, Free, Header, ObserverError, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
+    TierSpec, Usage, Write,
 )
 from ..trace import TraceWriter
+from .guard import Call, Guard
+from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
 
-__all__ = ["register", "VllmTracer", "PREFIX_CACHE", "SUPPORTED_VERSIONS"]
+__all__ = ["register", "VllmTracer", "PREFIX_CACHE", "SUPPORTED"]
 
 TRACE_ENV = "KVDOCTOR_TRACE"
 PREFIX_CACHE = "prefix-cache"  # the owner a prefix cache holds its registered blocks as
-INTERNAL = "vllm"  # the owner of blocks vLLM takes outside any request (copy-on-write copies)
-SUPPORTED_VERSIONS = ("0.32.",)
-
-# What the tracer wraps: if an installed vLLM lacks one of these, its internals moved.
-_POOL_METHODS = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks", "_remove_cached_block_hashes",
-                 "move_block_hashes", "reset_prefix_cache", "get_num_free_blocks")
-_MANAGER_METHODS = ("allocate_slots", "free", "remove_skipped_blocks", "get_block_ids")
-_SCHEDULER_METHODS = ("schedule", "update_from_output", "add_request", "_free_request", "_preempt_request")
+INTERNAL = "vllm"  # the owner of blocks vLLM holds outside any request (copy-on-write copies, deferred frees)
 
 
-def _fail(message: str) -> None:
-    """One line for the person running vLLM, not a traceback from inside vLLM's start-up."""
-    sys.stderr.write(f"kvdoctor: {message}\n")
-    sys.stderr.flush()
-    raise SystemExit(2)
+def _warn(message: str) -> None:
+    """One line for the person running vLLM, never a traceback from inside vLLM's start-up."""
+    try:
+        sys.stderr.write(f"kvdoctor: {message}\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
 
 
 def register() -> None:
-    """vLLM's plugin hook; does nothing unless ``KVDOCTOR_TRACE`` names a trace to write."""
+    """vLLM's plugin hook; does nothing unless ``KVDOCTOR_TRACE`` names a trace to write. Never raises."""
     path = os.environ.get(TRACE_ENV)
     if not path:
         return
     try:
+        _patch_scheduler(path)
+    except Exception as exc:
+        _warn(f"not tracing vLLM ({type(exc).__name__}: {exc}); vLLM runs without kvdoctor")
+
+
+def _patch_scheduler(path: str) -> None:
+    try:
         import vllm
-        from vllm.v1.core.block_pool import BlockPool
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.sched.scheduler import Scheduler
     except ImportError as exc:
-        _fail(f"cannot trace this vLLM: its v1 KV cache manager is not importable ({exc})")
+        _warn(f"not tracing vLLM: its v1 scheduler is not importable ({exc})")
+        return
     version = getattr(vllm, "__version__", "unknown")
-    missing = [f"{cls.__name__}.{m}" for cls, names in ((BlockPool, _POOL_METHODS), (KVCacheManager, _MANAGER_METHODS),
-                                                        (Scheduler, _SCHEDULER_METHODS))
-               for m in names if not hasattr(cls, m)]
-    if not version.startswith(SUPPORTED_VERSIONS) or missing:
-        why = f"lacks {', '.join(missing)}" if missing else "is not a version kvdoctor has been built against"
-        _fail(f"vLLM {version} {why} (supported: {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}); "
-              f"unset {TRACE_ENV} to run it without kvdoctor")
+    if not is_supported(version):
+        _warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
+              f"{', '.join(SUPPORTED.values())}: {POLICY}); tracing what still matches")
     if getattr(Scheduler, "_kvdoctor_patched", False):
         return
     original_init = Scheduler.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        if not getattr(Scheduler, "_kvdoctor_tracing", False):  # one trace per process: the first scheduler
-            Scheduler._kvdoctor_tracing = True
-            self._kvdoctor = VllmTracer(self, path, engine=f"vllm {version}")
+        if getattr(Scheduler, "_kvdoctor_tracing", False):  # one trace per process: the first scheduler
+            return
+        Scheduler._kvdoctor_tracing = True
+        try:
+            self._kvdoctor = VllmTracer(self, path, engine=f"vllm {version}", methods=methods_for(version))
+        except Exception as exc:  # the trace could not even start (an unwritable path): vLLM goes on
+            _warn(f"not tracing vLLM ({type(exc).__name__}: {exc})")
 
     Scheduler.__init__ = __init__
     Scheduler._kvdoctor_patched = True
@@ -97,59 +109,97 @@ def register() -> None:
 class VllmTracer:
     """Writes one scheduler's KV-cache story; every method runs on vLLM's scheduler thread."""
 
-    def __init__(self, scheduler: Any, path: str, *, engine: str) -> None:
+    def __init__(self, scheduler: Any, path: str, *, engine: str, methods: Methods = Methods()) -> None:
         self.scheduler = scheduler
-        self.manager = manager = scheduler.kv_cache_manager
-        self.pool = pool = manager.block_pool
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        self.block_size = groups[0].kv_cache_spec.block_size
-        self.capacity = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never handed out
-        self.null_id = pool.null_block.block_id
-        model_config = scheduler.vllm_config.model_config
-        header = Header(
-            block_size=self.block_size, num_layers=model_config.get_num_layers(scheduler.vllm_config.parallel_config),
-            tiers=[TierSpec(name="device", capacity_blocks=self.capacity)], model=str(model_config.model),
-            engine=engine, created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid(),
-        )
-        self.writer = TraceWriter(path, header)
         self._t0 = time.perf_counter_ns()
         self.step = 0
         self._buf: list = []
+        self._wrapped: list[tuple[Any, str]] = []
+        self.writer: TraceWriter | None = None
+        self.guard = Guard("vllm", self._record_error, self._stop)
+        self.header = self._header(scheduler, engine)
+        self.writer = TraceWriter(path, self.header)
+        atexit.register(self.close)
+        self.guard.attempt("start-up", self._start, scheduler, methods)
+
+    @staticmethod
+    def _header(scheduler: Any, engine: str) -> Header:
+        """What the trace can say about the cache; a fact this vLLM does not offer is left out."""
+        fields: dict[str, Any] = {}
+        try:
+            fields["block_size"] = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            fields["capacity"] = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+            config = scheduler.vllm_config
+            fields["num_layers"] = config.model_config.get_num_layers(config.parallel_config)
+            fields["model"] = str(config.model_config.model)
+        except Exception:
+            pass
+        return Header(block_size=fields.get("block_size", 0), num_layers=fields.get("num_layers", 0),
+                      tiers=[TierSpec(name="device", capacity_blocks=fields.get("capacity", 0))],
+                      model=fields.get("model"), engine=engine, pid=os.getpid(),
+                      created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def _start(self, scheduler: Any, methods: Methods) -> None:
+        self.manager = manager = scheduler.kv_cache_manager
+        self.pool = pool = manager.block_pool
+        self.block_size = self.header.block_size
+        self.capacity = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never handed out
+        self.null_id = pool.null_block.block_id
         self._request: Any = None  # the request whose blocks vLLM is handing out or taking back now
         self._holders: dict[int, list] = {}  # block -> owners holding a reference, one entry per reference
         self._cached: dict[int, str] = {}  # block -> content key it is registered under in the prefix cache
         self._versions: dict[Any, int] = {}  # request -> cache version (tokens written so far, all lives)
         self._block_version: dict[int, int] = {}  # block -> version of the last write into it
         self._keys: dict[Any, list[str]] = {}  # request -> content keys of its full blocks, in order
-        self._wrapped: list[tuple[Any, str]] = []
-        self._wrap_pool(pool)
-        self._wrap_manager(manager)
-        self._wrap_scheduler(scheduler)
-        atexit.register(self.close)
+        self._ending: dict[Any, str] = {}  # request -> seq_end reason, while a connector still holds its blocks
+        self._written: dict[Any, int] = {}  # request -> where this step's writes end (drafts included)
+        hooks = {**self._pool_hooks(pool), **self._manager_hooks(), **self._scheduler_hooks()}
+        missing = [f"{type(obj).__name__}.{name}" for obj, names in
+                   ((pool, methods.pool), (manager, methods.manager), (scheduler, methods.scheduler))
+                   for name in names if not hasattr(obj, name)]
+        lacking = [m for m in missing if m in methods.essential]
+        if lacking:
+            raise AttributeError(f"this vLLM lacks {', '.join(lacking)}: block ownership cannot be traced")
+        for obj, names in ((pool, methods.pool), (manager, methods.manager), (scheduler, methods.scheduler)):
+            for name in names:
+                if hasattr(obj, name):
+                    self._wrap(obj, name, **hooks[name])
 
-    def _wrap(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-        """Shadow ``obj.name`` with ``make(original)`` on this instance only (vLLM calls it through ``self``)."""
-        setattr(obj, name, make(getattr(obj, name)))
+    def _wrap(self, obj: Any, name: str, **hooks: Any) -> None:
+        """Shadow ``obj.name`` on this instance only (vLLM calls it through ``self``), guarded."""
+        setattr(obj, name, self.guard.wrap(getattr(obj, name), f"{type(obj).__name__}.{name}", **hooks))
         self._wrapped.append((obj, name))
 
     def detach(self) -> None:
         """Stop tracing: vLLM's own methods back in place, the trace closed (vLLM keeps running)."""
-        for obj, name in reversed(self._wrapped):
-            delattr(obj, name)
-        self._wrapped = []
-        atexit.unregister(self.close)
+        self._stop()
         self.close()
+
+    def _stop(self) -> None:
+        for obj, name in reversed(self._wrapped):
+            obj.__dict__.pop(name, None)
+        self._wrapped = []
 
     # ---- output ---------------------------------------------------------------------
 
     def _emit(self, cls: type, **fields: Any) -> None:
         self._buf.append(cls(t=time.perf_counter_ns() - self._t0, step=self.step, **fields))
 
+    def _record_error(self, event: ObserverError) -> None:
+        """The guard's record: the error is the trace's last event."""
+        self._buf.append(msgspec.structs.replace(event, t=time.perf_counter_ns() - self._t0, step=self.step))
+        self.close()
+
     def close(self) -> None:
-        if not self.writer.closed:
-            self.writer.write_many(self._buf)
-            self._buf = []
-            self.writer.close()
+        """Write what is buffered and close the trace; at exit too, so it must not raise."""
+        try:
+            atexit.unregister(self.close)
+            if self.writer is not None and not self.writer.closed:
+                self.writer.write_many(self._buf)
+                self._buf = []
+                self.writer.close()
+        except Exception as exc:
+            _warn(f"the trace could not be closed ({type(exc).__name__}: {exc})")
 
     def _owner(self) -> Any:
         return self._request.request_id if self._request is not None else INTERNAL
@@ -170,160 +220,171 @@ class VllmTracer:
 
     # ---- the block pool -------------------------------------------------------------
 
-    def _wrap_pool(self, pool: Any) -> None:
-        def get_new_blocks(original: Callable) -> Callable:
-            def call(num_blocks: int) -> list:
-                blocks = original(num_blocks)
-                owner = self._owner()
-                for b in blocks:
-                    self._holders[b.block_id] = [owner]
-                    self._emit(Alloc, block=b.block_id, tier="device", seq=owner)
-                return blocks
-            return call
+    def _pool_hooks(self, pool: Any) -> dict[str, dict[str, Callable]]:
+        def get_new_blocks(call: Call, blocks: list, _: Any) -> None:
+            owner = self._owner()
+            for b in blocks:
+                self._holders[b.block_id] = [owner]
+                self._emit(Alloc, block=b.block_id, tier="device", seq=owner)
 
-        def touch(original: Callable) -> Callable:
-            def call(blocks: Any) -> None:
-                original(blocks)
-                owner, request = self._owner(), self._request
-                keys = self._content_keys(request, len(blocks)) if request is not None else None
-                for i, b in enumerate(blocks):
-                    if b.is_null:
-                        continue
-                    self._holders.setdefault(b.block_id, []).append(owner)
-                    self._emit(Share, block=b.block_id, seq=owner, hash=keys[i] if keys else None)
-            return call
+        def touch(call: Call, _: Any, __: Any) -> None:
+            blocks, owner, request = call["blocks"], self._owner(), self._request
+            keys = self._content_keys(request, len(blocks)) if request is not None else None
+            for i, b in enumerate(blocks):
+                if b.is_null:
+                    continue
+                self._holders.setdefault(b.block_id, []).append(owner)
+                self._emit(Share, block=b.block_id, seq=owner, hash=keys[i] if keys else None)
 
-        def free_blocks(original: Callable) -> Callable:
-            def call(ordered_blocks: Any) -> None:
-                blocks = list(ordered_blocks)  # vLLM passes a reversed iterator: walk it once, keep it
-                original(blocks)
-                owner = self._owner()
-                for b in blocks:
-                    if b.is_null or b.pool is not pool:
-                        continue
-                    holders = self._holders.get(b.block_id)
-                    if holders:
-                        who = owner if owner in holders else holders[-1]
-                        holders.remove(who)
-                        self._emit(Release, block=b.block_id, seq=who)
-                    if b.ref_cnt == 0 and b.block_id not in self._cached:
-                        self._holders.pop(b.block_id, None)
-                        self._emit(Free, block=b.block_id)
-            return call
+        def read_blocks_once(call: Call) -> None:
+            # vLLM may pass a one-shot iterator (reversed(...)), which vLLM reads into a list itself first
+            blocks = call["ordered_blocks"]
+            if not isinstance(blocks, (list, tuple)):
+                call.replace("ordered_blocks", list(blocks))
 
-        def cache_full_blocks(original: Callable) -> Callable:
-            def call(request: Any, blocks: list, num_cached_blocks: int, num_full_blocks: int, *args: Any,
-                     **kwargs: Any) -> None:
-                original(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-                keys = self._content_keys(request, num_full_blocks)
-                for i in range(num_cached_blocks, num_full_blocks):
-                    b = blocks[i]
-                    if b.is_null or b.block_hash is None or b.block_id in self._cached:
-                        continue
-                    self._cached[b.block_id] = keys[i]
-                    self._emit(Share, block=b.block_id, seq=PREFIX_CACHE, hash=keys[i])
-            return call
+        def free_blocks(call: Call, _: Any, __: Any) -> None:
+            owner = self._owner()
+            for b in call["ordered_blocks"]:
+                if b.is_null or b.pool is not pool:
+                    continue
+                holders = self._holders.get(b.block_id)
+                if holders:
+                    who = owner if owner in holders else holders[-1]
+                    holders.remove(who)
+                    self._emit(Release, block=b.block_id, seq=who)
+                if b.ref_cnt == 0 and b.block_id not in self._cached:
+                    self._holders.pop(b.block_id, None)
+                    self._emit(Free, block=b.block_id)
 
-        def remove_hashes(original: Callable) -> Callable:
-            def call(block: Any) -> Any:
-                removed = original(block)
-                if removed and self._cached.pop(block.block_id, None) is not None:
-                    if block.ref_cnt == 0:  # a cached block nobody holds: its tokens are dropped for reuse
-                        self._holders.pop(block.block_id, None)
-                        self._emit(Evict, block=block.block_id, tier="device", reason="prefix-cache")
-                    else:
-                        self._emit(Release, block=block.block_id, seq=PREFIX_CACHE)
-                return removed
-            return call
+        def cache_full_blocks(call: Call, _: Any, __: Any) -> None:
+            blocks, num_full = call["blocks"], call["num_full_blocks"]
+            keys = self._content_keys(call["request"], num_full)
+            for i in range(call["num_cached_blocks"], num_full):
+                b = blocks[i]
+                if b.is_null or b.block_hash is None or b.block_id in self._cached:
+                    continue
+                self._cached[b.block_id] = keys[i]
+                self._emit(Share, block=b.block_id, seq=PREFIX_CACHE, hash=keys[i])
 
-        def move_block_hashes(original: Callable) -> Callable:
-            def call(src: Any, dst: Any) -> None:
-                key = self._cached.get(src.block_id)
-                original(src, dst)
-                if key is not None and dst.block_hash is not None:
-                    self._cached[dst.block_id] = key
-                    self._emit(Share, block=dst.block_id, seq=PREFIX_CACHE, hash=key)
-            return call
+        def remove_hashes(call: Call, removed: Any, _: Any) -> None:
+            block = call["block"]
+            if removed and self._cached.pop(block.block_id, None) is not None:
+                if block.ref_cnt == 0:  # a cached block nobody holds: its tokens are dropped for reuse
+                    self._holders.pop(block.block_id, None)
+                    self._emit(Evict, block=block.block_id, tier="device", reason="prefix-cache")
+                else:
+                    self._emit(Release, block=block.block_id, seq=PREFIX_CACHE)
 
-        def reset_prefix_cache(original: Callable) -> Callable:
-            def call() -> bool:
-                done = original()
-                if done:  # vLLM resets only when no request holds a block: every cached block goes
-                    for block in self._cached:
-                        self._holders.pop(block, None)
-                        self._emit(Evict, block=block, tier="device", reason="prefix-cache-reset")
-                    self._cached.clear()
-                return done
-            return call
+        def move_key(call: Call) -> str | None:
+            return self._cached.get(call["src_block"].block_id)
 
-        for name, make in (("get_new_blocks", get_new_blocks), ("touch", touch), ("free_blocks", free_blocks),
-                           ("cache_full_blocks", cache_full_blocks), ("_remove_cached_block_hashes", remove_hashes),
-                           ("move_block_hashes", move_block_hashes), ("reset_prefix_cache", reset_prefix_cache)):
-            self._wrap(pool, name, make)
+        def move_block_hashes(call: Call, _: Any, key: str | None) -> None:
+            dst = call["dst_block"]
+            if key is not None and dst.block_hash is not None:
+                self._cached[dst.block_id] = key
+                self._emit(Share, block=dst.block_id, seq=PREFIX_CACHE, hash=key)
+
+        def reset_prefix_cache(call: Call, done: bool, _: Any) -> None:
+            if done:  # vLLM resets only when no request holds a block: every cached block goes
+                for block in self._cached:
+                    self._holders.pop(block, None)
+                    self._emit(Evict, block=block, tier="device", reason="prefix-cache-reset")
+                self._cached.clear()
+
+        return {"get_new_blocks": {"after": get_new_blocks}, "touch": {"after": touch},
+                "free_blocks": {"before": read_blocks_once, "after": free_blocks},
+                "cache_full_blocks": {"after": cache_full_blocks},
+                "_remove_cached_block_hashes": {"after": remove_hashes},
+                "move_block_hashes": {"before": move_key, "after": move_block_hashes},
+                "reset_prefix_cache": {"after": reset_prefix_cache}}
 
     # ---- the request context --------------------------------------------------------
 
-    def _in_request(self, original: Callable, request_of: Callable[[tuple], Any]) -> Callable:
-        """``original`` run with the request its arguments name as the owner of what the pool does."""
-        def call(*args: Any, **kwargs: Any) -> Any:
-            outer, self._request = self._request, request_of(args)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._request = outer
-        return call
+    def _in_request(self, request_of: Callable[[Call], Any], after: Callable | None = None) -> dict[str, Callable]:
+        """Hooks that make the request ``request_of(call)`` names the owner of what the pool does inside."""
+        def enter(call: Call) -> Any:
+            outer, self._request = self._request, request_of(call)
+            return outer
 
-    def _wrap_manager(self, manager: Any) -> None:
+        def leave(outer: Any) -> None:
+            self._request = outer
+
+        hooks = {"before": enter, "restore": leave}
+        return {**hooks, "after": after} if after is not None else hooks
+
+    def _manager_hooks(self) -> dict[str, dict[str, Callable]]:
         requests = self.scheduler.requests
-        for name in ("allocate_slots", "free"):
-            self._wrap(manager, name, lambda original: self._in_request(original, lambda args: args[0]))
-        self._wrap(manager, "remove_skipped_blocks",
-              lambda original: self._in_request(original, lambda args: requests.get(args[0])))
+
+        def deferred(call: Call, blocks: list, _: Any) -> None:
+            # vLLM takes the blocks back from the request now and frees them a step later: held by vLLM meanwhile
+            seq = call["request"].request_id
+            for b in blocks:
+                holders = self._holders.get(b.block_id)
+                if b.is_null or not holders or seq not in holders:
+                    continue
+                holders[holders.index(seq)] = INTERNAL
+                self._emit(Share, block=b.block_id, seq=INTERNAL)
+                self._emit(Release, block=b.block_id, seq=seq)
+
+        def loaded(call: Call, blocks: Any, _: Any) -> None:
+            # tokens a KV connector brings from outside are written into the request's new blocks, after its
+            # local prefix hits: the batch that follows starts past them
+            external = call["num_external_computed_tokens"]
+            if blocks is not None and external:
+                request = call["request"]
+                start = request.num_computed_tokens + call["num_new_computed_tokens"]
+                self._write(request.request_id, start, external)
+
+        by_request = self._in_request(lambda call: call["request"])
+        return {"allocate_slots": self._in_request(lambda call: call["request"], loaded), "free": by_request,
+                "remove_skipped_blocks": self._in_request(lambda call: requests.get(call["request_id"])),
+                "pop_blocks_for_free": {"after": deferred}}
 
     # ---- the scheduler --------------------------------------------------------------
 
-    def _wrap_scheduler(self, scheduler: Any) -> None:
+    def _scheduler_hooks(self) -> dict[str, dict[str, Callable]]:
         from vllm.v1.request import RequestStatus
 
-        def add_request(original: Callable) -> Callable:
-            def call(request: Any) -> None:
-                original(request)
-                self._versions[request.request_id] = 0
-                self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens)
-            return call
+        requests = self.scheduler.requests
 
-        def free_request(original: Callable) -> Callable:
-            inner = self._in_request(original, lambda args: args[0])
+        def add_request(call: Call, _: Any, __: Any) -> None:
+            request = call["request"]
+            if request.request_id in self._versions:  # a streaming update of a live request, not a new one
+                return
+            self._versions[request.request_id] = 0
+            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens)
 
-            def call(request: Any, *args: Any, **kwargs: Any) -> Any:
-                result = inner(request, *args, **kwargs)
-                reason = "aborted" if request.status == RequestStatus.FINISHED_ABORTED else "finished"
-                self._emit(SeqEnd, seq=request.request_id, reason=reason)
-                self._versions.pop(request.request_id, None)
-                self._keys.pop(request.request_id, None)
-                return result
-            return call
+        def free_request(call: Call, _: Any, __: Any) -> None:
+            request = call["request"]
+            reason = "aborted" if request.status == RequestStatus.FINISHED_ABORTED else "finished"
+            if requests.get(request.request_id) is request:  # a KV connector still sends its blocks
+                self._ending[request.request_id] = reason
+            else:
+                self._end(request.request_id, reason)
 
-        def schedule(original: Callable) -> Callable:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                output = original(*args, **kwargs)
-                self._record_batch(output)
-                return output
-            return call
+        def free_blocks(call: Call, _: Any, __: Any) -> None:
+            seq = call["request"].request_id
+            if seq in self._ending:
+                self._end(seq, self._ending.pop(seq))
 
-        def update_from_output(original: Callable) -> Callable:
-            def call(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-                result = original(scheduler_output, *args, **kwargs)
-                self._end_step(scheduler_output.total_num_scheduled_tokens)
-                return result
-            return call
+        def schedule(call: Call, output: Any, _: Any) -> None:
+            self._record_batch(output)
 
-        self._wrap(scheduler, "add_request", add_request)
-        self._wrap(scheduler, "_free_request", free_request)
-        self._wrap(scheduler, "_preempt_request",
-              lambda original: self._in_request(original, lambda args: args[0]))
-        self._wrap(scheduler, "schedule", schedule)
-        self._wrap(scheduler, "update_from_output", update_from_output)
+        def update_from_output(call: Call, _: Any, __: Any) -> None:
+            self._roll_back_rejected()
+            self._end_step(call["scheduler_output"].total_num_scheduled_tokens)
+
+        by_request = self._in_request(lambda call: call["request"])
+        return {"add_request": {"after": add_request},
+                "_free_request": self._in_request(lambda call: call["request"], free_request),
+                "_free_blocks": self._in_request(lambda call: call["request"], free_blocks),
+                "_preempt_request": by_request,
+                "schedule": {"after": schedule}, "update_from_output": {"after": update_from_output}}
+
+    def _end(self, seq: Any, reason: str) -> None:
+        self._emit(SeqEnd, seq=seq, reason=reason)
+        self._versions.pop(seq, None)
+        self._keys.pop(seq, None)
 
     def _record_batch(self, output: Any) -> None:
         """The step's rows as the worker will compute them, and what each row writes and reads."""
@@ -338,7 +399,8 @@ class VllmTracer:
         for seq, pos, n in zip(rows, positions, counts):
             self._write_and_read(seq, pos, n)
 
-    def _write_and_read(self, seq: Any, pos: int, n: int) -> None:
+    def _write(self, seq: Any, pos: int, n: int) -> list[int]:
+        """``write``s of tokens ``pos … pos+n-1`` into ``seq``'s blocks; returns its block ids."""
         block_ids = self.manager.get_block_ids(seq)[0]
         bs, end = self.block_size, pos + n
         version = self._versions.get(seq, 0)
@@ -351,8 +413,24 @@ class VllmTracer:
             self._emit(Write, block=block, seq=seq, pos=pos, n=stop - pos, version=version)
             pos = stop
         self._versions[seq] = version
-        read = [b for b in block_ids[:-(-end // bs)] if b != self.null_id]
+        self._written[seq] = end
+        return block_ids
+
+    def _write_and_read(self, seq: Any, pos: int, n: int) -> None:
+        block_ids = self._write(seq, pos, n)
+        read = [b for b in block_ids[:-(-(pos + n) // self.block_size)] if b != self.null_id]
         self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read])
+
+    def _roll_back_rejected(self) -> None:
+        """Draft tokens the model rejected: vLLM counts its computed tokens back; the trace rolls them back."""
+        requests = self.scheduler.requests
+        for seq, end in self._written.items():
+            request = requests.get(seq)
+            if request is not None and request.num_computed_tokens < end:
+                version = self._versions.get(seq, 0) + 1
+                self._versions[seq] = version
+                self._emit(Rollback, seq=seq, n=end - request.num_computed_tokens, version=version)
+        self._written.clear()
 
     def _end_step(self, num_tokens: int) -> None:
         pool = self.pool

@@ -67,6 +67,9 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.Merge: dict(block=ints, tier=tiers, version=ints, tokens=ints, heads=ints, layers=int_lists, slots=int_lists,
                       digest=st.none() | st.integers(0, 2**64 - 1), new_digest=st.none() | st.integers(0, 2**64 - 1)),
         E.TraceEnd: dict(reason=st.text(max_size=10)),
+        E.ObserverError: dict(producer=st.sampled_from(["vllm", "transformers"]), part=st.text(max_size=20),
+                              error=st.text(max_size=10), message=st.text(max_size=30),
+                              where=st.none() | st.text(max_size=20), stopped=st.booleans()),
     }[cls]
     return st.builds(cls, **fields, **common)
 
