@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
 
 from vllm.v1.core import kv_cache_utils  # noqa: E402
@@ -57,6 +58,16 @@ def _clean(h) -> list:
 
 def _ends(events) -> dict:
     return {e.seq: e.reason for e in events if type(e) is SeqEnd}
+
+
+def _first_positions(events) -> dict:
+    """Where each request's first computed row started (past its cached and loaded tokens)."""
+    first: dict = {}
+    for b in events:
+        if type(b) is Batch:
+            for row, pos in zip(b.rows, b.positions):
+                first.setdefault(row, pos)
+    return first
 
 
 def _hits(events) -> list:
@@ -206,9 +217,7 @@ def test_external_hits_loaded_at_once_and_asynchronously_are_clean(harness):
     h.run()
     events = _clean(h)
     # THEN the computed part of each request started after its external tokens
-    first = {r: p for b in events if type(b) is Batch for r, p in zip(b.rows, b.positions)
-             if r in ("sync", "async") and p}
-    assert first.get("sync") == 2 * BS and first.get("async") == 3 * BS, first
+    assert _first_positions(events) == {"sync": 2 * BS, "async": 3 * BS}
 
 
 def test_blocks_freed_after_the_connector_finished_sending_are_clean(harness):
@@ -248,6 +257,35 @@ def test_aborts_while_loading_and_while_sending_are_clean(harness):
     # THEN the load's blocks were held until it finished, and the finished request stays finished
     assert not h.scheduler.requests
     assert _ends(events) == {"sending": "finished", "loading": "aborted"}
+
+
+def _example_connector(harness, tmp_path):
+    return harness(connector="ExampleConnector", connector_config={"shared_storage_path": str(tmp_path / "kv")})
+
+
+def test_vllms_example_connector_finishing_requests_is_clean(harness, tmp_path):
+    # GIVEN vLLM's ExampleConnector with an empty store: the setup that once killed vLLM's engine core at the
+    # first finished request (its scheduler frees skipped blocks with keyword arguments)
+    h = _example_connector(harness, tmp_path)
+    for i in range(3):
+        h.request(f"r{i}", _prompt(i), max_tokens=BS)
+    h.run()
+    events = _clean(h)
+    assert _ends(events) == {f"r{i}": "finished" for i in range(3)}
+
+
+def test_an_external_hit_in_vllms_example_connector_is_clean(harness, tmp_path):
+    # GIVEN vLLM's ExampleConnector whose store holds the KV of one prompt (as its worker half saves it)
+    h = _example_connector(harness, tmp_path)
+    prompt = _prompt(0, prefix=[500] * (3 * BS))
+    stored = (len(prompt) - 1) // BS * BS
+    h.connector._generate_foldername_debug(torch.tensor(prompt[:stored]), [], create_folder=True)
+    # WHEN that prompt is served
+    h.request("stored", prompt, max_tokens=4)
+    h.run()
+    events = _clean(h)
+    # THEN the scheduler computed only what the store did not hold
+    assert _first_positions(events) == {"stored": stored}
 
 
 # ---- bug classes patched into vLLM: each is named ---------------------------------------

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+from vllm.config import (
+    CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import sha256
@@ -150,7 +152,8 @@ class Harness:
     num_steps: int = 0
 
     @property
-    def connector(self) -> HarnessConnector:
+    def connector(self) -> Any:
+        """The scheduler's KV connector (a ``HarnessConnector`` unless the test named one of vLLM's)."""
         return self.scheduler.connector
 
     def request(self, request_id: str, prompt: list[int], *, max_tokens: int = 8, priority: int = 0,
@@ -226,8 +229,13 @@ class Harness:
 def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 8, max_model_len: int = 1024, prefix_caching: bool = True,
                  policy: str = "fcfs", num_speculative_tokens: int | None = None,
-                 connector: bool = False, long_prefill_token_threshold: int = 0) -> Harness:
-    """A scheduler on ``num_blocks`` blocks (plus vLLM's null block) with kvdoctor tracing it."""
+                 connector: bool | str = False, connector_config: dict | None = None,
+                 long_prefill_token_threshold: int = 0) -> Harness:
+    """A scheduler on ``num_blocks`` blocks (plus vLLM's null block) with kvdoctor tracing it.
+
+    ``connector=True`` attaches the stand-in ``HarnessConnector``; a string names one of vLLM's own
+    connectors (its scheduler half runs for real), configured by ``connector_config``.
+    """
     model_config = ModelConfig(model=_model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -235,12 +243,19 @@ def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_
         enable_chunked_prefill=True, long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
         is_encoder_decoder=False)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
-    kv_transfer = KVTransferConfig(kv_connector=HarnessConnector.__name__, kv_role="kv_both",
-                                   kv_connector_module_path=__name__) if connector else None
+    kv_transfer = None
+    if connector is True:
+        kv_transfer = KVTransferConfig(kv_connector=HarnessConnector.__name__, kv_role="kv_both",
+                                       kv_connector_module_path=__name__)
+    elif connector:
+        kv_transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_both",
+                                       kv_connector_extra_config=connector_config or {})
     speculative = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens)
                    if num_speculative_tokens else None)
+    # The device named, not inferred: the CUDA wheel on a machine without a GPU infers none and refuses.
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-                             kv_transfer_config=kv_transfer, speculative_config=speculative)
+                             device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
+                             speculative_config=speculative)
     total = num_blocks + 1  # block 0 is the null block vLLM never hands out
     kv_cache_config = KVCacheConfig(num_blocks=total, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
