@@ -34,7 +34,7 @@ _HOME = {
     "EngineConfig": "config",
     "PagedKVCache": "cache",
     "Runner": "runner",
-    "SamplingParams": "runner",
+    "SamplingParams": "sampling",
     "Scheduler": "scheduler",
     "Request": "scheduler",
     "EngineCache": "hf",

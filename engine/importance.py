@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .features import Step, StepFeature
+
 __all__ = ["ImportanceEviction", "protected_blocks", "choose_victims"]
 
 
@@ -50,7 +52,7 @@ def choose_victims(mode: str, scores: Sequence[float], budget: int, sink_blocks:
     return sorted(order[:excess])
 
 
-class ImportanceEviction:
+class ImportanceEviction(StepFeature):
     """Keeps every sequence of ``cache`` within ``budget_blocks``; call ``observe`` with attention mass
     (``h2o``) and ``enforce`` after each step's commit."""
 
@@ -95,6 +97,9 @@ class ImportanceEviction:
             self._mass[seq] = {b: acc.get(b, 0.0) for b in ids if b not in gone}  # ids may be reused once freed
         self.evicted += len(out)
         return out
+
+    def after_commit(self, step: Step) -> None:
+        self.enforce(step.seqs)
 
     def forget(self, seq: Any) -> None:
         self._mass.pop(seq, None)

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from .features import Step, StepFeature
+
 __all__ = ["SlotCounts", "merge_rows", "key_bias", "TokenMerging", "DEAD_BIAS"]
 
 # The score bias of a dead slot: finite, so attention statistics see a number (their -inf test stays for real
@@ -115,9 +117,11 @@ def key_bias(rows: Sequence[Sequence[SlotCounts | None]], *, num_layers: int, nu
     return torch.stack(per_row, dim=1).view(num_layers, len(rows), num_kv_heads, width * block_size)
 
 
-class TokenMerging:
-    """Merges each sequence's old, full blocks (``PagedKVCache.merge_tokens``) after the step's commit; the
-    runner calls ``enforce``. Keeps the figures a benchmark reports."""
+class TokenMerging(StepFeature):
+    """Merges each sequence's old, full blocks (``PagedKVCache.merge_tokens``) after the step's commit
+    (``after_commit``). Keeps the figures a benchmark reports."""
+
+    changes_attention = True  # a merged slot's score gets its log(count)
 
     def __init__(self, cache: Any, *, threshold: float, sink_blocks: int, local_blocks: int) -> None:
         if not 0 < threshold <= 1:
@@ -157,6 +161,10 @@ class TokenMerging:
                 self.rows_freed += sum(freed.values())
         self.blocks_merged += len(out)
         return out
+
+    def after_commit(self, step: Step) -> None:
+        """Blocks that aged out of the recent window this step."""
+        self.enforce(step.seqs)
 
     def stats(self) -> dict[str, Any]:
         return {"threshold": self.threshold, "blocks_merged": self.blocks_merged, "rows_freed": self.rows_freed}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -27,15 +27,19 @@ from .bus import Bus
 from .cache import PagedKVCache
 from .config import EngineConfig
 from .decode_layer import DecodeLayers, DecodeStep
+from .features import Step, StepFeature
 from .importance import ImportanceEviction
 from .merge import TokenMerging, key_bias
 from .prefix import model_salt
+from .rope import RopeTable, rope
+from .sampling import Generation, SamplingParams, sample, sampling_probs
 from .sparse import BlockSparse
 from .streaming import StreamedAttention
 from .matvec import load as load_matvec
 from .weights import PageOut, model_weights, rms_norm
 from .window import SlidingWindow
 
+# the sampling names stay importable from here, where callers have always found them
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
 
 # Decoder-only models whose layers are Llama-shaped: RMSNorm, q/k/v/o projections with RoPE
@@ -45,68 +49,6 @@ SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite"
 
 class UnsupportedModel(ValueError):
     """A model whose architecture the runner cannot drive; names what it is and what is accepted."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen. ``greedy`` takes the argmax and ignores the rest."""
-
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    top_p: float = 1.0  # 1.0: no nucleus cut
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be > 0")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from ``logits`` (V,) under ``params``."""
-    if params.greedy:
-        return int(logits.argmax())
-    probs = sampling_probs(logits, params)
-    if probs is None:
-        return int(logits.float().nan_to_num(nan=float("-inf")).argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
-    """The distribution ``sample`` draws from for ``logits`` (V,) under non-greedy ``params`` (temperature,
-    top-k, top-p applied), as fp32 probabilities; None when no token is possible (every score non-finite).
-    Speculative sampling accepts draft tokens against it."""
-    # NaN logits (corrupted attention, e.g. the attention-nan fault) must not stop the engine:
-    # they are treated as impossible tokens, as a serving engine would keep going and emit garbage.
-    scores = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max) / params.temperature
-    if not torch.isfinite(scores).any():
-        return None
-    if params.top_k:
-        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = torch.softmax(sorted_scores, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_scores, -1) >= params.top_p  # keep the smallest prefix reaching top_p
-        scores = scores.scatter(0, order[drop], float("-inf"))
-    return torch.softmax(scores, -1)
-
-
-@dataclass
-class Generation:
-    """What one request produced."""
-
-    seq: SeqId
-    prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens), "aborted" or "error"
-    text: str | None = None
-    logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when kept
-    error: Exception | None = None  # with "error": the engine's typed error (a StorageError, ChecksumMismatch)
 
 
 # A group's newest-query scores: one ``Newest`` per layer (the torch path appends them layer by layer), or
@@ -197,23 +139,21 @@ class Runner:
                 f"cache shape (layers, kv heads, head dim) = {(cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim)} "
                 f"does not match the model's {(self.num_layers, self.num_kv_heads, self.head_dim)}"
             )
-        # KV compression the cache's config asks for: block-sparse top-k reads, importance eviction.
-        self._sparse = BlockSparse.for_cache(cache)
+        # The step features the cache's config and the model ask for (engine.features); the attention paths
+        # below take the ones that change attention by name.
+        self._sparse = BlockSparse.for_cache(cache)  # block-sparse top-k reads (or H2O's attention mass)
         self._importance = ImportanceEviction.for_cache(cache)
         self._window = SlidingWindow.of_model(cfg)
         self._merging = TokenMerging.for_cache(cache)
-        if self._merging is not None and self._window is not None:
-            raise ValueError("token merging is not supported with sliding-window attention (a merged block's "
-                             "slots are not its token positions)")
-        if self._window is not None and self._sparse is not None:
-            raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
-        # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
-        self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
         # Long context: a step whose rows have blocks off the device attends through the staging area.
         self._streamer = StreamedAttention(cache, cache.staging, self._sparse) if cache.staging is not None else None
-        if self._streamer is not None and (self._window is not None or self._importance is not None):
-            raise ValueError("long context (staging_blocks) is not supported with sliding-window attention "
-                             "or importance eviction")
+        _check_compatible(self._sparse, self._importance, self._window, self._merging, self._streamer)
+        # Every point of a step calls the features in this order (after a commit: merge, book the streamed
+        # reads, summarise, evict), so a new feature joins here and nowhere else in the runner.
+        self._features: list[StepFeature] = [f for f in (self._merging, self._streamer, self._sparse, self._importance,
+                                                         self._window) if f is not None]
+        # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
+        self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -321,10 +261,9 @@ class Runner:
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
         observe = self._observe and self._stats_step()
         starts = [sum(n[:i]) for i in range(len(n))]
-        if streaming:
-            self._streamer.begin_step(plan, want_mass=observe, want_scores=stats)
-        if self._sparse is not None:
-            self._sparse.begin_step(seqs)
+        step = Step(seqs, cache, plan, want_mass=observe, want_scores=stats)
+        for feature in self._features:
+            feature.begin_step(step)
 
         x = self._base.embed_tokens(ids)  # (N, hidden)
         cos, sin = self._rope_table(x, pos, max(p + k for p, k in zip(positions, n)))  # (N, D) each
@@ -364,17 +303,8 @@ class Runner:
             cache.commit(seq, k, tokens=toks)
             if bus.enabled and not streaming:  # block-sparse attention lists only the blocks it read
                 cache.emit_read(seq, read, checked=compiled.verified(i) if verify is not None else None)
-        if self._merging is not None:  # blocks that aged out of the recent window this step
-            self._merging.enforce(seqs)
-        if streaming:  # what was read from where (read, stage, prefetch_use events); top-k prefetches its picks
-            st = self._streamer.step
-            cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self._sparse is not None)
-        if self._sparse is not None:
-            self._sparse.commit(seqs)
-        if self._importance is not None:
-            self._importance.enforce(seqs)
-        if self._window is not None:
-            self._window.enforce(cache, seqs)
+        for feature in self._features:
+            feature.after_commit(step)
         if stats:
             self._emit_stats(seqs, groups, scores, compiled.stats if compiled is not None else None)
             if streaming:  # each row's statistics from the scores of the parts its keys were streamed in
@@ -398,11 +328,11 @@ class Runner:
                 q, k = qkv[:, : H * D].view(N, H, D), qkv[:, H * D : (H + H_kv) * D].view(N, H_kv, D)
                 q, k = self._apply_rope(a.q_norm(q), a.k_norm(k), cos, sin, unsqueeze_dim=1)
             else:  # q and k heads are adjacent: one rotation for both, half the elementwise calls
-                qk = _rope(qkv[:, : (H + H_kv) * D].view(N, H + H_kv, D), cos[:, None], sin[:, None])
+                qk = rope(qkv[:, : (H + H_kv) * D].view(N, H + H_kv, D), cos[:, None], sin[:, None])
                 q, k = qk[:, :H], qk[:, H:]  # (N, H, D), (N, H_kv, D)
             cache.store(li, slots, k, v)
-            if self._sparse is not None:
-                self._sparse.after_store(li, seqs)
+            for feature in self._features:
+                feature.after_store(li, seqs)
             if streaming:
                 out = self._streamer.attend(li, q, starts, a.scaling)
             else:
@@ -415,10 +345,11 @@ class Runner:
     def _decode_step(self, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor, keep_scores: bool,
                      stats: bool) -> DecodeStep | None:
         """The compiled layers' buffers for a step of decode rows only, over K/V the cache holds as the
-        model's dtype and lets them store, with nothing that changes attention; None: the torch path.
+        model's dtype and lets them store, with nothing that changes attention (no step feature, nor the
+        attention-nan fault's hook); None: the torch path.
         ``keep_scores``: every layer's newest-query scores (the hybrid policy's); ``stats``: the statistics."""
         if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].kv_rows is None
-                or self._sparse is not None or self._window is not None or self._merging is not None
+                or any(feature.changes_attention for feature in self._features)
                 or self.cache.layer_kv(0).dtype != self._decode.dtype
                 or any(self.cache.score_hook(li) is not None for li in range(self.num_layers))):
             return None
@@ -572,17 +503,12 @@ class Runner:
     def generate(self, prompts: Iterable[str | Sequence[int]], *, max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None, chat: bool = False, stop_token_ids: Iterable[int] = (),
                  keep_logits: bool = False, max_batch: int = 8) -> list[Generation]:
-        """Run every prompt to completion with continuous batching; results in prompt order."""
-        from .scheduler import Request, Scheduler
+        """Run every prompt to completion with continuous batching; results in prompt order
+        (``scheduler.generate``, where the batching is: the scheduler drives a runner, not the other way)."""
+        from .scheduler import generate  # the scheduler takes a runner: imported when used, it closes no cycle
 
-        sched = Scheduler(self, max_batch=max_batch, keep_logits=keep_logits)
-        seqs = []
-        for prompt in prompts:
-            ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
-            seqs.append(sched.submit(Request(ids, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
-                                             stop_token_ids=tuple(stop_token_ids))))
-        done = sched.run()
-        return [done[s] for s in seqs]
+        return generate(self, prompts, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat,
+                        stop_token_ids=stop_token_ids, keep_logits=keep_logits, max_batch=max_batch)
 
     def close(self) -> None:
         self.cache.close()
@@ -594,35 +520,17 @@ class Runner:
         self.close()
 
 
-class RopeTable:
-    """A step's cos/sin looked up by position in a table the model's own rotary embedding made: two index ops
-    where computing them is six to ten small torch ops, ~0.2 ms of a step once the step has streamed the
-    weights through the caches. The same values, as each is computed from its position alone; RoPE kinds
-    whose frequencies follow the sequence length ("dynamic", "longrope") are computed every step."""
-
-    def __init__(self, rotary: Any) -> None:
-        self.rotary = rotary
-        self.static = getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope")
-        self.cos = self.sin = None
-
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (N, D) at ``pos`` (N,), all below ``end``, in ``x``'s dtype."""
-        if not self.static:
-            cos, sin = self.rotary(x[None], pos[None])
-            return cos[0], sin[0]
-        if self.cos is None or end > self.cos.shape[0] or self.cos.dtype != x.dtype:
-            size = max(end, 2 * (self.cos.shape[0] if self.cos is not None else 0), 256)
-            cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None])
-            self.cos, self.sin = cos[0], sin[0]
-        return self.cos[pos], self.sin[pos]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` (N, heads, D) with ``cos``, ``sin`` (N, 1, D): the same
-    operations as transformers' ``apply_rotary_pos_emb`` for Llama-family models (rotate_half), so the
-    same bits, applied to q and k heads in one pass."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _check_compatible(sparse: BlockSparse | None, importance: ImportanceEviction | None, window: SlidingWindow | None,
+                      merging: TokenMerging | None, streamer: StreamedAttention | None) -> None:
+    """The features that cannot run together, refused when the runner is made."""
+    if merging is not None and window is not None:
+        raise ValueError("token merging is not supported with sliding-window attention (a merged block's "
+                         "slots are not its token positions)")
+    if window is not None and sparse is not None:
+        raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
+    if streamer is not None and (window is not None or importance is not None):
+        raise ValueError("long context (staging_blocks) is not supported with sliding-window attention "
+                         "or importance eviction")
 
 
 def _check_supported(model: Any) -> None:

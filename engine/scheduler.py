@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
 from ..events import SeqId
 from .config import Tier
 from .errors import ChecksumMismatch, EngineError, StorageError
-from .runner import Generation, Runner, SamplingParams
+from .sampling import Generation, SamplingParams
 from .speculative import Draft, Drafter, DraftRequest, verify
 
-__all__ = ["Request", "Scheduler", "StepResult"]
+if TYPE_CHECKING:  # the runner hands itself to ``generate``: importing it at run time would close a cycle
+    from .runner import Runner
+
+__all__ = ["Request", "Scheduler", "StepResult", "generate"]
 
 
 @dataclass
@@ -450,3 +453,18 @@ class Scheduler:
             gen.text = self.runner.decode(live.generated)
         self.done[live.seq] = gen
         return gen
+
+
+def generate(runner: Runner, prompts: Iterable[str | Sequence[int]], *, max_new_tokens: int = 32,
+             sampling: SamplingParams | None = None, chat: bool = False, stop_token_ids: Iterable[int] = (),
+             keep_logits: bool = False, max_batch: int = 8) -> list[Generation]:
+    """Run every prompt (text, or token ids) to completion on ``runner`` with continuous batching; results in
+    prompt order (``Runner.generate``)."""
+    sched = Scheduler(runner, max_batch=max_batch, keep_logits=keep_logits)
+    seqs = []
+    for prompt in prompts:
+        ids = runner.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        seqs.append(sched.submit(Request(ids, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
+                                         stop_token_ids=tuple(stop_token_ids))))
+    done = sched.run()
+    return [done[s] for s in seqs]

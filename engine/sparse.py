@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttnLayout, Newest, attend
+from .features import Step, StepFeature
 
 __all__ = ["block_upper_bound", "quest_bound", "select_blocks", "chunk_block_mask", "KeySummaries", "BlockSparse", "SparseRead"]
 
@@ -190,7 +191,7 @@ class SparseRead:
     rows_dense: int = 0  # rows dense attention would have read
 
 
-class BlockSparse:
+class BlockSparse(StepFeature):
     """Top-k page retrieval for the runner: summaries, selection, the sparse gather and attention.
 
     ``attend`` is called per layer and group of rows in place of dense attention;
@@ -201,6 +202,8 @@ class BlockSparse:
     pages, and the pages holding the ``sink_blocks`` first and ``local_blocks`` newest
     blocks are always read.
     """
+
+    changes_attention = True
 
     def __init__(self, cache: Any, *, k: int, sink_blocks: int = 1, local_blocks: int = 1,
                  blocks_per_page: int = 1, dense_prefill: bool = False, dense_layers: int = 0) -> None:
@@ -239,17 +242,17 @@ class BlockSparse:
     def bytes_dense(self) -> int:
         return self.read.rows_dense * self.cache.config.row_bytes
 
-    def begin_step(self, seqs: Sequence[Any]) -> None:
+    def begin_step(self, step: Step) -> None:
         self.read = SparseRead()
-        for seq in seqs:
+        for seq in step.seqs:
             self.summaries.begin(seq)
 
     def after_store(self, layer: int, seqs: Sequence[Any]) -> None:
         for seq in seqs:
             self.summaries.refresh(seq, layer)
 
-    def commit(self, seqs: Sequence[Any]) -> None:
-        for seq in seqs:
+    def after_commit(self, step: Step) -> None:
+        for seq in step.seqs:
             self.summaries.commit(seq)
 
     # ---- pages ----

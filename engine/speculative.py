@@ -22,12 +22,15 @@ tokenizer, running on a paged cache of its own, kept in step with the accepted t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from ..events import SeqId
-from .runner import Runner, SamplingParams, sample, sampling_probs
+from .sampling import SamplingParams, sample, sampling_probs
+
+if TYPE_CHECKING:  # a drafter model's runner is handed in; the scheduler, which the runner uses, imports this module
+    from .runner import Runner
 
 __all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "verify", "DraftRequest"]
 

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .features import Step, StepFeature
 from .readplan import BlockLoc, ReadPlan, RowPlan
 from .staging import StagingArea
 
@@ -73,8 +74,9 @@ class StreamedStep:
     staged_rows: int = 0  # (layer, block) reads served through the staging area
 
 
-class StreamedAttention:
-    """Per layer, attention for every row of a ``ReadPlan``; one instance per runner."""
+class StreamedAttention(StepFeature):
+    """Per layer, attention for every row of a ``ReadPlan``; one instance per runner. It changes attention on
+    the steps whose plan streams (some row has blocks off the device), and on those books what was read."""
 
     def __init__(self, cache: Any, staging: StagingArea, sparse: Any = None) -> None:
         self.cache, self.staging, self.sparse = cache, staging, sparse
@@ -82,10 +84,20 @@ class StreamedAttention:
         self.step = StreamedStep()
         self._want_mass = self._want_scores = False
 
-    def begin_step(self, plan: ReadPlan, *, want_mass: bool, want_scores: bool = False) -> None:
-        self.plan, self.step = plan, StreamedStep()
-        self._want_mass, self._want_scores = want_mass, want_scores
+    @property
+    def changes_attention(self) -> bool:
+        return self.plan is not None and self.plan.streaming
+
+    def begin_step(self, step: Step) -> None:
+        self.plan, self.step = step.plan, StreamedStep()
+        self._want_mass, self._want_scores = step.want_mass, step.want_scores
         self._masks: dict[tuple, torch.Tensor | None] = {}  # the step's causal masks per part: the same for every layer
+
+    def after_commit(self, step: Step) -> None:
+        """What was read from where (``read``, ``stage`` and ``prefetch_use`` events); top-k prefetches its picks."""
+        if self.changes_attention:
+            st = self.step
+            self.cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self.sparse is not None)
 
     def attend(self, layer: int, q: torch.Tensor, starts: Sequence[int], scale: float) -> torch.Tensor:
         """Output (N, H*D) of every row's tokens ``q`` (N, H, D); row ``r``'s tokens start at ``starts[r]``."""

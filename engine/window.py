@@ -20,12 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .features import Step, StepFeature
+
 __all__ = ["SlidingWindow"]
 
 
 @dataclass(frozen=True)
-class SlidingWindow:
+class SlidingWindow(StepFeature):
     windows: tuple[int | None, ...]  # per layer: the window in tokens, or None for full attention
+    changes_attention = True
 
     @classmethod
     def of_model(cls, config: Any) -> SlidingWindow | None:
@@ -79,3 +82,6 @@ class SlidingWindow:
                 cache.evict(dead, reason="window")
                 out.extend(dead)
         return out
+
+    def after_commit(self, step: Step) -> None:
+        self.enforce(step.cache, step.seqs)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvdoctor.engine.attention import AttnLayout, attend
 from kvdoctor.engine.config import EngineConfig
+from kvdoctor.engine.features import Step
 from kvdoctor.engine.merge import DEAD_BIAS, SlotCounts, key_bias, merge_rows
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner
@@ -212,7 +213,7 @@ def test_block_sparse_decode_and_masked_paths_weigh_merged_slots_alike(make_cach
     c = r.cache
     assert c.merge_tokens(c.block_table("a")[1:8], 0.2)
     sp = BlockSparse(c, k=2, sink_blocks=1, local_blocks=2)
-    sp.begin_step(["a"])
+    sp.begin_step(Step(["a"]))
     for layer in range(2):
         sp.after_store(layer, ["a"])
     q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3))

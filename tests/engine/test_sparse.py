@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdoctor.engine.attention import AttnLayout
+from kvdoctor.engine.features import Step
 from kvdoctor.engine.runner import Runner
 from kvdoctor.events import attn_rows
 from kvdoctor.engine.sparse import BlockSparse, block_upper_bound, chunk_block_mask, select_blocks
@@ -49,7 +50,7 @@ def _summarised(make_cache, n: int, seed: int, **kw) -> tuple[Recorder, BlockSpa
     """``n`` cached tokens in blocks of 4, their summaries, a decode query (4 query heads on 2 KV heads), the table."""
     r = _filled(make_cache, n)
     sp = BlockSparse(r.cache, **kw)
-    sp.begin_step(["a"])
+    sp.begin_step(Step(["a"]))
     for layer in range(2):
         sp.after_store(layer, ["a"])
     q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(seed))
