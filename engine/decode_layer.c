@@ -27,12 +27,14 @@
  * head's attention statistics (attn_stats.c's, what its kernel computes over the same buffers afterwards)
  * are taken right there, from the softmax's own sums (softmax_stats), and each row's new K/V digest unit
  * sums as they are stored (layer_pre). */
-#include "matvec.c"
-#include "attn_stats.c"
-#include "digest.c"
+#include "attn_stats.h"
+#include "decode_layer.h"
+#include "digest.h"
+#include "matvec.h"
 
 #include <float.h>
 #include <math.h>
+#include <stddef.h>
 
 #define HOT static inline __attribute__((always_inline))
 
@@ -90,8 +92,8 @@ static inline v8 silu8_bf16(v8 x) { return round8_bf16(x / (1.f + exp8(-x))); }
 
 static void matvec(const float *x, const void *w, float *y, float *scratch, int64_t M, int64_t N, int64_t K,
                    int threads, const int bf) {
-  if (bf) kvdoctor_matvec_bf16(x, w, NULL, y, scratch, M, N, K, threads, 0); /* rounded where it is used */
-  else kvdoctor_matvec_f32(x, w, NULL, y, scratch, M, N, K, threads, 0);
+  if (bf) matvec_bf16(x, w, NULL, y, scratch, M, N, K, threads, 0); /* rounded where it is used */
+  else matvec_f32(x, w, NULL, y, scratch, M, N, K, threads, 0);
 }
 
 /* RMSNorm of x's M rows into float32 ``out`` (values of the model's dtype): transformers' LlamaRMSNorm in
@@ -331,20 +333,12 @@ HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t 
   residual(x, y, M * hidden, bf);
 }
 
-/* One layer's weights: what Python builds once per model (decode_layer.py's _LayerC). */
-typedef struct {
-  const void *norm1, *qkv, *o, *norm2, *gate_up, *down;
-  float eps1, eps2, scale;
-} layer_weights;
+/* The fields of decode_args (decode_layer.h) as locals of the same names. */
+#define DECODE_LOCAL(T, name) T const name = a->name;
 
-HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                       int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv, const void *cos,
-                       const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb, int64_t bs,
-                       const int32_t *lens, float *newest, int keep, int64_t T, Head *heads, int64_t sink,
-                       float *summary, float *hent, float *hmax, int64_t *counts, const int64_t *wk,
-                       const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares, const int64_t *vblock,
-                       uint64_t *vsums, uint64_t *vtotal, const void *final_w, float final_eps, float *scratch,
-                       int threads) {
+HOT void decode_layers(const int bf, const decode_args *a) {
+  DECODE_ARGS(DECODE_LOCAL)
+  (void)is_bf16; /* the dtype is bf, a constant in each instantiation */
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
@@ -382,7 +376,8 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
   }
 }
 
-/* Every layer of a decode step: x (M, hidden) in place; each layer's q/k/v into qkv (L, M, Q), its new K/V
+/* Every layer of a decode step, its arguments the fields of decode_args (decode_layer.h), is_bf16 1 for a
+ * bf16 model and 0 for float32: x (M, hidden) in place; each layer's q/k/v into qkv (L, M, Q), its new K/V
  * into kv[l] at rows; its newest-query scores and probabilities into newest (L, 2, M, H, T), or all into
  * one (2, M, H, T) when keep is 0. With heads (scratch of L * M * H Head), the attention statistics of
  * every layer and row (attn_stats.c's, over each row's keys, the first sink of them the sink) into summary
@@ -395,18 +390,16 @@ HOT void decode_layers(const int bf, int64_t L, int64_t M, int64_t hidden, int64
  * bytes attention read (digest.py's, by the same weights; its positions below the row's length) into
  * vtotal (M), each layer's and kv head's share of it into vsums (L, M, H_kv). With final_w, x ends normalised
  * by the model's final RMSNorm (weight final_w, final_eps), as the lm head reads it. */
-void kvdoctor_decode_layers(int bf, int64_t L, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                            int64_t I, const layer_weights *layers, void *const *kv, void *x, void *qkv,
-                            const void *cos, const void *sin, const int64_t *rows, const int64_t *kv_rows, int64_t nb,
-                            int64_t bs, const int32_t *lens, float *newest, int keep, int64_t T, Head *heads,
-                            int64_t sink, float *summary, float *hent, float *hmax, int64_t *counts,
-                            const int64_t *wk, const int64_t *wv, uint64_t *units, const int64_t *mix, int64_t U, uint64_t *shares,
-                            const int64_t *vblock, uint64_t *vsums, uint64_t *vtotal, const void *final_w,
-                            float final_eps, float *scratch, int threads) {
-  if (bf) decode_layers(1, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                        newest, keep, T, heads, sink, summary, hent, hmax, counts, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
-                        final_w, final_eps, scratch, threads);
-  else decode_layers(0, L, M, hidden, H, Hkv, D, I, layers, kv, x, qkv, cos, sin, rows, kv_rows, nb, bs, lens,
-                     newest, keep, T, heads, sink, summary, hent, hmax, counts, wk, wv, units, mix, U, shares, vblock, vsums, vtotal,
-                     final_w, final_eps, scratch, threads);
+void kvdoctor_decode_layers(const decode_args *args) {
+  if (args->is_bf16) decode_layers(1, args);
+  else decode_layers(0, args);
 }
+
+/* decode_args' layout as this library was compiled: decode_layer.py checks its mirror against it at load. */
+#define DECODE_OFFSET(T, name) (int64_t)offsetof(decode_args, name),
+#define DECODE_COUNT(T, name) +1
+#define DECODE_NAME(T, name) #name " "
+static const int64_t args_layout[] = {0 DECODE_ARGS(DECODE_COUNT), (int64_t)sizeof(decode_args),
+                                      DECODE_ARGS(DECODE_OFFSET)};
+const int64_t *kvdoctor_decode_args_layout(void) { return args_layout; }
+const char *kvdoctor_decode_args_names(void) { return DECODE_ARGS(DECODE_NAME); }

@@ -13,8 +13,8 @@ it hands back each row's newest-query scores and probabilities, so attention sta
 attention used.
 
 It applies to a step whose rows are all decode rows over K/V the cache holds in the model's dtype,
-with none of the features that change attention (block-sparse reads, sliding windows, token merging,
-long-context streaming, the attention-nan fault's hook) and a store the cache lets it do, and to models
+with no step feature that changes attention (``engine.features``) nor the attention-nan fault's hook,
+and a store the cache lets it do, and to models
 whose layers are plain Llama layers in float32 or bfloat16 (no q/k norms, no biases, SiLU); elsewhere
 the runner's torch path runs.
 """
@@ -35,21 +35,61 @@ from .attention import AttnStats, Newest
 from .matvec import MAX_ROWS
 from .weights import LayerWeights
 
-__all__ = ["DecodeLayers", "DecodeStep"]
+__all__ = ["DecodeLayers", "DecodeStep", "KernelMismatch"]
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
-_INT, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGS = ([_INT] + [_I64] * 7 + [_PTR] * 8 + [_I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64] + [_PTR] * 8
-         + [_I64] + [_PTR] * 5 + [_F32, _PTR, _INT])
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # the kernel's statistics arguments: head scratch, sink, summary, per-head entropy and largest score, counts
 _StatsArgs = tuple[int | None, int, int | None, int | None, int | None, int | None]
 _UNIT_STEPS = 64  # steps of digest unit sums per buffer (DecodeLayers.units)
 _MODEL_TYPES = {"llama", "mistral"}  # layers exactly Llama's: pre-norms, no q/k norms, no multipliers
 
 
+class _Args(ctypes.Structure):
+    """The kernel's one argument, ``decode_args`` in decode_layer.h (which decode_layer.c says the meaning of),
+    field for field; ``_kernel`` checks that the library was built with this layout."""
+
+    _fields_ = [(name, _I64) for name in ("is_bf16", "L", "M", "hidden", "H", "Hkv", "D", "I")] + [
+        (name, _PTR) for name in ("layers", "kv", "x", "qkv", "cos", "sin", "rows", "kv_rows")] + [
+        ("nb", _I64), ("bs", _I64), ("lens", _PTR), ("newest", _PTR), ("keep", _I64), ("T", _I64),
+        ("heads", _PTR), ("sink", _I64)] + [
+        (name, _PTR) for name in ("summary", "hent", "hmax", "counts", "wk", "wv", "units", "mix")] + [
+        ("U", _I64)] + [(name, _PTR) for name in ("shares", "vblock", "vsums", "vtotal", "final_w", "scratch")] + [
+        ("final_eps", ctypes.c_double), ("threads", _I64)]
+
+
+class KernelMismatch(RuntimeError):
+    """The compiled kernel's argument struct is laid out otherwise than ``_Args``: calling it would crash."""
+
+
+def check_layout(lib: Any) -> None:
+    """Raise ``KernelMismatch`` unless ``lib``'s ``decode_args`` has ``_Args``' fields, offsets and size."""
+    lib.kvdoctor_decode_args_names.restype = ctypes.c_char_p
+    lib.kvdoctor_decode_args_layout.restype = ctypes.POINTER(_I64)
+    theirs = lib.kvdoctor_decode_args_names().decode().split()
+    layout = lib.kvdoctor_decode_args_layout()
+    count = layout[0]
+    size, offsets = layout[1], [layout[2 + i] for i in range(count)]
+    ours = [name for name, _ in _Args._fields_]
+    mine = [getattr(_Args, name).offset for name in ours]
+    if theirs != ours or offsets != mine or size != ctypes.sizeof(_Args):
+        raise KernelMismatch(
+            f"decode_layer.h's decode_args ({count} fields, {size} bytes) does not match decode_layer.py's _Args "
+            f"({len(ours)} fields, {ctypes.sizeof(_Args)} bytes): fields "
+            + ", ".join(f"{a}@{x} != {b}@{y}" for a, x, b, y in zip(theirs, offsets, ours, mine) if (a, x) != (b, y))
+            + (f"; theirs only: {theirs[len(ours):]}" if len(theirs) > len(ours) else "")
+            + (f"; ours only: {ours[len(theirs):]}" if len(ours) > len(theirs) else ""))
+
+
 @functools.cache
 def _kernel() -> Any:
-    return native.function(_SOURCE, "kvdoctor_decode_layers", _ARGS)
+    """The compiled ``kvdoctor_decode_layers``, its layout checked; None where it cannot run here."""
+    lib = native.load(_SOURCE, {"kvdoctor_decode_layers": [ctypes.POINTER(_Args)],
+                                "kvdoctor_decode_args_layout": [], "kvdoctor_decode_args_names": []})
+    if isinstance(lib, str):
+        return None
+    check_layout(lib)
+    return lib.kvdoctor_decode_layers
 
 
 class _LayerC(ctypes.Structure):
@@ -224,12 +264,17 @@ class DecodeStep:
         L = self.L
         self._verify = verify if verify is not None and self._weights is not None and max(verify) >= 0 else None
         arenas = (_PTR * L.num_layers)(*(a.data_ptr() for a in kv))
-        L._kernel(int(L.dtype == torch.bfloat16), L.num_layers, self.M, L.hidden, L.heads, L.kv_heads, L.head_dim,
-                  L.intermediate, ctypes.byref(L._table), arenas, x.data_ptr(), self.qkv.data_ptr(), cos.data_ptr(),
-                  sin.data_ptr(), self.store_rows.data_ptr(), self.kv_rows.data_ptr(), self.blocks, self.block_size,
-                  self.lens.data_ptr(), self.newest.data_ptr(), int(self.keep_scores), self.T,
-                  *self._stats_args, *self._digest_pointers(), *self._verify_pointers(), *L._final,
-                  self.scratch.data_ptr(), torch.get_num_threads())
+        heads, sink, summary, hent, hmax, counts = self._stats_args
+        wk, wv, units, mix, U, shares = self._digest_pointers()
+        vblock, vsums, vtotal = self._verify_pointers()
+        args = _Args(int(L.dtype == torch.bfloat16), L.num_layers, self.M, L.hidden, L.heads, L.kv_heads, L.head_dim,
+                     L.intermediate, ctypes.addressof(L._table), ctypes.addressof(arenas), x.data_ptr(),
+                     self.qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.store_rows.data_ptr(),
+                     self.kv_rows.data_ptr(), self.blocks, self.block_size, self.lens.data_ptr(),
+                     self.newest.data_ptr(), int(self.keep_scores), self.T, heads, sink, summary, hent, hmax, counts,
+                     wk, wv, units, mix, U, shares, vblock, vsums, vtotal, L._final[0], self.scratch.data_ptr(),
+                     L._final[1], torch.get_num_threads())
+        L._kernel(ctypes.byref(args))
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
     def _verify_pointers(self) -> tuple[int | None, int | None, int | None]:

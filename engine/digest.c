@@ -6,20 +6,7 @@
  * bytes (signed: a float's bit pattern), strides in elements. The same sums numpy's einsum takes over
  * integer views, in one call without numpy's per-call cost (after a decode step has streamed the weights
  * through the caches, each numpy call costs ~15 us); unsigned arithmetic wraps as numpy's int64 does. */
-#include "openmp.h"
-#include <stdint.h>
-
-/* sum over i < n of x[i] * w[i], wrapping: one row's part of a unit sum (decode_layer.c takes them too) */
-#define DOT(NAME, T)                                                                                        \
-  static inline uint64_t NAME(const T *x, const int64_t *w, int64_t n) {                                  \
-    uint64_t acc = 0;                                                                                      \
-    for (int64_t i = 0; i < n; i++) acc += (uint64_t)(int64_t)x[i] * (uint64_t)w[i];                       \
-    return acc;                                                                                            \
-  }
-
-DOT(dot_u8, uint8_t)
-DOT(dot_i16, int16_t)
-DOT(dot_i32, int32_t)
+#include "digest.h"
 
 #define SUMS(NAME, T, DOTFN)                                                                                \
   static void NAME(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,  \

@@ -4,7 +4,9 @@ Some hot loops are a few lines of C and many passes of torch: the decode step's 
 (``matvec``), the attention statistics of a step (``attention``), the content digests of the K/V a
 step writes (``digest``). Each lives in a C file beside its module and is compiled here with the
 system's C compiler for this CPU (``-march=native``), cached under ``~/.cache/kvdoctor/kernels``,
-keyed by its source, the flags and the CPU's feature flags.
+keyed by its source and the headers it includes, the flags and the CPU's feature flags. A kernel that
+uses another's code includes that code's header (``matvec.h``), never its ``.c`` file: each library
+exports only its own functions.
 
 A library links ``libgomp.so.1``, the OpenMP runtime torch's wheel loads, so its threads are torch's
 threads: a second runtime would have two pools spinning against each other on the same cores.
@@ -31,7 +33,7 @@ import torch
 from .. import knobs
 from .model import models_dir
 
-__all__ = ["function", "library_of", "load"]
+__all__ = ["build_key", "function", "library_of", "load"]
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -45,16 +47,21 @@ def _cpu_flags() -> str:
 
 
 def _texts(source: Path) -> list[bytes]:
-    """``source`` and the local files it includes (``#include "matvec.c"``): all of them make the build's key,
-    so editing an included file rebuilds every library that includes it."""
+    """``source`` and the local headers it includes (``#include "matvec.h"``), theirs too: all of them make the
+    build's key, so editing a header rebuilds every library that includes it."""
     text = source.read_bytes()
     included = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
     return [text] + [t for name in included for t in _texts(source.with_name(name.decode()))]
 
 
+def build_key(cc: str, source: Path) -> str:
+    """What a built library is cached under: its sources (with every header they include), the compiler and
+    flags, and this CPU's feature flags."""
+    return hashlib.sha256(b"\0".join([*_texts(source), " ".join([cc, *_FLAGS]).encode(), _cpu_flags().encode()])).hexdigest()
+
+
 def _build(cc: str, source: Path) -> Path:
-    key = hashlib.sha256(b"\0".join([*_texts(source), " ".join([cc, *_FLAGS]).encode(), _cpu_flags().encode()])).hexdigest()
-    out = models_dir().parent / "kernels" / f"{source.stem}-{key[:16]}.so"
+    out = models_dir().parent / "kernels" / f"{source.stem}-{build_key(cc, source)[:16]}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

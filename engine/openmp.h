@@ -1,5 +1,5 @@
 /* Where a kernel library's OpenMP calls go: native.py asks the loader which runtime this address lies in.
- * Guarded, so a library that includes several kernels (decode_layer.c) defines it once. */
+ * Guarded, so a kernel that includes several headers (decode_layer.c) defines it once. */
 #ifndef KVDOCTOR_OPENMP_H
 #define KVDOCTOR_OPENMP_H
 #include <omp.h>
