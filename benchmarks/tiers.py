@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine import checksum
 from kvdoctor.engine.checksum import copy_sum, sum64_rows
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.storage import DiskArena
@@ -214,11 +213,9 @@ def checksum_kernels(num_blocks: int, repeats: int) -> list[dict]:
                 hash_rows(dst[i : i + 2])
         return run
 
-    words, sums = (dst.view(np.int64), src.view(np.int64)), np.empty(num_blocks, dtype=np.int64)
     kernels = {"memcpy, no checksum": lambda: np.copyto(dst, src),
                "one pass, store + add (the engine's)": lambda: copy_sum(dst, src),
-               "one pass, store + add (numba, without a C compiler)": lambda: checksum._numba_kernel()(*words, sums, False),
-               "memcpy, then word sum from cache (numpy)": then(sum64_rows)}
+               "memcpy, then word sum from cache (numpy: the engine without a C compiler)": then(sum64_rows)}
     try:
         import xxhash
         kernels["memcpy, then xxh3_64 from cache (xxhash)"] = then(lambda r: [xxhash.xxh3_64_intdigest(x) for x in r])

@@ -12,11 +12,10 @@ CRC32C) loses a sixth to a third of a memcpy's bandwidth however fast the hash, 
 second pass is what costs; one loop that stores each word and adds it to the sum runs at memcpy's speed.
 ``checksum.c`` is that loop with non-temporal stores for large batches: regular stores read each
 destination line before writing it, a third trip over the bytes that memcpy's string moves skip.
-numba's loop (LLVM vectorises it) is the fallback where no C compiler is. Figures per CPU:
+Where no C compiler is, numpy copies and then sums: two passes, correct, slower. Figures per CPU:
 docs/benchmarks.md, "Engine tiers". The kernel is made by ``prepare`` when an engine with a slower
-tier starts (compiled once, then loaded from a cache on disk; numba's costs up to a second and a half
-a process, most of it numba's own import), in a thread of its own, so neither importing the engine nor
-its first steps wait for it; a swap before it is ready waits.
+tier starts (compiled once, then loaded from a cache on disk), in a thread of its own, so neither importing
+the engine nor its first steps wait for it; a swap before it is ready waits.
 """
 
 from __future__ import annotations
@@ -48,12 +47,12 @@ def _copy_sum_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], N
 @functools.cache
 def _build_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None]:
     """``kernel(dst, src, sums, stream)`` over ``(n, W)`` int64 rows: the compiled C kernel (``stream``: with
-    non-temporal stores), else numba's (regular stores whatever ``stream`` says)."""
+    non-temporal stores), else numpy's two passes where no C compiler is (a copy, then the sum)."""
     c = ctypes
     compiled = native.function(Path(__file__).with_name("checksum.c"), "kvdoctor_copy_sum",
                                (c.c_void_p, c.c_void_p, *(c.c_int64,) * 4, c.c_int, c.c_void_p))
     if compiled is None:
-        return _numba_kernel()
+        return _numpy_copy_sum
 
     def copy_sum_rows(dst: np.ndarray, src: np.ndarray, sums: np.ndarray, stream: bool) -> None:
         compiled(dst.ctypes.data, src.ctypes.data, dst.shape[0], dst.shape[1], dst.strides[0] // 8,
@@ -62,23 +61,10 @@ def _build_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None
     return copy_sum_rows
 
 
-@functools.cache
-def _numba_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None]:
-    """The kernel where no C compiler is: numba's loop, regular stores (``stream`` is not heard)."""
-    import numba  # imported here: numba's import and the compilation cost a second, paid in prepare()
-
-    @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def copy_sum_rows(dst: np.ndarray, src: np.ndarray, sums: np.ndarray) -> None:  # pragma: no cover - compiled
-        # dst, src: (n, W) int64 with contiguous rows; one pass: every word is stored and added
-        for i in range(src.shape[0]):
-            s = np.int64(0)
-            for j in range(src.shape[1]):
-                w = src[i, j]
-                dst[i, j] = w
-                s += w
-            sums[i] = s
-
-    return lambda dst, src, sums, stream: copy_sum_rows(dst, src, sums)
+def _numpy_copy_sum(dst: np.ndarray, src: np.ndarray, sums: np.ndarray, stream: bool) -> None:
+    """The same checksum without a compiler: numpy's integer reduction wraps modulo 2^64 as the C loop does."""
+    np.copyto(dst, src)
+    np.add.reduce(src, axis=1, out=sums)
 
 
 def prepare() -> None:
