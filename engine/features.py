@@ -28,11 +28,6 @@ class Step:
     want_mass: bool = False  # the placement policy ranks blocks by the attention they get this step
     want_scores: bool = False  # attention statistics are taken this step
 
-    @property
-    def streaming(self) -> bool:
-        """Whether some row reads blocks off the device this step (long context)."""
-        return self.plan is not None and self.plan.streaming
-
 
 class StepFeature:
     """A feature of the runner's steps: the protocol, each point a no-op until a feature overrides it.

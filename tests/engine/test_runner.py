@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from kvdoctor.engine.features import Step, StepFeature
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.engine.runner import Runner, SamplingParams, UnsupportedModel, sample
 from kvdoctor.events import Batch, Read, Write, attn_rows
@@ -121,3 +122,42 @@ def test_sampling_survives_nan_logits():
     g = torch.Generator().manual_seed(0)
     assert sample(torch.tensor([float("nan"), 1.0, float("nan")]), params, g) == 1
     assert isinstance(sample(torch.full((4,), float("nan")), params, g), int)
+
+
+class _Probe(StepFeature):
+    """A step feature that records when the runner calls it."""
+
+    def __init__(self, changes_attention: bool) -> None:
+        self.changes_attention = changes_attention
+        self.calls: list[tuple] = []
+
+    def begin_step(self, step: Step) -> None:
+        self.calls.append(("begin", tuple(step.seqs)))
+
+    def after_store(self, layer: int, seqs) -> None:
+        self.calls.append(("store", layer))
+
+    def after_commit(self, step: Step) -> None:
+        self.calls.append(("commit", tuple(step.seqs)))
+
+
+@pytest.mark.parametrize("changes_attention", [False, True])
+def test_a_step_feature_plugs_in_and_decides_the_compiled_path(model, monkeypatch, changes_attention):
+    # GIVEN a runner with its compiled decode layers, and a new feature added to its features
+    monkeypatch.setenv("KVDOCTOR_DECODE_LAYER", "1")
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        if runner._decode is None:
+            pytest.skip("no compiled decode layers here (no C compiler, or not torch's OpenMP runtime)")
+        probe = _Probe(changes_attention)
+        runner._features.append(probe)
+        compiled = []
+        decode_step = runner._decode_step
+        runner._decode_step = lambda *a: compiled.append(decode_step(*a)) or compiled[-1]
+        # WHEN a prompt is prefilled and then decoded for two steps
+        runner.generate([PROMPTS[0]], max_new_tokens=3)
+    # THEN the feature is told of every step, and of each layer's store wherever the torch path ran
+    stores = [("store", layer) for layer in range(runner.num_layers)]
+    decode = [("begin", (0,))] + ([] if not changes_attention else stores) + [("commit", (0,))]
+    assert probe.calls == [("begin", (0,)), *stores, ("commit", (0,))] + decode * 2
+    # AND the compiled layers ran exactly on the decode steps when it leaves attention alone
+    assert [c is not None for c in compiled] == [False] + [not changes_attention] * 2
