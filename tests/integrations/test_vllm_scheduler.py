@@ -200,6 +200,29 @@ def test_priorities_preempt_the_lower_priority_requests_and_are_clean(harness):
     assert len(_ends(events)) == 6
 
 
+def test_async_scheduling_with_aborts_while_a_step_is_in_flight_is_clean(harness):
+    # GIVEN async scheduling (step N+1 scheduled before step N's output is back) on a pool that preempts
+    h = harness(async_scheduling=True, num_blocks=14, max_num_batched_tokens=4 * BS)
+    for i in range(6):
+        h.request(f"r{i}", _prompt(i), max_tokens=3 * BS)
+    aborted = []
+
+    def abort_every_eighth_step() -> bool:
+        # WHEN a request whose step is in flight is aborted now and then (as vLLM's test_abort does)
+        if h.num_steps % 8 == 7 and len(aborted) < 3 and h.in_flight:
+            req_id = next(iter(h.in_flight[-1][0].num_scheduled_tokens), None)
+            if req_id is not None and req_id not in aborted:
+                aborted.append(req_id)
+                h.abort(req_id)
+        return not h.scheduler.has_requests() and not h.in_flight
+
+    h.run(until=abort_every_eighth_step, max_steps=400)
+    events = _clean(h)
+    # THEN vLLM preempted and aborted in flight, and every request ended as it should
+    assert aborted and sum(r.num_preemptions for r in h.added) > 0
+    assert _ends(events) == {r.request_id: "aborted" if r.request_id in aborted else "finished" for r in h.added}
+
+
 # ---- KV connector: external hits, asynchronous loads, delayed frees ---------------------
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections import deque
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
@@ -136,7 +138,9 @@ class Harness:
 
     ``accept(request_id, drafts)`` says how many of a step's draft tokens the "model" accepts
     (all of them unless a test says otherwise); ``drafts`` is how many draft tokens every running
-    request proposes after each step when speculative decoding is on.
+    request proposes after each step when speculative decoding is on. ``depth`` is how many schedules
+    are in flight: 1 for the synchronous engine core, 2 with async scheduling (the engine core's batch
+    queue schedules step N+1 before step N's output is back).
     """
 
     scheduler: Scheduler
@@ -144,12 +148,14 @@ class Harness:
     path: Path
     block_size: int
     drafts: int = 0
+    depth: int = 1
     accept: Callable[[str, list[int]], int] = lambda req_id, drafts: len(drafts)
     sending: set[str] = field(default_factory=set)  # finished requests whose blocks a connector still sends
     recving: set[str] = field(default_factory=set)  # requests whose asynchronous loads finish next step
     outputs: list = field(default_factory=list)
     added: list[Request] = field(default_factory=list)  # every request added, in order (vLLM forgets finished ones)
     num_steps: int = 0
+    in_flight: deque = field(default_factory=deque)  # (schedule, its rows that sample a token), oldest first
 
     @property
     def connector(self) -> Any:
@@ -171,11 +177,19 @@ class Harness:
         return request
 
     def step(self) -> Any:
-        """One engine-core step: schedule, a synthetic model output, update; returns the schedule."""
+        """One engine-core step: schedule (``depth`` ahead), answer the oldest schedule with a synthetic
+        model output, update; returns the schedule answered."""
         sched = self.scheduler
-        output = sched.schedule()
+        while len(self.in_flight) < self.depth:
+            output = sched.schedule()
+            if self.in_flight and not output.num_scheduled_tokens:
+                break  # the batch queue takes an empty schedule only when nothing else is in flight
+            # Which rows finish their prompt is known only now: the next schedule moves the requests on.
+            sampling = {r for r in output.num_scheduled_tokens if not sched.requests[r].is_prefill_chunk}
+            self.in_flight.append((output, sampling))
+        output, sampling = self.in_flight.popleft()
         req_ids = list(output.num_scheduled_tokens)
-        sampled = [self._sample(output, r) for r in req_ids]
+        sampled = [self._sample(output, r) if r in sampling else [] for r in req_ids]
         kv = None
         if self.sending or self.recving:
             kv = KVConnectorOutput(finished_sending=set(self.sending) or None,
@@ -192,20 +206,18 @@ class Harness:
         return output
 
     def _sample(self, output: Any, req_id: str) -> list[int]:
-        request = self.scheduler.requests[req_id]
-        if request.is_prefill_chunk:
-            return []
         drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
         return self._tokens(req_id, 1 + self.accept(req_id, drafts))
 
     def _tokens(self, req_id: str, n: int) -> list[int]:
         """Deterministic token ids that depend on the request's length (never an EOS: eos is ignored)."""
-        start = self.scheduler.requests[req_id].num_tokens
+        request = self.scheduler.requests.get(req_id)  # gone when aborted while its step was in flight
+        start = request.num_tokens if request is not None else 0
         return [(start + i) * 7 % VOCAB for i in range(n)]
 
     def run(self, *, max_steps: int = 200, until: Callable[[], bool] | None = None) -> int:
         """Step until every request is done (or ``until()`` holds); returns the steps taken."""
-        done = until or (lambda: not self.scheduler.has_requests())
+        done = until or (lambda: not self.scheduler.has_requests() and not self.in_flight)
         steps = 0
         while not done():
             assert steps < max_steps, f"the scheduler did not finish in {max_steps} steps"
@@ -230,7 +242,7 @@ def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_
                  max_num_seqs: int = 8, max_model_len: int = 1024, prefix_caching: bool = True,
                  policy: str = "fcfs", num_speculative_tokens: int | None = None,
                  connector: bool | str = False, connector_config: dict | None = None,
-                 long_prefill_token_threshold: int = 0) -> Harness:
+                 async_scheduling: bool = False, long_prefill_token_threshold: int = 0) -> Harness:
     """A scheduler on ``num_blocks`` blocks (plus vLLM's null block) with kvdoctor tracing it.
 
     ``connector=True`` attaches the stand-in ``HarnessConnector``; a string names one of vLLM's own
@@ -241,7 +253,7 @@ def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_chunked_prefill=True, long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
-        is_encoder_decoder=False)
+        async_scheduling=async_scheduling, is_encoder_decoder=False)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     kv_transfer = None
     if connector is True:
@@ -261,8 +273,9 @@ def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                                                       dtype=torch.float32))])
     cache_config.num_gpu_blocks = total
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
                           structured_output_manager=StructuredOutputManager(vllm_config), log_stats=True)
     tracer = VllmTracer(scheduler, str(path), engine="vllm scheduler harness")
     return Harness(scheduler=scheduler, tracer=tracer, path=path, block_size=block_size,
-                   drafts=num_speculative_tokens or 0)
+                   drafts=num_speculative_tokens or 0, depth=2 if async_scheduling else 1)
