@@ -267,13 +267,15 @@ class DecodeStep:
         heads, sink, summary, hent, hmax, counts = self._stats_args
         wk, wv, units, mix, U, shares = self._digest_pointers()
         vblock, vsums, vtotal = self._verify_pointers()
-        args = _Args(int(L.dtype == torch.bfloat16), L.num_layers, self.M, L.hidden, L.heads, L.kv_heads, L.head_dim,
-                     L.intermediate, ctypes.addressof(L._table), ctypes.addressof(arenas), x.data_ptr(),
-                     self.qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.store_rows.data_ptr(),
-                     self.kv_rows.data_ptr(), self.blocks, self.block_size, self.lens.data_ptr(),
-                     self.newest.data_ptr(), int(self.keep_scores), self.T, heads, sink, summary, hent, hmax, counts,
-                     wk, wv, units, mix, U, shares, vblock, vsums, vtotal, L._final[0], self.scratch.data_ptr(),
-                     L._final[1], torch.get_num_threads())
+        args = _Args(is_bf16=int(L.dtype == torch.bfloat16), L=L.num_layers, M=self.M, hidden=L.hidden, H=L.heads,
+                     Hkv=L.kv_heads, D=L.head_dim, I=L.intermediate, layers=ctypes.addressof(L._table),
+                     kv=ctypes.addressof(arenas), x=x.data_ptr(), qkv=self.qkv.data_ptr(), cos=cos.data_ptr(),
+                     sin=sin.data_ptr(), rows=self.store_rows.data_ptr(), kv_rows=self.kv_rows.data_ptr(),
+                     nb=self.blocks, bs=self.block_size, lens=self.lens.data_ptr(), newest=self.newest.data_ptr(),
+                     keep=int(self.keep_scores), T=self.T, heads=heads, sink=sink, summary=summary, hent=hent,
+                     hmax=hmax, counts=counts, wk=wk, wv=wv, units=units, mix=mix, U=U, shares=shares, vblock=vblock,
+                     vsums=vsums, vtotal=vtotal, final_w=L._final[0], scratch=self.scratch.data_ptr(),
+                     final_eps=L._final[1], threads=torch.get_num_threads())
         L._kernel(ctypes.byref(args))
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
