@@ -59,6 +59,13 @@ class Call:
             return default
         raise KeyError(f"the host called without argument {name!r}")
 
+    def first(self) -> Any:
+        """The first argument, however it was passed (None when there is none)."""
+        if self.args:
+            return self.args[0]
+        name = next(iter(self._positions), None)
+        return self.kwargs.get(name) if name is not None else next(iter(self.kwargs.values()), None)
+
     def replace(self, name: str, value: Any) -> None:
         """Pass ``value`` for ``name`` where the host passed its own (a one-shot iterator read into a list)."""
         if name in self.kwargs:
@@ -102,15 +109,20 @@ class Guard:
         except Exception:
             pass
 
-    def attempt(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` as bookkeeping of ``part``: its result, or None once it failed (and tracing stopped)."""
+    def attempt(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` as bookkeeping of ``part``: its result, or None once it failed (and tracing
+        stopped). A hook the host calls (a forward hook) that returns None leaves the host's values alone."""
         if not self.live:
             return None
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except Exception as exc:
             self.lost(part, exc)
             return None
+
+    def hook(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as a callback for the host (a forward hook, an attention tap): guarded, result None on failure."""
+        return lambda *args, **kwargs: self.attempt(part, fn, *args, **kwargs)
 
     def wrap(self, original: Callable, part: str, *, before: Callable[[Call], Any] | None = None,
              after: Callable[[Call, Any, Any], None] | None = None,

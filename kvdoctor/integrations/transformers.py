@@ -10,6 +10,9 @@ Nothing is replaced. For the block's duration the observer
 - registers a wrapper around the model's current attention function with ``AttentionInterface``
   and switches the model to it, for statistics of each row's newest query every step.
 On exit everything is put back and every sequence still in a cache ends with its blocks freed.
+Every hook runs transformers' code exactly as called and keeps the observer's own work in a guard: a
+failure of kvdoctor's bookkeeping is one ``observer_error`` in the trace, the hooks come off, and
+``generate`` goes on as if the observer had never been there.
 
 The row bookkeeping and the events are ``transformers_rows``'s; the statistics ``transformers_attention``'s.
 Without ``trace=`` the observer writes to ``KVDOCTOR_TRACE`` (one trace per process, shared by every
@@ -27,9 +30,12 @@ import weakref
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+import msgspec
+
 from .. import knobs
-from ..events import Attn, Batch, Event, Header, StepEnd, TierSpec
+from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec
 from ..trace import TraceWriter
+from .guard import Call, Guard
 from .transformers_attention import AttentionTap, tap_name
 from .transformers_rows import CacheRows, Row, Versions
 
@@ -123,6 +129,8 @@ class Observer:
         self._pending: tuple | None = None  # (cache, full ids, 2D mask, first iteration) from generate
         self._ctx: tuple | None = None  # what the pre-hook saw for the pass under way
         self._num_caches = 0
+        self.guard = Guard("transformers", self._record_error, self._uninstall)
+        self.tap.on_error = self.guard.lost
 
     # ---- installing -----------------------------------------------------------------
 
@@ -130,10 +138,13 @@ class Observer:
         if self.trace is None:
             return self
         model = self.model
-        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
-                         model.register_forward_hook(self._after, with_kwargs=True)]
+        name = type(model).__name__
+        self._handles = [
+            model.register_forward_pre_hook(self.guard.hook(f"{name}.forward", self._before), with_kwargs=True),
+            model.register_forward_hook(self.guard.hook(f"{name}.forward", self._after), with_kwargs=True)]
         if hasattr(model, "prepare_inputs_for_generation"):
-            model.prepare_inputs_for_generation = self._wrap_prepare(model.prepare_inputs_for_generation)
+            model.prepare_inputs_for_generation = self.guard.wrap(
+                model.prepare_inputs_for_generation, f"{name}.prepare_inputs_for_generation", before=self._prepare)
         self._install_tap()
         return self
 
@@ -158,34 +169,48 @@ class Observer:
     def __exit__(self, kind: Any, *exc: Any) -> None:
         if self.trace is None:
             return
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if "prepare_inputs_for_generation" in vars(self.model):
-            del self.model.prepare_inputs_for_generation
-        if self._original_attn is not None:
-            self.model.set_attn_implementation(self._original_attn)
-            self._original_attn = None
-        self.tap.active = False
-        for seen in self._caches.values():
-            self._unshadow(seen)
-            seen.rows.end_all("finished")
-        self._caches.clear()
-        self.trace.emit(StepEnd)
-        self.trace.step += 1
+        if self.guard.live:
+            self._uninstall()
+            self.guard.attempt("exit", self._end_all)
         if self.owns_trace:
             self.trace.close("closed" if kind is None else "error")
         else:
             self.trace.flush()
 
-    def _wrap_prepare(self, original: Callable) -> Callable:
-        def prepare_inputs_for_generation(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            mask = kwargs.get("attention_mask")
-            self._pending = (cache, input_ids, mask if mask is not None and mask.dim() == 2 else None,
-                             bool(kwargs.get("is_first_iteration")))
-            return original(input_ids, *args, **kwargs)
-        return prepare_inputs_for_generation
+    def _uninstall(self) -> None:
+        """Everything put back as it was; also the guard's stop, so it must not raise."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        vars(self.model).pop("prepare_inputs_for_generation", None)
+        if self._original_attn is not None:
+            try:
+                self.model.set_attn_implementation(self._original_attn)
+            except Exception:  # the model keeps the tap, which now only calls the original attention
+                pass
+            self._original_attn = None
+        self.tap.active = False
+        for seen in self._caches.values():
+            self._unshadow(seen)
+
+    def _end_all(self) -> None:
+        for seen in self._caches.values():
+            seen.rows.end_all("finished")
+        self._caches.clear()
+        self.trace.emit(StepEnd)
+        self.trace.step += 1
+
+    def _record_error(self, event: ObserverError) -> None:
+        """The guard's record: the error goes out with what this pass gathered."""
+        trace = self.trace
+        trace.buf.append(msgspec.structs.replace(event, t=time.perf_counter_ns() - trace.t0, step=trace.step))
+        trace.flush()
+
+    def _prepare(self, call: Call) -> None:
+        kwargs = call.kwargs
+        mask = kwargs.get("attention_mask")
+        self._pending = (kwargs.get("cache", kwargs.get("past_key_values")), call["input_ids"],
+                         mask if mask is not None and mask.dim() == 2 else None, bool(kwargs.get("is_first_iteration")))
 
     # ---- the caches -----------------------------------------------------------------
 
@@ -211,7 +236,8 @@ class Observer:
         seen.layer = layer
         for name in _LAYER_OPS:
             if hasattr(layer, name):
-                setattr(layer, name, self._layer_op(seen, name, getattr(layer, name)))
+                setattr(layer, name, self.guard.wrap(getattr(layer, name), f"{type(layer).__name__}.{name}",
+                                                     **self._layer_op(seen, name)))
 
     @staticmethod
     def _unshadow(seen: _Seen) -> None:
@@ -220,37 +246,35 @@ class Observer:
                 vars(seen.layer).pop(name, None)
             seen.layer = None
 
-    def _layer_op(self, seen: _Seen, name: str, original: Callable) -> Callable:
+    def _layer_op(self, seen: _Seen, name: str) -> dict[str, Callable]:
+        """The bookkeeping around a layer method that moves or cuts rows (the method itself runs as called)."""
         rows = seen.rows
 
-        def op(arg: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if name == "crop":
-                return self._crop(seen, original, int(arg), *args, **kwargs)
-            result = original(*([] if arg is None else [arg]), *args, **kwargs)
+        def crop_before(call: Call) -> None:
+            length = int(call.first())
+            if length > rows.num_slots:  # the old form, crop(max_length): a length longer than written cannot be honoured
+                for row in rows.rows:
+                    rows.rollback(row, -(length - rows.num_slots))
+
+        def crop_after(call: Call, _: Any, __: Any) -> None:
+            tokens_to_remove = int(call.first())
+            if tokens_to_remove < 0 and rows.rows:
+                rows.crop(-tokens_to_remove)
+                seen.dirty = True
+
+        def after(call: Call, _: Any, __: Any) -> None:
             if name == "reset":
                 rows.end_all("finished")
             elif rows.num_slots:
+                arg = call.first()
                 if name == "batch_repeat_interleave":
                     sources = [i for i in range(len(rows.rows)) for _ in range(int(arg))]
                 else:
                     sources = _row_indices(arg)
                 rows.remap(sources)
                 seen.dirty = True
-            return result
-        return op
 
-    def _crop(self, seen: _Seen, original: Callable, tokens_to_remove: int, *args: Any, **kwargs: Any) -> Any:
-        rows = seen.rows
-        if tokens_to_remove > 0:  # the old form, crop(max_length): a length longer than written cannot be honoured
-            if tokens_to_remove > rows.num_slots:
-                for row in rows.rows:
-                    rows.rollback(row, -(tokens_to_remove - rows.num_slots))
-            return original(tokens_to_remove, *args, **kwargs)
-        result = original(tokens_to_remove, *args, **kwargs)
-        if tokens_to_remove < 0 and rows.rows:
-            rows.crop(-tokens_to_remove)
-            seen.dirty = True
-        return result
+        return {"before": crop_before, "after": crop_after} if name == "crop" else {"after": after}
 
     # ---- a forward pass -------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class AttentionTap:
         self.kv_len: dict[int, int] = {}  # layer -> keys its attention saw this pass
         self.shape: list[int] | None = None  # K shape of the first layer this pass, (B, H_kv, T, D)
         self._scores: list[tuple] = []  # (layer, (B*H_kv, G, T) scores, 4D mask or None, scale, B, H)
+        self.on_error: Callable[[str, BaseException], None] = lambda part, exc: None  # the observer's guard
 
     def begin(self) -> None:
         self.active = True
@@ -56,7 +57,11 @@ class AttentionTap:
             fn = resolved or _eager_of(module)
             out = fn(module, query, key, value, attention_mask, *args, **kwargs)
             if self.active:
-                self._observe(module, query, key, attention_mask, kwargs.get("scaling"))
+                try:
+                    self._observe(module, query, key, attention_mask, kwargs.get("scaling"))
+                except Exception as exc:  # never into the model: the observer records it and stops
+                    self.active = False
+                    self.on_error("attention", exc)
             return out
 
         return attention
