@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from .. import knobs
 from ..events import (
     Alloc, Batch, Evict, Free, Header, ObserverError, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
     TierSpec, Usage, Write,
@@ -52,7 +53,6 @@ from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
 
 __all__ = ["register", "VllmTracer", "PREFIX_CACHE", "SUPPORTED"]
 
-TRACE_ENV = "KVDOCTOR_TRACE"
 PREFIX_CACHE = "prefix-cache"  # the owner a prefix cache holds its registered blocks as
 INTERNAL = "vllm"  # the owner of blocks vLLM holds outside any request (copy-on-write copies, deferred frees)
 
@@ -68,11 +68,10 @@ def _warn(message: str) -> None:
 
 def register() -> None:
     """vLLM's plugin hook; does nothing unless ``KVDOCTOR_TRACE`` names a trace to write. Never raises."""
-    path = os.environ.get(TRACE_ENV)
-    if not path:
-        return
     try:
-        _patch_scheduler(path)
+        path = knobs.get(knobs.TRACE)
+        if path:
+            _patch_scheduler(path)
     except Exception as exc:
         _warn(f"not tracing vLLM ({type(exc).__name__}: {exc}); vLLM runs without kvdoctor")
 
