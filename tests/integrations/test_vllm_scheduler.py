@@ -8,6 +8,8 @@ of block-manager bug, patched into vLLM in-process, is named. Run with ``./kvd t
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -172,15 +174,23 @@ def test_speculative_tokens_accepted_or_rejected_are_clean(harness, accepted):
 
 
 def test_structured_output_requests_are_clean(harness):
-    # GIVEN a structured-output request (its grammar ready, as after compilation) beside a free one
+    # GIVEN a structured-output request (its grammar ready, as after compilation) beside a free one,
+    # and one whose grammar is still compiling
     h = harness()
     h.request("json", _prompt(0), max_tokens=BS, structured=True)
     h.request("free", _prompt(1), max_tokens=BS)
+    compiling = h.request("compiling", _prompt(2), max_tokens=BS, structured=True)
+    compiling.structured_output_request.grammar = Future()  # never done: the request waits for its grammar
+    # WHEN the waiting one is aborted after a few steps
+    for _ in range(3):
+        h.step()
+    assert compiling.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    h.abort("compiling")
     h.run()
     events = _clean(h)
     # THEN the grammar saw every token sampled for its request
     assert h.added[0].structured_output_request.grammar.num_accepted == BS
-    assert _ends(events) == {"json": "finished", "free": "finished"}
+    assert _ends(events) == {"json": "finished", "free": "finished", "compiling": "aborted"}
 
 
 def test_priorities_preempt_the_lower_priority_requests_and_are_clean(harness):
