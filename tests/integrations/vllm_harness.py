@@ -13,6 +13,7 @@ own tests mock too, so a test decides what an external cache holds and when a tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections import deque
@@ -48,6 +49,10 @@ VOCAB = 1000
 _CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
            "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
            "vocab_size": VOCAB, "max_position_embeddings": 4096, "torch_dtype": "float32"}
+
+
+# vLLM 0.34 finds each request's output row by its place in ``req_ids``; earlier releases by this map.
+_ROW_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
 
 @cache
@@ -196,8 +201,8 @@ class Harness:
                                    finished_recving=set(self.recving) or None)
             self.sending.clear()
             self.recving.clear()
-        result = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled, kv_connector_output=kv)
+        rows = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _ROW_INDEX else {}
+        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv, **rows)
         self.outputs.append(sched.update_from_output(output, result))
         if self.drafts:
             running = [r.request_id for r in sched.running if not r.is_prefill_chunk]
