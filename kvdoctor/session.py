@@ -207,7 +207,9 @@ class BusSource:
 
     The engine thread only appends each step's batch to a queue (subscribed at once, so no
     event is missed); ``batches`` hands them out, an empty batch after each ``idle_s`` without
-    one, until ``close()``.
+    one. The engine's thread ends the stream with ``detach(reason)`` once its work is done (it
+    flushes the bus, which only that thread may touch); ``close()``, from any thread, ends it at
+    once and drops what the engine still hands over until it detaches.
     """
 
     def __init__(self, bus: Any, header: Header | None = None, *, name: str = "engine bus",
@@ -221,7 +223,11 @@ class BusSource:
         self._header = header
         self._idle_s = idle_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        bus.subscribe(self._queue.put)
+        bus.subscribe(self._put)
+
+    def _put(self, batch: list[Any]) -> None:
+        if self.ended is None:
+            self._queue.put(batch)
 
     def wait_header(self) -> Header | None:
         return self._header
@@ -237,14 +243,19 @@ class BusSource:
                 return
             yield item
 
-    def close(self, reason: str = "the engine stopped") -> None:
-        """Flush what the bus still holds and end the stream (safe to call twice: the first reason stays)."""
+    def detach(self, reason: str = "the engine stopped") -> None:
+        """From the engine's thread, its work done: flush the bus into the stream, unsubscribe, end it."""
         if self._bus is None:
             return
         bus, self._bus = self._bus, None
-        self.ended = reason
-        bus.unsubscribe(self._queue.put)
-        self._queue.put(_STOP)
+        bus.unsubscribe(self._put)  # flushes what the bus still buffers into the queue
+        self.close(reason)
+
+    def close(self, reason: str = "stopped") -> None:
+        """End the stream now (any thread; safe to call twice: the first reason stays)."""
+        if self.ended is None:
+            self.ended = reason
+            self._queue.put(_STOP)
 
 
 def open_source(path: str | os.PathLike[str], *, follow: bool | None = None, wait_s: float = 10.0) -> Source:

@@ -109,11 +109,28 @@ def test_a_bus_source_yields_empty_batches_while_the_engine_is_idle_and_keeps_th
     bus.emit(SeqStart, seq=1, prompt_len=1)
     bus.end_step()
     assert [type(e).__name__ for e in next(b for b in batches if b)] == ["SeqStart", "StepEnd"]
-    # WHEN it is closed twice THEN the stream ends and the first reason stays
-    source.close("the engine's work finished")
-    source.close("stopped")
+    # WHEN the engine's thread detaches it, its last events still buffered, and it is closed again
+    bus.emit(SeqEnd, seq=1)
+    source.detach("the engine's work finished")
+    source.close()
+    # THEN those events come, the stream ends, the first reason stays and the bus is free of it
+    assert [type(e).__name__ for e in next(b for b in batches if b)] == ["SeqEnd"]
     assert list(batches) == []
     assert source.ended == "the engine's work finished" and not bus.enabled
+
+
+def test_a_bus_source_closed_from_another_thread_ends_at_once_and_leaves_the_bus_to_the_engine():
+    # GIVEN a consumer reading a bus source
+    bus = Bus()
+    source = BusSource(bus, idle_s=0.01)
+    # WHEN another thread (the TUI on quit) closes it while the engine goes on
+    source.close()
+    bus.emit(SeqStart, seq=1, prompt_len=1)
+    bus.end_step()
+    # THEN the stream ends without the later events, and the bus is untouched until the engine detaches
+    assert list(source.batches()) == [] and source.ended == "stopped" and bus.enabled
+    source.detach()
+    assert not bus.enabled
 
 
 def test_bus_session_checks_in_the_engine_thread_and_flushes_on_close():

@@ -408,4 +408,5 @@ class BusFeed(SourceFeed):
                          running="watching an engine in this process", **options)
 
     def close(self, reason: str = "the engine stopped") -> None:
-        self.source.close(reason)
+        """From the engine's thread once its work is done: the events it still buffers, then the end."""
+        self.source.detach(reason)
