@@ -29,17 +29,19 @@ from .ledger import ENDED_KEPT, FREED_KEPT, Ledger
 from .observer import ObserverCheck
 from .prefix import PrefixCheck
 from .stale import StaleCheck
+from .weights import WeightsCheck
 
 __all__ = [
     "ALL_CHECKS", "RULES", "make_suite", "CheckBase", "CheckSuite", "Rule", "Ledger",
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
     "AttentionProfile", "ProfileBuilder", "shipped_profile",
     "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck", "ObserverCheck",
+    "WeightsCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
     LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck, PrefixCheck,
-    ObserverCheck,
+    ObserverCheck, WeightsCheck,
 )
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
@@ -62,6 +64,7 @@ def make_suite(
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),
         IntegrityCheck(ledger), PrefixCheck(ledger), ObserverCheck(ledger),
+        WeightsCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

@@ -52,6 +52,7 @@ __all__ = [
     "Merge",
     "TraceEnd",
     "ObserverError",
+    "Weights",
     "Unknown",
     "KNOWN_EVENTS",
     "KINDS",
@@ -388,6 +389,17 @@ class ObserverError(Event, tag="observer_error"):
     stopped: bool = True
 
 
+class Weights(Event, tag="weights"):
+    """What computes K/V changed under a live cache (v1.x): K/V written before this event were computed by
+    other weights than K/V written after it, so a prefix-cache hit across it serves stale K/V unless the
+    cache was reset in between. ``version`` counts the changes of this trace (0 before the first)."""
+
+    version: int
+    cause: str  # "update" (weights changed in place), "load" (loaded anew), "wake" (back from sleep)
+    detail: str | None = None  # what the producer saw do it: "collective_rpc('apply_model')", "load_weights"
+    digest: str | None = None  # a digest of a sample of the weights after the change
+
+
 class Unknown(msgspec.Struct, frozen=True, kw_only=True):
     """A kind this version does not know, kept whole so nothing a producer wrote is lost."""
 
@@ -400,7 +412,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, AttnStep, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
-    TraceEnd, ObserverError,
+    TraceEnd, ObserverError, Weights,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

@@ -45,11 +45,12 @@ import msgspec
 from .. import knobs
 from ..events import (
     Alloc, Batch, Evict, Free, Header, ObserverError, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
-    TierSpec, Usage, Write,
+    TierSpec, Usage, Weights, Write,
 )
 from ..trace import TraceWriter
 from .guard import Call, Guard
 from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
+from .vllm_weights import patch_engine_core
 
 __all__ = ["register", "VllmTracer", "PREFIX_CACHE", "SUPPORTED"]
 
@@ -98,6 +99,9 @@ def _patch_scheduler(path: str) -> None:
         Scheduler._kvdoctor_tracing = True
         try:
             self._kvdoctor = VllmTracer(self, path, engine=f"vllm {version}", methods=methods_for(version))
+            from vllm.v1.engine.core import EngineCore  # the process building a scheduler is the engine core
+
+            patch_engine_core(EngineCore)
         except Exception as exc:  # the trace could not even start (an unwritable path): vLLM goes on
             _warn(f"not tracing vLLM ({type(exc).__name__}: {exc})")
 
@@ -152,6 +156,8 @@ class VllmTracer:
         self._keys: dict[Any, list[str]] = {}  # request -> content keys of its full blocks, in order
         self._ending: dict[Any, str] = {}  # request -> seq_end reason, while a connector still holds its blocks
         self._written: dict[Any, int] = {}  # request -> where this step's writes end (drafts included)
+        self._weights: str | None = None  # digest of the weights' sample when last looked (vllm_weights)
+        self.weights_version = 0
         hooks = {**self._pool_hooks(pool), **self._manager_hooks(), **self._scheduler_hooks()}
         missing = [f"{type(obj).__name__}.{name}" for obj, names in
                    ((pool, methods.pool), (manager, methods.manager), (scheduler, methods.scheduler))
@@ -208,8 +214,9 @@ class VllmTracer:
         keys = self._keys.setdefault(request.request_id, [])
         if len(keys) < num_blocks:
             tokens = request.all_token_ids
+            # each part tagged, so a cache salt equal to an adapter's name keys other blocks (vllm #44701)
             lora = getattr(request.lora_request, "lora_name", None)
-            salt = f"{lora}|{getattr(request, 'cache_salt', None)}".encode()
+            salt = repr((("lora", lora), ("cache_salt", getattr(request, "cache_salt", None)))).encode()
             bs = self.block_size
             for i in range(len(keys), num_blocks):
                 parent = keys[i - 1].encode() if i else salt
@@ -379,6 +386,22 @@ class VllmTracer:
                 "_free_blocks": self._in_request(lambda call: call["request"], free_blocks),
                 "_preempt_request": by_request,
                 "schedule": {"after": schedule}, "update_from_output": {"after": update_from_output}}
+
+    # ---- the weights (vllm_weights wraps the engine core's utilities) ------------------
+
+    def weights_baseline(self, digest: Callable[[], str]) -> str:
+        """The weights' digest before a utility runs (taken once: later ones start from the last seen)."""
+        if self._weights is None:
+            self._weights = digest()
+        return self._weights
+
+    def weights_after(self, digest: Callable[[], str], cause: str, detail: Callable[[], str]) -> None:
+        """After a utility: a digest that moved is a new weights version, K/V before it stale for hits."""
+        new = digest()
+        if new != self._weights:
+            self._weights = new
+            self.weights_version += 1
+            self._emit(Weights, version=self.weights_version, cause=cause, detail=detail(), digest=new)
 
     def _end(self, seq: Any, reason: str) -> None:
         self._emit(SeqEnd, seq=seq, reason=reason)

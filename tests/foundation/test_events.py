@@ -70,6 +70,8 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.ObserverError: dict(producer=st.sampled_from(["vllm", "transformers"]), part=st.text(max_size=20),
                               error=st.text(max_size=10), message=st.text(max_size=30),
                               where=st.none() | st.text(max_size=20), stopped=st.booleans()),
+        E.Weights: dict(version=ints, cause=st.sampled_from(["update", "load", "wake"]),
+                        detail=st.none() | st.text(max_size=20), digest=st.none() | st.text(max_size=16)),
     }[cls]
     return st.builds(cls, **fields, **common)
 

@@ -25,7 +25,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager  
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvdoctor.checks import make_suite  # noqa: E402
-from kvdoctor.events import SeqEnd, SeqStart, Share  # noqa: E402
+from kvdoctor.events import SeqEnd, SeqStart, Share, Weights  # noqa: E402
 from kvdoctor.integrations.vllm import PREFIX_CACHE, VllmTracer  # noqa: E402
 from kvdoctor.trace import TraceReader  # noqa: E402
 
@@ -80,6 +80,7 @@ def traced(llm, tmp_path):
     assert sched.kv_cache_manager.block_pool.reset_prefix_cache(), "a previous test left blocks held"
     path = tmp_path / "vllm.kvtrace"
     tracer = VllmTracer(sched, str(path), engine="vllm test")
+    sched._kvdoctor = tracer  # where the plugin keeps it: the engine core's utilities find it there
 
     def findings():
         tracer.detach()
@@ -90,6 +91,7 @@ def traced(llm, tmp_path):
     yield findings
     if tracer._wrapped:
         tracer.detach()
+    vars(sched).pop("_kvdoctor", None)
 
 
 def _request_id(seq: str) -> str:
@@ -216,6 +218,57 @@ def test_a_shared_block_freed_twice_is_handed_out_while_its_reader_runs(llm, tra
     # THEN the reader is named reading a block it no longer owns (or one the pool freed under it)
     named = [f for f in findings if f.block == hit[0] and f.rule in ("read-not-owned", "read-freed")]
     assert named and _request_id(str(named[0].seq)) == "reader", findings
+
+
+def _scaled_keys(factor):
+    """An in-place weight update as RL frameworks make one: layer 0's input norm scaled, so every K and V
+    changes (vLLM's CPU backend packs the linear layers' weights into oneDNN handles and empties their
+    parameters, so an edit there would change nothing)."""
+    def update(model):
+        for name, p in model.named_parameters():
+            if name.endswith("layers.0.input_layernorm.weight"):
+                p.data.mul_(factor)
+                return name
+    return update
+
+
+@pytest.fixture
+def weights_watched():
+    """The engine core's utilities wrapped (as the plugin does where it builds the scheduler)."""
+    from vllm.v1.engine.core import EngineCore
+
+    from kvdoctor.integrations.vllm_weights import patch_engine_core
+
+    patch_engine_core(EngineCore)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_prefix_hit_after_an_in_place_weight_update_without_a_reset_is_stale(llm, traced, weights_watched, reset):
+    # GIVEN a prompt generated once (its blocks in the prefix cache), then the weights updated in place
+    prompt = _prompts(llm, 1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    llm.generate([prompt], params, use_tqdm=False)
+    assert llm.apply_model(lambda model: sum(1 for _ in model.parameters()))  # reads only: no new version
+    changed = llm.apply_model(_scaled_keys(2.0))
+    assert any(changed), "no key projection found to update"
+    if reset:
+        assert llm.reset_prefix_cache()
+    # WHEN the same prompt comes again
+    try:
+        llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.apply_model(_scaled_keys(0.5))  # exact in float32: the shared engine gets its weights back
+    findings, events = traced()
+    weights = [e for e in events if type(e) is Weights]
+    # THEN one weights event marks the update (not the read-only call), and without a reset the hit is stale
+    assert [(w.version, w.cause) for w in weights] == [(1, "update")], (weights, findings)
+    assert "apply_model" in weights[0].detail
+    if reset:
+        assert findings == [], findings
+        return
+    stale = [f for f in findings if f.rule == "stale-prefix-hit"]
+    assert stale and {f.check for f in findings} == {"weights"}, findings
+    assert "computed under weights v0; weights are v1" in stale[0].message and isinstance(stale[0].block, int)
 
 
 # Last in this module: this test builds a second engine, and when it is collected vLLM tears down its

@@ -1,0 +1,80 @@
+"""Weights: K/V served from the prefix cache after the weights that computed them changed.
+
+The RL weight-sync bug (NVIDIA-NeMo/RL #4018, prime-rl #1650, lmdeploy #4917): a trainer updates the
+inference engine's weights in place, nobody resets the prefix cache, and the next rollout's prompt hits
+blocks computed by weights several updates old. Every token after the hit attends to keys and values
+the current model would not produce; nothing crashes and the hit rate looks healthy. A ``weights`` event
+marks each change; a block remembers the weights version of its last write, so a hit (``share`` with a
+``hash``) on a block written under an older version is stale. A reset of the prefix cache evicts the
+cached blocks, so after one no hit can reach old K/V and nothing is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..events import PREFIX_CACHE, Evict, Free, SeqEnd, Share, Weights, Write
+from ..findings import Finding
+
+from .base import NO_FINDINGS, CheckBase, Rule
+
+__all__ = ["WeightsCheck"]
+
+
+class WeightsCheck(CheckBase):
+    name = "weights"
+    RULES = (
+        Rule("stale-prefix-hit", "error",
+             "a prefix-cache hit took a block computed under older weights, with no reset of the cache since"),
+    )
+
+    def __init__(self, ledger=None) -> None:
+        super().__init__(ledger)
+        self.version = 0
+        self.change: Weights | None = None  # the latest change
+        self.written_under: dict[int, int] = {}  # block -> weights version of its last write
+        self._stale_hits: dict[tuple, list[int]] = {}  # (seq, version) -> the stale blocks it hit: one finding each
+
+    def handlers(self):
+        return {Weights: self._weights, Write: self._write, Share: self._share, Free: self._gone, Evict: self._gone,
+                SeqEnd: self._ended}
+
+    def _weights(self, ev: Weights) -> Sequence[Finding]:
+        self.version, self.change = ev.version, ev
+        return NO_FINDINGS
+
+    def _write(self, ev: Write) -> Sequence[Finding]:
+        self.written_under[ev.block] = self.version
+        return NO_FINDINGS
+
+    def _gone(self, ev: Free | Evict) -> Sequence[Finding]:
+        self.written_under.pop(ev.block, None)
+        return NO_FINDINGS
+
+    def _ended(self, ev: SeqEnd) -> Sequence[Finding]:
+        self._stale_hits.pop((ev.seq, self.version), None)  # its finding keeps the list; memory stays flat
+        return NO_FINDINGS
+
+    def _share(self, ev: Share) -> Sequence[Finding]:
+        under = self.written_under.get(ev.block)
+        if ev.hash is None or ev.seq == PREFIX_CACHE or under is None or under >= self.version:
+            return NO_FINDINGS
+        blocks = self._stale_hits.get((ev.seq, self.version))
+        if blocks is not None:  # the same request's next stale block: evidence of the one finding, not another
+            blocks.append(ev.block)
+            return NO_FINDINGS
+        if not self.once("stale-prefix-hit", ev.seq, self.version):
+            return NO_FINDINGS
+        change = self.change
+        how = f" ({change.cause}: {change.detail})" if change.detail else f" ({change.cause})"
+        blocks = self._stale_hits[(ev.seq, self.version)] = [ev.block]
+        return [self.finding(
+            "stale-prefix-hit",
+            f"prefix hit on block {ev.block} by request {ev.seq!r} at step {ev.step}: the block was computed under "
+            f"weights v{under}; weights are v{self.version} since step {change.step}{how}, and the prefix cache "
+            f"was not reset: its K/V are stale (evidence.stale_blocks lists every such block the request hit). "
+            f"Reset the prefix cache after every weight update",
+            seq=ev.seq, block=ev.block, step=ev.step, computed_under=under, weights_version=self.version,
+            changed_at_step=change.step, cause=change.cause, detail=change.detail, stale_blocks=blocks,
+            events=[self.event_dict(ev), self.event_dict(change)], history=self.ledger.block_history(ev.block),
+        )]
