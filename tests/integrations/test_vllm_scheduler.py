@@ -19,7 +19,7 @@ from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvdoctor.events import Batch, Evict, SeqEnd, Share  # noqa: E402
+from kvdoctor.events import Batch, Evict, Rollback, SeqEnd, Share  # noqa: E402
 from kvdoctor.integrations.vllm import PREFIX_CACHE  # noqa: E402
 
 from vllm_harness import make_harness  # noqa: E402
@@ -46,8 +46,7 @@ def harness(tmp_path):
 
     yield make
     for h in made:
-        if h.tracer._wrapped:
-            h.tracer.detach()
+        h.close()
 
 
 def _clean(h) -> list:
@@ -87,9 +86,10 @@ def test_chunked_prefill_of_a_long_prompt_is_clean(harness):
     h.run()
     events = _clean(h)
     # THEN the long prompt was computed in chunks, each starting where the last one ended
-    chunks = [(b.positions[b.rows.index("long")], b.n[b.rows.index("long")])
-              for b in events if type(b) is Batch and "long" in b.rows]
-    assert len([c for c in chunks if c[1] > 1]) >= 5, chunks
+    rows = [(b.positions[b.rows.index("long")], b.n[b.rows.index("long")])
+            for b in events if type(b) is Batch and "long" in b.rows]
+    assert len([n for _, n in rows if n > 1]) >= 5, rows
+    assert all(pos == prev + n for (prev, n), (pos, _) in zip(rows, rows[1:])), rows
     assert _ends(events) == {"long": "finished", "short": "finished"}
 
 
@@ -167,9 +167,12 @@ def test_speculative_tokens_accepted_or_rejected_are_clean(harness, accepted):
     h.accept = {"all": lambda r, d: len(d), "none": lambda r, d: 0, "some": lambda r, d: min(1, len(d))}[accepted]
     h.request("a", _prompt(0), max_tokens=2 * BS)
     h.request("b", _prompt(1), max_tokens=2 * BS)
+    # WHEN both decode with drafts to the end
     h.run()
     events = _clean(h)
+    # THEN steps verified drafts, and the trace rolled back exactly when the model rejected some
     assert any(type(e) is Batch and max(e.n) == 4 for e in events), "no step verified draft tokens"
+    assert any(type(e) is Rollback for e in events) == (accepted != "all")
     assert _ends(events) == {"a": "finished", "b": "finished"}
 
 
@@ -283,6 +286,7 @@ def test_aborts_while_loading_and_while_sending_are_clean(harness):
     assert h.scheduler.requests["loading"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     # WHEN both are aborted, and the transfers finish after
     h.abort("loading", "sending")
+    assert set(h.scheduler.requests) == {"loading", "sending"}, "a block held for a transfer was freed under it"
     h.recving.add("loading")
     h.sending.add("sending")
     h.step()

@@ -161,6 +161,7 @@ class Harness:
     added: list[Request] = field(default_factory=list)  # every request added, in order (vLLM forgets finished ones)
     num_steps: int = 0
     in_flight: deque = field(default_factory=deque)  # (schedule, its rows that sample a token), oldest first
+    closed: bool = False
 
     @property
     def connector(self) -> Any:
@@ -235,9 +236,15 @@ class Harness:
 
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
+    def close(self) -> None:
+        """Detach the tracer (once): vLLM's own methods back in place, the trace complete."""
+        if not self.closed:
+            self.closed = True
+            self.tracer.detach()
+
     def findings(self) -> tuple[list, list]:
-        """Detach the tracer, judge its trace with every check; returns (findings, events)."""
-        self.tracer.detach()
+        """Close the trace, judge it with every check; returns (findings, events)."""
+        self.close()
         suite = make_suite()
         found = suite.observe_many(TraceReader(self.path))
         return found + suite.finish(), list(TraceReader(self.path))
