@@ -4,16 +4,20 @@ The RL weight-sync bug (NVIDIA-NeMo/RL #4018, prime-rl #1650, lmdeploy #4917): a
 inference engine's weights in place, nobody resets the prefix cache, and the next rollout's prompt hits
 blocks computed by weights several updates old. Every token after the hit attends to keys and values
 the current model would not produce; nothing crashes and the hit rate looks healthy. A ``weights`` event
-marks each change; a block remembers the weights version of its last write, so a hit (``share`` with a
+marks each change; a block remembers the weights version of its first write, so a hit (``share`` with a
 ``hash``) on a block written under an older version is stale. A reset of the prefix cache evicts the
 cached blocks, so after one no hit can reach old K/V and nothing is reported.
+
+A sequence that goes on reading its own blocks across a change (a transformers cache kept between two
+``generate`` calls while the model was trained in between; a vLLM request in flight during a weight sync)
+reads K/V of two models at once: a warning, since some RL frameworks accept that on purpose.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..events import PREFIX_CACHE, Evict, Free, SeqEnd, Share, Weights, Write
+from ..events import PREFIX_CACHE, Evict, Free, Read, SeqEnd, Share, Weights, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -26,25 +30,28 @@ class WeightsCheck(CheckBase):
     RULES = (
         Rule("stale-prefix-hit", "error",
              "a prefix-cache hit took a block computed under older weights, with no reset of the cache since"),
+        Rule("stale-read", "warning",
+             "a sequence read K/V it computed under weights that changed since (a cache kept across an update)"),
     )
 
     def __init__(self, ledger=None) -> None:
         super().__init__(ledger)
         self.version = 0
         self.change: Weights | None = None  # the latest change
-        self.written_under: dict[int, int] = {}  # block -> weights version of its last write
+        self.written_under: dict[int, int] = {}  # block -> weights version of its first write since allocation
         self._stale_hits: dict[tuple, list[int]] = {}  # (seq, version) -> the stale blocks it hit: one finding each
 
     def handlers(self):
         return {Weights: self._weights, Write: self._write, Share: self._share, Free: self._gone, Evict: self._gone,
-                SeqEnd: self._ended}
+                SeqEnd: self._ended, Read: self._read}
 
     def _weights(self, ev: Weights) -> Sequence[Finding]:
         self.version, self.change = ev.version, ev
         return NO_FINDINGS
 
     def _write(self, ev: Write) -> Sequence[Finding]:
-        self.written_under[ev.block] = self.version
+        # the oldest weights among the block's tokens: a block filled across a change holds stale K/V too
+        self.written_under.setdefault(ev.block, self.version)
         return NO_FINDINGS
 
     def _gone(self, ev: Free | Evict) -> Sequence[Finding]:
@@ -54,6 +61,24 @@ class WeightsCheck(CheckBase):
     def _ended(self, ev: SeqEnd) -> Sequence[Finding]:
         self._stale_hits.pop((ev.seq, self.version), None)  # its finding keeps the list; memory stays flat
         return NO_FINDINGS
+
+    def _read(self, ev: Read) -> Sequence[Finding]:
+        if not self.version or (ev.seq, self.version) in self._stale_hits:  # never changed; or the hit is the cause
+            return NO_FINDINGS
+        written = self.written_under
+        old = [b for b in ev.blocks if written.get(b, self.version) < self.version]
+        if not old or not self.once("stale-read", ev.seq, self.version):
+            return NO_FINDINGS
+        change = self.change
+        return [self.finding(
+            "stale-read",
+            f"sequence {ev.seq!r} read {len(old)} block(s) ({', '.join(map(str, old[:8]))}) computed under weights "
+            f"v{written[old[0]]} at step {ev.step}, but the weights changed at step {change.step} (v{self.version}: "
+            f"{change.detail or change.cause}): its K/V mix two models. Start a new cache (or reset) after changing "
+            f"the weights",
+            seq=ev.seq, block=old[0], step=ev.step, layer=ev.layer, stale_blocks=old, weights_version=self.version,
+            changed_at_step=change.step, events=[self.event_dict(change)],
+        )]
 
     def _share(self, ev: Share) -> Sequence[Finding]:
         under = self.written_under.get(ev.block)

@@ -33,9 +33,10 @@ from typing import Any, Callable
 import msgspec
 
 from .. import knobs
-from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec
+from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Weights
 from ..trace import TraceWriter
 from .guard import Call, Guard
+from .weights import weights_digest
 from .transformers_attention import AttentionTap, tap_name
 from .transformers_rows import CacheRows, Row, Versions
 
@@ -129,6 +130,8 @@ class Observer:
         self._pending: tuple | None = None  # (cache, full ids, 2D mask, first iteration) from generate
         self._ctx: tuple | None = None  # what the pre-hook saw for the pass under way
         self._num_caches = 0
+        self._weights: tuple | None = None  # the parameters' version counters and sampled digest when last looked
+        self._weights_version = 0
         self.guard = Guard("transformers", self._record_error, self._uninstall)
         self.tap.on_error = self.guard.lost
 
@@ -287,6 +290,8 @@ class Observer:
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] is not cache:
             pending = None
+        if pending is None or pending[3]:  # a generate call starts (or a hand-written pass): did the weights change?
+            self._look_at_weights()
         past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         self._ctx = (cache, past, ids, first.shape[0], first.shape[1], kwargs.get("attention_mask"),
                      kwargs.get("position_ids"), pending)
@@ -295,6 +300,18 @@ class Observer:
             seen = self._seen(cache)
             if seen.rows.rows and first.shape[0] != len(seen.rows.rows):
                 self._batch_mismatch(seen, cache)
+
+    def _look_at_weights(self) -> None:
+        """A ``weights`` event when the model's parameters changed since the last pass that looked: K/V a
+        cache kept from before are then stale. Version counters catch in-place updates (an optimizer step,
+        ``load_state_dict``); a sampled digest catches writes through ``.data``. Once per generate call."""
+        params = list(self.model.parameters())
+        now = (sum(p._version for p in params), weights_digest(self.model))
+        if self._weights is not None and now != self._weights:
+            self._weights_version += 1
+            self.trace.emit(Weights, version=self._weights_version, cause="update", digest=now[1],
+                            detail=f"{type(self.model).__name__}'s parameters changed since the last generate call")
+        self._weights = now
 
     def _batch_mismatch(self, seen: _Seen, cache: Any) -> None:
         """The pass computes another number of rows than the cache holds (transformers fails in ``torch.cat``

@@ -8,9 +8,7 @@ digest of a fixed sample of every parameter (vLLM's own ``apply_model`` on the w
 in-process and multi-process executors alike): a digest that differs after the call is a new weights
 version in the scheduler's trace. A call that changes nothing (an RPC reading the model) gives no event.
 
-The digest samples up to 64 elements spread over each parameter (and its first and last): an update of
-a whole tensor, as every optimizer step is, changes it; an edit of one element between samples does not
-(the honest limit). It costs one pass over the parameters' metadata and a few kB of reads. vLLM's CPU
+The digest is ``weights.weights_digest``. vLLM's CPU
 backend packs the linear layers' weights into oneDNN handles at load and empties their parameters: there
 the digest sees embeddings and norms only (and an in-place edit of a packed layer changes nothing either).
 """
@@ -20,27 +18,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable
 
-__all__ = ["weights_digest", "patch_engine_core"]
+from .weights import weights_digest
 
-_SAMPLES = 64
+__all__ = ["patch_engine_core"]
+
 # EngineCore utilities after which the weights may differ, and the cause each stands for
 _UTILITIES = {"collective_rpc": "update", "wake_up": "wake"}
-
-
-def weights_digest(model: Any) -> str:
-    """A digest of a sample of every parameter of ``model`` (run on each worker by ``apply_model``)."""
-    h = hashlib.blake2b(digest_size=8)
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        n = flat.numel()
-        if n == 0:
-            continue
-        step = max(1, n // _SAMPLES)
-        sample = flat[::step][:_SAMPLES]
-        h.update(name.encode())
-        h.update(sample.float().cpu().numpy().tobytes())
-        h.update(flat[-1:].float().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _rpc_name(call_args: tuple, call_kwargs: dict) -> str:

@@ -34,6 +34,7 @@ def test_a_hit_on_a_block_computed_before_a_weight_update_is_stale_naming_reques
     trace.start("r2")
     trace.share(b0, "r2", hash="k0")
     trace.share(b1, "r2", hash="k0")
+    trace.read("r2", [b0, b1])  # what it hit it reads: the stale hit is the cause, not a second finding
     trace.end_step()
     findings = trace.run()
     # THEN one finding: the first stale hit, naming the request, the block, the versions and when the weights
@@ -62,5 +63,28 @@ def test_a_hit_on_a_block_written_after_the_update_is_fresh(trace):
     b0 = _cached_block(trace)
     trace.start("r2")
     trace.share(b0, "r2", hash="k0")
+    trace.end_step()
+    assert trace.run() == []
+
+
+def test_a_sequence_reading_its_own_blocks_across_a_weight_change_is_a_stale_read_warning(trace):
+    # GIVEN a sequence with a block written, then the weights changed under it
+    (b0,) = trace.sequence_with_blocks("r1", 1)
+    trace.end_step()
+    _update(trace)
+    # WHEN it reads the block again (twice)
+    trace.read("r1", [b0])
+    trace.read("r1", [b0])
+    trace.end_step()
+    findings = trace.run()
+    # THEN one warning names the sequence, the block and the change
+    assert rules(findings) == ["weights/stale-read"]
+    (f,) = findings
+    assert (f.severity, f.seq, f.block) == ("warning", "r1", b0) and f.evidence["stale_blocks"] == [b0]
+
+
+def test_reads_without_any_weight_change_are_not_judged(trace):
+    (b0,) = trace.sequence_with_blocks("r1", 1)
+    trace.read("r1", [b0])
     trace.end_step()
     assert trace.run() == []

@@ -256,9 +256,9 @@ def test_a_prefix_hit_after_an_in_place_weight_update_without_a_reset_is_stale(l
     # WHEN the same prompt comes again
     try:
         llm.generate([prompt], params, use_tqdm=False)
+        findings, events = traced()
     finally:
         llm.apply_model(_scaled_keys(0.5))  # exact in float32: the shared engine gets its weights back
-    findings, events = traced()
     weights = [e for e in events if type(e) is Weights]
     # THEN one weights event marks the update (not the read-only call), and without a reset the hit is stale
     assert [(w.version, w.cause) for w in weights] == [(1, "update")], (weights, findings)
