@@ -29,6 +29,7 @@ from .ledger import ENDED_KEPT, FREED_KEPT, Ledger
 from .observer import ObserverCheck
 from .prefix import PrefixCheck
 from .stale import StaleCheck
+from .transfer import TransferCheck
 from .weights import WeightsCheck
 
 __all__ = [
@@ -36,12 +37,12 @@ __all__ = [
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
     "AttentionProfile", "ProfileBuilder", "shipped_profile",
     "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck", "ObserverCheck",
-    "WeightsCheck",
+    "WeightsCheck", "TransferCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
     LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck, PrefixCheck,
-    ObserverCheck, WeightsCheck,
+    ObserverCheck, WeightsCheck, TransferCheck,
 )
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
@@ -64,7 +65,7 @@ def make_suite(
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),
         IntegrityCheck(ledger), PrefixCheck(ledger), ObserverCheck(ledger),
-        WeightsCheck(ledger),
+        WeightsCheck(ledger), TransferCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

@@ -53,6 +53,9 @@ __all__ = [
     "TraceEnd",
     "ObserverError",
     "Weights",
+    "TransferStart",
+    "TransferDone",
+    "TransferFailed",
     "Unknown",
     "KNOWN_EVENTS",
     "KINDS",
@@ -400,6 +403,32 @@ class Weights(Event, tag="weights"):
     digest: str | None = None  # a digest of a sample of the weights after the change
 
 
+class TransferStart(Event, tag="transfer_start"):
+    """Asynchronous work on blocks began (v1.x): ``op`` ``save`` reads them out (an offload, a KV connector sending
+    a finished request's K/V), a ``load`` writes them in (a connector bringing K/V from outside). Until its
+    ``transfer_done`` or ``transfer_failed`` the blocks must not be freed, reused or (saved) written, and
+    (loaded) not read."""
+
+    transfer: str  # unique in the trace
+    op: str  # "save" or "load"
+    blocks: list[int]
+    seq: SeqId | None = None
+    src: str | None = None  # where the bytes come from: a tier, an instance, a connector's store
+    dst: str | None = None
+    lease_steps: int | None = None  # steps after which the producer would call it lost
+
+
+class TransferDone(Event, tag="transfer_done"):
+    transfer: str
+
+
+class TransferFailed(Event, tag="transfer_failed"):
+    """The transfer ended without its bytes: a load's blocks hold nothing valid until written again."""
+
+    transfer: str
+    reason: str | None = None
+
+
 class Unknown(msgspec.Struct, frozen=True, kw_only=True):
     """A kind this version does not know, kept whole so nothing a producer wrote is lost."""
 
@@ -412,7 +441,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, AttnStep, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
-    TraceEnd, ObserverError, Weights,
+    TraceEnd, ObserverError, Weights, TransferStart, TransferDone, TransferFailed,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import os
 import sys
 import time
+import weakref
 from array import array
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -45,7 +47,7 @@ import msgspec
 from .. import knobs
 from ..events import (
     Alloc, Batch, Evict, Free, Header, ObserverError, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
-    TierSpec, Usage, Weights, Write,
+    TierSpec, TransferDone, TransferFailed, TransferStart, Usage, Weights, Write,
 )
 from ..trace import TraceWriter
 from .guard import Call, Guard
@@ -65,6 +67,12 @@ def _warn(message: str) -> None:
         sys.stderr.flush()
     except Exception:
         pass
+
+
+def _pool_of(block: Any) -> Any:
+    """The pool a block belongs to (vLLM 0.34 keeps it as a weak reference)."""
+    pool = block.pool
+    return pool() if isinstance(pool, weakref.ref) else pool
 
 
 def register() -> None:
@@ -156,6 +164,9 @@ class VllmTracer:
         self._keys: dict[Any, list[str]] = {}  # request -> content keys of its full blocks, in order
         self._ending: dict[Any, str] = {}  # request -> seq_end reason, while a connector still holds its blocks
         self._written: dict[Any, int] = {}  # request -> where this step's writes end (drafts included)
+        self._length: dict[Any, int] = {}  # request -> tokens the trace has written for it (its cached length)
+        self._transfers: dict[Any, str] = {}  # request -> its open transfer (a connector's load or send)
+        self._transfer_ids = itertools.count()
         self._weights: str | None = None  # digest of the weights' sample when last looked (vllm_weights)
         self.weights_version = 0
         hooks = {**self._pool_hooks(pool), **self._manager_hooks(), **self._scheduler_hooks()}
@@ -251,7 +262,7 @@ class VllmTracer:
         def free_blocks(call: Call, _: Any, __: Any) -> None:
             owner = self._owner()
             for b in call["ordered_blocks"]:
-                if b.is_null or b.pool is not pool:
+                if b.is_null or _pool_of(b) is not pool:
                     continue
                 holders = self._holders.get(b.block_id)
                 if holders:
@@ -306,10 +317,15 @@ class VllmTracer:
 
     # ---- the request context --------------------------------------------------------
 
-    def _in_request(self, request_of: Callable[[Call], Any], after: Callable | None = None) -> dict[str, Callable]:
-        """Hooks that make the request ``request_of(call)`` names the owner of what the pool does inside."""
+    def _in_request(self, request_of: Callable[[Call], Any], after: Callable | None = None,
+                    first: Callable[[Any], None] | None = None) -> dict[str, Callable]:
+        """Hooks that make the request ``request_of(call)`` names the owner of what the pool does inside
+        (``first(request)`` runs before, ``after`` after)."""
         def enter(call: Call) -> Any:
-            outer, self._request = self._request, request_of(call)
+            request = request_of(call)
+            if first is not None:
+                first(request)
+            outer, self._request = self._request, request
             return outer
 
         def leave(outer: Any) -> None:
@@ -339,7 +355,10 @@ class VllmTracer:
             if blocks is not None and external:
                 request = call["request"]
                 start = request.num_computed_tokens + call["num_new_computed_tokens"]
-                self._write(request.request_id, start, external)
+                ids = self._write(request.request_id, start, external)
+                if call["delay_cache_blocks"]:  # loaded asynchronously: the bytes land in a later step
+                    bs = self.block_size
+                    self._transfer_start(request.request_id, "load", ids[start // bs:-(-(start + external) // bs)])
 
         by_request = self._in_request(lambda call: call["request"])
         return {"allocate_slots": self._in_request(lambda call: call["request"], loaded), "free": by_request,
@@ -363,8 +382,9 @@ class VllmTracer:
         def free_request(call: Call, _: Any, __: Any) -> None:
             request = call["request"]
             reason = "aborted" if request.status == RequestStatus.FINISHED_ABORTED else "finished"
-            if requests.get(request.request_id) is request:  # a KV connector still sends its blocks
+            if requests.get(request.request_id) is request:  # a KV connector still holds its blocks
                 self._ending[request.request_id] = reason
+                self._transfer_start(request.request_id, "save", self.manager.get_block_ids(request.request_id)[0])
             else:
                 self._end(request.request_id, reason)
 
@@ -372,6 +392,14 @@ class VllmTracer:
             seq = call["request"].request_id
             if seq in self._ending:
                 self._end(seq, self._ending.pop(seq))
+
+        def received(request: Any) -> None:  # before vLLM caches or frees what the load brought
+            failed = request.request_id in self.scheduler.failed_recving_kv_req_ids
+            self._transfer_end(request.request_id, "vLLM reported the load failed" if failed else None)
+
+        def after_receipt(call: Call, _: Any, __: Any) -> None:
+            request = call["request"]
+            self._count_back(request.request_id, request.num_computed_tokens)
 
         def schedule(call: Call, output: Any, _: Any) -> None:
             self._record_batch(output)
@@ -383,7 +411,9 @@ class VllmTracer:
         by_request = self._in_request(lambda call: call["request"])
         return {"add_request": {"after": add_request},
                 "_free_request": self._in_request(lambda call: call["request"], free_request),
-                "_free_blocks": self._in_request(lambda call: call["request"], free_blocks),
+                "_free_blocks": self._in_request(lambda call: call["request"], free_blocks,
+                                                 lambda request: self._transfer_end(request.request_id)),
+                "_update_waiting_for_remote_kv": self._in_request(lambda call: call["request"], after_receipt, received),
                 "_preempt_request": by_request,
                 "schedule": {"after": schedule}, "update_from_output": {"after": update_from_output}}
 
@@ -405,8 +435,8 @@ class VllmTracer:
 
     def _end(self, seq: Any, reason: str) -> None:
         self._emit(SeqEnd, seq=seq, reason=reason)
-        self._versions.pop(seq, None)
-        self._keys.pop(seq, None)
+        for table in (self._versions, self._keys, self._length):
+            table.pop(seq, None)
 
     def _record_batch(self, output: Any) -> None:
         """The step's rows as the worker will compute them, and what each row writes and reads."""
@@ -435,7 +465,7 @@ class VllmTracer:
             self._emit(Write, block=block, seq=seq, pos=pos, n=stop - pos, version=version)
             pos = stop
         self._versions[seq] = version
-        self._written[seq] = end
+        self._written[seq] = self._length[seq] = end
         return block_ids
 
     def _write_and_read(self, seq: Any, pos: int, n: int) -> None:
@@ -448,11 +478,36 @@ class VllmTracer:
         requests = self.scheduler.requests
         for seq, end in self._written.items():
             request = requests.get(seq)
-            if request is not None and request.num_computed_tokens < end:
-                version = self._versions.get(seq, 0) + 1
-                self._versions[seq] = version
-                self._emit(Rollback, seq=seq, n=end - request.num_computed_tokens, version=version)
+            if request is not None:
+                self._count_back(seq, request.num_computed_tokens, end)
         self._written.clear()
+
+    def _count_back(self, seq: Any, computed: int, end: int | None = None) -> None:
+        """A ``rollback`` of what the trace wrote for ``seq`` past vLLM's count of its computed tokens."""
+        end = self._length.get(seq, 0) if end is None else end
+        if computed < end:
+            version = self._versions.get(seq, 0) + 1
+            self._versions[seq] = version
+            self._length[seq] = computed
+            self._emit(Rollback, seq=seq, n=end - computed, version=version)
+
+    # ---- asynchronous transfers (a KV connector's loads and sends) ----------------------
+
+    def _transfer_start(self, seq: Any, op: str, block_ids: list[int]) -> None:
+        blocks = [b for b in block_ids if b != self.null_id]
+        if seq in self._transfers or not blocks:
+            return
+        transfer = self._transfers[seq] = f"{op}:{seq}:{next(self._transfer_ids)}"
+        src, dst = ("connector", "device") if op == "load" else ("device", "connector")
+        self._emit(TransferStart, transfer=transfer, op=op, blocks=blocks, seq=seq, src=src, dst=dst)
+
+    def _transfer_end(self, seq: Any, failed: str | None = None) -> None:
+        transfer = self._transfers.pop(seq, None)
+        if transfer is not None:
+            if failed:
+                self._emit(TransferFailed, transfer=transfer, reason=failed)
+            else:
+                self._emit(TransferDone, transfer=transfer)
 
     def _end_step(self, num_tokens: int) -> None:
         pool = self.pool

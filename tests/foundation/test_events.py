@@ -72,6 +72,10 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
                               where=st.none() | st.text(max_size=20), stopped=st.booleans()),
         E.Weights: dict(version=ints, cause=st.sampled_from(["update", "load", "wake"]),
                         detail=st.none() | st.text(max_size=20), digest=st.none() | st.text(max_size=16)),
+        E.TransferStart: dict(transfer=st.text(max_size=10), op=st.sampled_from(["save", "load"]), blocks=int_lists,
+                              seq=st.none() | seq_ids, lease_steps=st.none() | ints),
+        E.TransferDone: dict(transfer=st.text(max_size=10)),
+        E.TransferFailed: dict(transfer=st.text(max_size=10), reason=st.none() | st.text(max_size=10)),
     }[cls]
     return st.builds(cls, **fields, **common)
 

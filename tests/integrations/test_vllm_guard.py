@@ -3,7 +3,8 @@ kvdoctor's own bookkeeping is one ``observer_error`` in the trace, not an except
 
 One workload drives vLLM's scheduler without a model (``vllm_harness``) through the paths that call
 every wrapped method: prefix hits and evictions, copy-free preemption, an abort, a KV connector that
-loads from outside and keeps a finished request's blocks while it sends them, a prefix-cache reset.
+loads from outside in the background and keeps a finished request's blocks while it sends them, a
+prefix-cache reset.
 Its schedules, outputs and final pool state are the reference; the same workload under the tracer,
 with every wrapped method called by keyword only, or with the bookkeeping of one method failing,
 must give the same. Run with ``./kvd test-vllm``.
@@ -16,6 +17,8 @@ import inspect
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvdoctor.checks import make_suite  # noqa: E402
 from kvdoctor.events import ObserverError  # noqa: E402
@@ -34,6 +37,7 @@ def _workload(h) -> list:
     """Every path the tracer wraps; returns what vLLM did, step by step, and its pool at the end."""
     seen: list = []
     h.connector.external["remote"] = 2 * BS
+    h.connector.load_async.add("remote")  # loaded in the background: the request waits for remote K/V
     h.connector.delay_free.add("sender")
     h.request("sender", SYSTEM + [200] * 5, max_tokens=3)
     for i in range(6):  # more than the pool holds at once: hits on the shared prefix, then preemption
@@ -46,7 +50,12 @@ def _workload(h) -> list:
                      [(d.req_id, d.block_ids) for d in out.scheduled_new_reqs],
                      sorted(out.preempted_req_ids or ()), sorted(out.finished_req_ids)))
 
+    loaded: list[int] = []
     for n in range(400):
+        remote = h.scheduler.requests.get("remote")
+        if remote is not None and remote.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not loaded:
+            h.recving.add("remote")  # its load finishes in the step that follows
+            loaded.append(n)
         if n == 3:
             h.abort("r5")
         if n == 6:
@@ -162,7 +171,7 @@ PARTS = ["BlockPool.get_new_blocks", "BlockPool.touch", "BlockPool.free_blocks",
          "BlockPool._remove_cached_block_hashes", "BlockPool.reset_prefix_cache", "KVCacheManager.allocate_slots",
          "KVCacheManager.free", "KVCacheManager.remove_skipped_blocks", "Scheduler.schedule",
          "Scheduler.update_from_output", "Scheduler.add_request", "Scheduler._free_request",
-         "Scheduler._free_blocks", "Scheduler._preempt_request"]
+         "Scheduler._free_blocks", "Scheduler._preempt_request", "Scheduler._update_waiting_for_remote_kv"]
 
 
 @pytest.mark.parametrize("part", PARTS)
