@@ -23,7 +23,8 @@ def test_sections_build_the_check_settings(tmp_path):
     assert cfg.fail_on == "info" and cfg.leak.grace_steps == 2
     assert cfg.attention.margin == 1.0 and isinstance(cfg.attention.margin, float)
     suite = cfg.make_suite()
-    assert [c.name for c in suite.checks] == ["leak", "stale", "batch", "attention", "codec", "integrity", "prefix"]
+    assert [c.name for c in suite.checks] == ["leak", "stale", "batch", "attention", "codec", "integrity", "prefix",
+                                             "observer", "weights", "transfer"]
     assert suite.max_per_rule == 7 and suite.severity == {"leak/usage-mismatch": "warning"}
 
 
