@@ -417,7 +417,7 @@ def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
     GB/s over the bytes those weights hold and as tokens/s. Median of ``repeats`` passes."""
     calls, nbytes = _projection_calls(runner)
     s = _bound_seconds(calls, repeats)[0]
-    return {"weight_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * s, 3), "gb_s": round(nbytes / s / 1e9, 2),
+    return {"weight_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * s, 3), "gb_s": float(f"{nbytes / s / 1e9:.3g}"),
             "tok_s": round(1 / s, 1)}
 
 
