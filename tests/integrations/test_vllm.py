@@ -181,45 +181,6 @@ def test_a_hash_that_leaves_out_the_cache_salt_serves_another_tenants_blocks(llm
     assert len({f.seq for f in mismatches}) == 1 and all(isinstance(f.block, int) for f in mismatches)
 
 
-def test_a_shared_block_freed_twice_is_handed_out_while_its_reader_runs(llm, traced, monkeypatch):
-    # GIVEN vLLM's free path lists a shared prefix block twice when one of its holders ends,
-    # dropping the other holder's reference too
-    sched, hit = _scheduler(llm), []
-    original = SingleTypeKVCacheManager.free
-
-    def free(self, request_id):
-        blocks = self.pop_blocks_for_free(request_id)
-        shared = [b for b in blocks if not b.is_null and b.ref_cnt > 1]
-        if _request_id(request_id) == "brief" and shared and not hit:
-            hit.append(shared[0].block_id)
-            blocks.append(shared[0])
-        self.block_pool.free_blocks(reversed(blocks))
-
-    monkeypatch.setattr(SingleTypeKVCacheManager, "free", free)
-    prompts = _prompts(llm, 8)
-    engine = llm.llm_engine
-    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    engine.add_request("warm", prompts[0], short)  # fills the prefix cache
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.add_request("reader", prompts[1], long)  # holds the shared prefix blocks for a while
-    engine.add_request("brief", prompts[2], short)  # shares them too, and ends first: the bug fires
-    other = _prompts(llm, 6, system="Answer in one word. " * 30)
-    for i, p in enumerate(other):  # new prompts that need fresh blocks: the pool hands the block out again
-        engine.add_request(f"other{i}", p, short)
-    steps = 0
-    while engine.has_unfinished_requests() and steps < 40:  # the corrupted pool is abandoned after the finding
-        engine.step()
-        steps += 1
-    findings, _ = traced()
-    monkeypatch.undo()
-    assert hit, "no shared block was freed"
-    # THEN the reader is named reading a block it no longer owns (or one the pool freed under it)
-    named = [f for f in findings if f.block == hit[0] and f.rule in ("read-not-owned", "read-freed")]
-    assert named and _request_id(str(named[0].seq)) == "reader", findings
-
-
 def _scaled_keys(factor):
     """An in-place weight update as RL frameworks make one: layer 0's input norm scaled, so every K and V
     changes (vLLM's CPU backend packs the linear layers' weights into oneDNN handles and empties their
@@ -269,6 +230,46 @@ def test_a_prefix_hit_after_an_in_place_weight_update_without_a_reset_is_stale(l
     stale = [f for f in findings if f.rule == "stale-prefix-hit"]
     assert stale and {f.check for f in findings} == {"weights"}, findings
     assert "computed under weights v0; weights are v1" in stale[0].message and isinstance(stale[0].block, int)
+
+
+# After the tests that need a sound pool: this one leaves the engine's pool corrupted.
+def test_a_shared_block_freed_twice_is_handed_out_while_its_reader_runs(llm, traced, monkeypatch):
+    # GIVEN vLLM's free path lists a shared prefix block twice when one of its holders ends,
+    # dropping the other holder's reference too
+    sched, hit = _scheduler(llm), []
+    original = SingleTypeKVCacheManager.free
+
+    def free(self, request_id):
+        blocks = self.pop_blocks_for_free(request_id)
+        shared = [b for b in blocks if not b.is_null and b.ref_cnt > 1]
+        if _request_id(request_id) == "brief" and shared and not hit:
+            hit.append(shared[0].block_id)
+            blocks.append(shared[0])
+        self.block_pool.free_blocks(reversed(blocks))
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "free", free)
+    prompts = _prompts(llm, 8)
+    engine = llm.llm_engine
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("warm", prompts[0], short)  # fills the prefix cache
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("reader", prompts[1], long)  # holds the shared prefix blocks for a while
+    engine.add_request("brief", prompts[2], short)  # shares them too, and ends first: the bug fires
+    other = _prompts(llm, 6, system="Answer in one word. " * 30)
+    for i, p in enumerate(other):  # new prompts that need fresh blocks: the pool hands the block out again
+        engine.add_request(f"other{i}", p, short)
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 40:  # the corrupted pool is abandoned after the finding
+        engine.step()
+        steps += 1
+    findings, _ = traced()
+    monkeypatch.undo()
+    assert hit, "no shared block was freed"
+    # THEN the reader is named reading a block it no longer owns (or one the pool freed under it)
+    named = [f for f in findings if f.block == hit[0] and f.rule in ("read-not-owned", "read-freed")]
+    assert named and _request_id(str(named[0].seq)) == "reader", findings
 
 
 # Last in this module: this test builds a second engine, and when it is collected vLLM tears down its
