@@ -36,12 +36,23 @@ def one_line(message: str) -> str:
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
 
 
+def _version() -> str:
+    """The installed distribution's version (what a bug report should name)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvdoctor")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvdoctor",
         description="Memory diagnostics and debugging for the KV cache of LLM inference.",
         epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()),
     )
+    parser.add_argument("--version", action="version", version=f"kvdoctor {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Each command module is light at import (heavy imports live inside its run()), so
     # `kvdoctor check --trace x` starts without torch.

@@ -46,3 +46,12 @@ def test_a_bad_knob_value_is_one_usage_line_naming_the_variable(monkeypatch, cap
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and err.count("\n") == 1
     assert "KVDOCTOR_VERIFY='always': must be one of off, sample, full" in err
+
+
+def test_version_prints_the_installed_version_and_exits_0():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"kvdoctor {version('kvdoctor')}"
