@@ -39,7 +39,7 @@ class WeightsCheck(CheckBase):
         self.version = 0
         self.change: Weights | None = None  # the latest change
         self.written_under: dict[int, int] = {}  # block -> weights version of its first write since allocation
-        self._stale_hits: dict[tuple, list[int]] = {}  # (seq, version) -> the stale blocks it hit: one finding each
+        self._stale_hits: dict[object, tuple[int, list[int]]] = {}  # seq -> (weights version, stale blocks it hit)
 
     def handlers(self):
         return {Weights: self._weights, Write: self._write, Share: self._share, Free: self._gone, Evict: self._gone,
@@ -58,12 +58,17 @@ class WeightsCheck(CheckBase):
         self.written_under.pop(ev.block, None)
         return NO_FINDINGS
 
+    def _hit_stale(self, seq: object) -> list[int] | None:
+        """The stale blocks ``seq`` hit under the current weights, if its finding is made."""
+        hit = self._stale_hits.get(seq)
+        return hit[1] if hit is not None and hit[0] == self.version else None
+
     def _ended(self, ev: SeqEnd) -> Sequence[Finding]:
-        self._stale_hits.pop((ev.seq, self.version), None)  # its finding keeps the list; memory stays flat
+        self._stale_hits.pop(ev.seq, None)  # its finding keeps the list; memory stays flat
         return NO_FINDINGS
 
     def _read(self, ev: Read) -> Sequence[Finding]:
-        if not self.version or (ev.seq, self.version) in self._stale_hits:  # never changed; or the hit is the cause
+        if not self.version or self._hit_stale(ev.seq) is not None:  # never changed; or the hit is the cause
             return NO_FINDINGS
         written = self.written_under
         old = [b for b in ev.blocks if written.get(b, self.version) < self.version]
@@ -84,7 +89,7 @@ class WeightsCheck(CheckBase):
         under = self.written_under.get(ev.block)
         if ev.hash is None or ev.seq == PREFIX_CACHE or under is None or under >= self.version:
             return NO_FINDINGS
-        blocks = self._stale_hits.get((ev.seq, self.version))
+        blocks = self._hit_stale(ev.seq)
         if blocks is not None:  # the same request's next stale block: evidence of the one finding, not another
             blocks.append(ev.block)
             return NO_FINDINGS
@@ -92,7 +97,8 @@ class WeightsCheck(CheckBase):
             return NO_FINDINGS
         change = self.change
         how = f" ({change.cause}: {change.detail})" if change.detail else f" ({change.cause})"
-        blocks = self._stale_hits[(ev.seq, self.version)] = [ev.block]
+        blocks = [ev.block]
+        self._stale_hits[ev.seq] = (self.version, blocks)
         return [self.finding(
             "stale-prefix-hit",
             f"prefix hit on block {ev.block} by request {ev.seq!r} at step {ev.step}: the block was computed under "

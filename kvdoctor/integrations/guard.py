@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 from ..events import ObserverError
 
-__all__ = ["Call", "Guard"]
+__all__ = ["Call", "Guard", "positions"]
 
 _NO_DEFAULT = inspect.Parameter.empty
 
 
-def _positions(original: Callable) -> dict[str, tuple[int | None, Any]]:
+def positions(original: Callable) -> dict[str, tuple[int | None, Any]]:
     """Each parameter's name -> (position it may be passed at, or None if keyword-only; its default)."""
     try:
         params = inspect.signature(original).parameters.values()
@@ -132,13 +132,13 @@ class Guard:
         ``restore(state)`` runs after the host even when the host raised (a context set by ``before``),
         and must be a plain assignment that cannot fail. The host's own exceptions pass through untouched.
         """
-        positions = _positions(original)
+        positions_of = positions(original)
         guard = self
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if not guard.live:
                 return original(*args, **kwargs)
-            c = Call(positions, args, kwargs)
+            c = Call(positions_of, args, kwargs)
             state = None
             if before is not None:
                 try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable
 
+from .guard import Call, positions
 from .weights import weights_digest
 
 __all__ = ["patch_engine_core"]
@@ -26,11 +27,13 @@ __all__ = ["patch_engine_core"]
 _UTILITIES = {"collective_rpc": "update", "wake_up": "wake"}
 
 
-def _rpc_name(call_args: tuple, call_kwargs: dict) -> str:
-    method = call_args[0] if call_args else call_kwargs.get("method")
+def _rpc_name(call: Call) -> str:
+    """What an RPC ran: its method's name, or the user's function ``apply_model`` was given (what changed the
+    weights)."""
+    method = call["method"]
     if isinstance(method, str):
-        inner = (call_args[2] if len(call_args) > 2 else call_kwargs.get("args")) or ()
-        if method == "apply_model" and inner:  # name the user's function, which is what changed the weights
+        inner = call["args"] or ()
+        if method == "apply_model" and inner:
             return f"apply_model({getattr(inner[0], '__qualname__', type(inner[0]).__name__)})"
         return method
     return getattr(method, "__qualname__", type(method).__name__)
@@ -47,6 +50,8 @@ def patch_engine_core(engine_core_cls: type) -> None:
 
 
 def _watched(original: Callable, name: str, cause: str) -> Callable:
+    arguments = positions(original)  # of the unbound function: ``self`` is argument 0
+
     def utility(self: Any, *args: Any, **kwargs: Any) -> Any:
         tracer = _tracer_of(self)
         if tracer is None:
@@ -56,7 +61,8 @@ def _watched(original: Callable, name: str, cause: str) -> Callable:
         result = original(self, *args, **kwargs)
         if before is not None:
             tracer.guard.attempt(part, tracer.weights_after, digest, cause,
-                                 lambda: f"{name}({_rpc_name(args, kwargs)!r})" if name == "collective_rpc" else name)
+                                 lambda: f"{name}({_rpc_name(Call(arguments, (self, *args), kwargs))!r})"
+                                 if name == "collective_rpc" else name)
         return result
 
     utility.__wrapped__ = original  # type: ignore[attr-defined]
