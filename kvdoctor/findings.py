@@ -34,6 +34,9 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     block: int | None = None
     layer: int | None = None
     step: int | None = None
+    # The trace the finding came from, where a workload wrote several (one per engine, process or
+    # rank): set by the reader that merges them, so a report says which file to open.
+    trace: str | None = None
     # What proves it: encoded events (as dicts), a block's history, counts; free-form per rule.
     evidence: dict[str, Any] = msgspec.field(default_factory=dict)
     # Attribution added by probes: Python stacks, tracemalloc top sites, memory around the finding.

@@ -2,8 +2,8 @@
 
 All four render one ``Report``. The JSON shape is a contract (docs/checks.md):
 ``{"findings": [...], "summary": {...}}``, every finding with ``check``, ``rule``,
-``severity``, ``message``, ``seq``, ``block``, ``layer``, ``step`` (null where they do not
-apply) and its evidence. A baseline file lists findings accepted as known, by their
+``severity``, ``message``, ``seq``, ``block``, ``layer``, ``step``, ``trace`` (null where
+they do not apply) and its evidence. A baseline file lists findings accepted as known, by their
 timing-free ``Finding.key``, so CI fails only on new ones.
 """
 
@@ -97,7 +97,8 @@ def _where(f: Finding) -> str:
     parts = [f"step {f.step}" if f.step is not None else None,
              f"seq {f.seq!r}" if f.seq is not None else None,
              f"block {f.block}" if f.block is not None else None,
-             f"layer {f.layer}" if f.layer is not None else None]
+             f"layer {f.layer}" if f.layer is not None else None,
+             f"trace {f.trace}" if f.trace is not None else None]
     return "  ".join(p for p in parts if p)
 
 
@@ -205,17 +206,20 @@ def _sarif(report: Report) -> str:
         result: dict[str, Any] = {
             "ruleId": rid, "level": _SARIF_LEVEL[f.severity], "message": {"text": f.message},
             "properties": {"seq": f.seq, "block": f.block, "layer": f.layer, "step": f.step,
-                           "evidence": f.evidence},
+                           "trace": f.trace, "evidence": f.evidence},
             "partialFingerprints": {"kvdoctor/v1": f.key},
         }
         if rid in index:
             result["ruleIndex"] = index[rid]
-        if report.trace_path:
-            location: dict[str, Any] = {"artifactLocation": {"uri": Path(report.trace_path).as_posix()}}
+        trace = f.trace or report.trace_path
+        if trace:
+            location: dict[str, Any] = {"artifactLocation": {"uri": Path(trace).as_posix()}}
             event_index = f.evidence.get("event_index")
             if isinstance(event_index, int):
                 location["region"] = {"startLine": event_index + 2}
             result["locations"] = [{"physicalLocation": location}]
+            result["relatedLocations"] = [{"id": 0, "physicalLocation": location,
+                                           "message": {"text": "the trace event that completed the finding"}}]
         results.append(result)
     doc = {
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",

@@ -7,6 +7,7 @@ import json
 import xml.etree.ElementTree as ET
 from collections import Counter
 
+import msgspec
 import pytest
 
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, UsageError
@@ -14,6 +15,7 @@ from kvdoctor.findings import Finding
 from kvdoctor.report import (
     FORMATS, Report, apply_baseline, load_baseline, render, summary_line, write_baseline,
 )
+from kvdoctor.report_html import render_html
 
 LEAK = Finding(check="leak", rule="unreachable-swapped", severity="error", message="block 3 leaked on host",
                seq="r1", block=3, step=7, evidence={
@@ -129,3 +131,19 @@ def test_a_bad_baseline_is_a_usage_error_saying_what_is_wrong(tmp_path, content,
         path.write_text(content)
     with pytest.raises(UsageError, match=message):
         load_baseline(path)
+
+
+def test_every_format_names_the_trace_a_finding_came_from():
+    # GIVEN a finding read from the second of a workload's traces
+    second = msgspec.structs.replace(LEAK, trace="out/workload.2.kvtrace")
+    r = Report([second], source="python app.py", trace_path="out/workload.kvtrace")
+    # THEN text, JSON, JUnit, SARIF and HTML all say which file to open
+    assert "ERROR   leak/unreachable-swapped  step 7  seq 'r1'  block 3  trace out/workload.2.kvtrace" in render(
+        r, "text").splitlines()
+    assert json.loads(render(r, "json"))["findings"][0]["trace"] == "out/workload.2.kvtrace"
+    names = [c.get("name") for c in ET.fromstring(render(r, "junit").split("\n", 1)[1]).iter("testcase")]
+    assert any("trace out/workload.2.kvtrace" in n for n in names)
+    result = json.loads(render(r, "sarif"))["runs"][0]["results"][0]
+    related = result["relatedLocations"][0]["physicalLocation"]
+    assert related == {"artifactLocation": {"uri": "out/workload.2.kvtrace"}, "region": {"startLine": 43}}
+    assert "trace out/workload.2.kvtrace" in render_html(r)
