@@ -119,6 +119,7 @@ class SeqEnd(Event, tag="seq_end"):
     # why an aborted sequence was failed by the engine (a 1.x addition): the typed error's name, as
     # "StorageError" when a slower tier lost or could not take its blocks; absent when a caller aborted it
     error: str | None = None
+    stack: list[str] | None = None  # Python frames that ended or aborted the sequence, when recorded
 
 
 class Alloc(Event, tag="alloc"):
