@@ -314,7 +314,7 @@ class AttentionCheck(CheckBase):
         return [self.finding(
             "nonfinite",
             f"layer {ev.layer} of sequence {ev.seq!r}: {count} non-finite attention values "
-            f"(max_logit={ev.max_logit}, entropy={ev.entropy}, sink={ev.sink})",
+            f"(max_logit={ev.max_logit:.4g}, entropy={ev.entropy:.4g}, sink={ev.sink:.3g})",
             seq=ev.seq, layer=ev.layer, step=ev.step, nonfinite=count,
             events=[_attn_dict(ev)],
         )]

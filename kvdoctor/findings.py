@@ -8,13 +8,14 @@ JSON, SARIF and JUnit reports and across processes unchanged.
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any, Iterable, Iterator, Literal, Protocol
 
 import msgspec
 
 from .events import Event, Unknown
 
-__all__ = ["Severity", "SEVERITIES", "Finding", "Check", "severity_rank"]
+__all__ = ["Severity", "SEVERITIES", "Finding", "Check", "severity_rank", "split_frame"]
 
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")  # most severe first
@@ -39,13 +40,44 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     trace: str | None = None
     # What proves it: encoded events (as dicts), a block's history, counts; free-form per rule.
     evidence: dict[str, Any] = msgspec.field(default_factory=dict)
+    # The user's code behind the events that caused it, by event kind ("alloc": where the leaked
+    # block was allocated, "seq_end": the abort that stranded it), each a list of "file:line function"
+    # frames, innermost first, as the producer recorded them; the first is the finding's location.
+    stacks: dict[str, list[str]] = msgspec.field(default_factory=dict)
     # Attribution added by probes: Python stacks, tracemalloc top sites, memory around the finding.
     attribution: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
+    def code_location(self) -> tuple[str, int] | None:
+        """The user's ``(file, line)`` the finding traces back to: its first stack's innermost frame."""
+        for frames in self.stacks.values():
+            if frames:
+                return split_frame(frames[0])[:2]
+        return None
+
+    @property
     def key(self) -> str:
-        """Identity for baselines: stable across runs of the same workload, free of timings."""
-        return f"{self.check}/{self.rule}/seq={self.seq}/block={self.block}/layer={self.layer}"
+        """Identity for baselines and code scanning: the rule, what it is about and where in the user's
+        code, stable across runs of the same workload: never a step, a timing or a measured value."""
+        parts = [f"{self.check}/{self.rule}/seq={self.seq}/block={self.block}/layer={self.layer}"]
+        tier = self.evidence.get("tier")
+        if tier is not None:
+            parts.append(f"tier={tier}")
+        where = self.code_location
+        if where is not None:
+            parts.append(f"at={where[0]}:{where[1]}")
+        if self.trace is not None:
+            parts.append(f"trace={PurePath(self.trace).name}")
+        return "/".join(parts)
+
+
+def split_frame(frame: str) -> tuple[str, int, str]:
+    """``"app.py:12 main"`` -> ``("app.py", 12, "main")``; a frame without a line number keeps line 0."""
+    where, _, function = frame.rpartition(" ") if " " in frame else (frame, "", "")
+    path, _, line = where.rpartition(":")
+    if not path or not line.isdigit():
+        return where, 0, function
+    return path, int(line), function
 
 
 class Check(Protocol):

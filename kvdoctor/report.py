@@ -20,10 +20,10 @@ import msgspec
 
 from . import __version__
 from .errors import EXIT_FINDINGS, EXIT_OK, UsageError
-from .findings import SEVERITIES, Finding, severity_rank
+from .findings import SEVERITIES, Finding, severity_rank, split_frame
 
 __all__ = [
-    "Report", "FORMATS", "render", "summary_line", "load_baseline", "write_baseline", "apply_baseline",
+    "Report", "FORMATS", "render", "summary_line", "stack_lines", "load_baseline", "write_baseline", "apply_baseline",
 ]
 
 FORMATS = ("text", "json", "junit", "sarif")
@@ -93,13 +93,31 @@ def finding_dict(f: Finding) -> dict[str, Any]:
 # ---- text ------------------------------------------------------------------------------
 
 
-def _where(f: Finding) -> str:
-    parts = [f"step {f.step}" if f.step is not None else None,
-             f"seq {f.seq!r}" if f.seq is not None else None,
+def _what(f: Finding) -> str:
+    """What a finding is about, without its step: the same in every run of a workload."""
+    parts = [f"seq {f.seq!r}" if f.seq is not None else None,
              f"block {f.block}" if f.block is not None else None,
              f"layer {f.layer}" if f.layer is not None else None,
              f"trace {f.trace}" if f.trace is not None else None]
     return "  ".join(p for p in parts if p)
+
+
+def _where(f: Finding) -> str:
+    return "  ".join(p for p in (f"step {f.step}" if f.step is not None else "", _what(f)) if p)
+
+
+_STACK_LABEL = {"alloc": "allocated", "seq_start": "sequence started", "seq_end": "sequence ended"}
+
+
+def stack_lines(f: Finding) -> list[str]:
+    """One line per recorded stack: ``allocated at app.py:12 in main <- app.py:30 in <module>``."""
+    out = []
+    for kind, frames in f.stacks.items():
+        if frames:
+            calls = " <- ".join(f"{path}:{line} in {fn}" if fn else f"{path}:{line}"
+                                for path, line, fn in map(split_frame, frames))
+            out.append(f"{_STACK_LABEL.get(kind, kind)} at {calls}")
+    return out
 
 
 def _story(history: list[dict]) -> str:
@@ -130,6 +148,7 @@ def _text(report: Report) -> str:
         lines.append("")
         lines.append(f"{f.severity.upper():7} {f.check}/{f.rule}  {_where(f)}".rstrip())
         lines.append(f"        {f.message}")
+        lines += [f"        {line}" for line in stack_lines(f)]
         history = f.evidence.get("history")
         if history:
             lines.append(f"        history: {_story(history)}")
@@ -166,11 +185,20 @@ def _junit(report: Report) -> str:
     for check in [c.name for c in ALL_CHECKS if c.name not in reported]:
         ET.SubElement(suite, "testcase", classname=f"kvdoctor.{check}", name=f"{check}: no findings")
         num_tests += 1
+    names: Counter[str] = Counter()
     for f in report.findings:
-        name = f"{f.rule} {_where(f)}".strip()
+        # Named without the step, so a test keeps its name (and its history in CI) from run to run.
+        name = f"{f.rule} {_what(f)}".strip()
+        names[name] += 1
+        if names[name] > 1:
+            name = f"{name} #{names[name]}"
         case = ET.SubElement(suite, "testcase", classname=f"kvdoctor.{f.check}", name=name)
+        where = f.code_location
+        if where is not None:  # the attributes pytest writes, which CI annotations read
+            case.set("file", where[0])
+            case.set("line", str(where[1]))
         num_tests += 1
-        body = f.message + "\n" + json.dumps(f.evidence, indent=2, default=str)
+        body = "\n".join([f.message, *stack_lines(f), json.dumps(f.evidence, indent=2, default=str)])
         if id(f) in failing:
             num_failures += 1
             fail = ET.SubElement(case, "failure", message=f.message, type=f.severity)
@@ -190,8 +218,9 @@ def _junit(report: Report) -> str:
 
 
 def _sarif(report: Report) -> str:
-    """SARIF 2.1.0: a rule per check/rule id; each result points at the trace line of the
-    event that completed it (line 1 is the header, so event i is line i + 2)."""
+    """SARIF 2.1.0: a rule per check/rule id; each result points at the user's line behind it
+    (where the producer recorded stacks) and relates the trace line of the event that completed it
+    (line 1 is the header, so event i is line i + 2)."""
     from .checks import RULES
 
     rules = [{
@@ -201,25 +230,34 @@ def _sarif(report: Report) -> str:
     } for rid, rule in RULES.items()]
     index = {rid: i for i, rid in enumerate(RULES)}
     results = []
+    seen: Counter[str] = Counter()
     for f in report.findings:
         rid = f"{f.check}/{f.rule}"
+        seen[f.key] += 1
         result: dict[str, Any] = {
             "ruleId": rid, "level": _SARIF_LEVEL[f.severity], "message": {"text": f.message},
             "properties": {"seq": f.seq, "block": f.block, "layer": f.layer, "step": f.step,
-                           "trace": f.trace, "evidence": f.evidence},
-            "partialFingerprints": {"kvdoctor/v1": f.key},
+                           "trace": f.trace, "stacks": f.stacks, "evidence": f.evidence},
+            # the n-th finding of one key is its own alert: code scanning merges equal fingerprints
+            "partialFingerprints": {"kvdoctor/v2": f"{f.key}:{seen[f.key]}"},
         }
         if rid in index:
             result["ruleIndex"] = index[rid]
+        related = [{"physicalLocation": _code_location(frames[0]),
+                    "message": {"text": f"{_STACK_LABEL.get(kind, kind)} here"}}
+                   for kind, frames in f.stacks.items() if frames]
         trace = f.trace or report.trace_path
         if trace:
-            location: dict[str, Any] = {"artifactLocation": {"uri": Path(trace).as_posix()}}
+            location: dict[str, Any] = {"artifactLocation": {"uri": _uri(trace)}}
             event_index = f.evidence.get("event_index")
             if isinstance(event_index, int):
                 location["region"] = {"startLine": event_index + 2}
-            result["locations"] = [{"physicalLocation": location}]
-            result["relatedLocations"] = [{"id": 0, "physicalLocation": location,
-                                           "message": {"text": "the trace event that completed the finding"}}]
+            related.append({"physicalLocation": location,
+                            "message": {"text": "the trace event that completed the finding"}})
+        if related:
+            # The user's line comes first where the producer recorded it; else the trace's line.
+            result["locations"] = [{"physicalLocation": related[0]["physicalLocation"]}]
+            result["relatedLocations"] = [dict(r, id=i) for i, r in enumerate(related)]
         results.append(result)
     doc = {
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
@@ -231,6 +269,26 @@ def _sarif(report: Report) -> str:
         }],
     }
     return msgspec.json.encode(doc).decode() + "\n"
+
+
+def _uri(path: str) -> str:
+    """A path as SARIF wants it: relative to the working directory (the repository root in CI) where
+    it lies under it, so code scanning can open it; else an absolute ``file://`` URI."""
+    p = Path(path)
+    if not p.is_absolute():
+        return p.as_posix()
+    try:
+        return p.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return p.as_uri()
+
+
+def _code_location(frame: str) -> dict[str, Any]:
+    path, line, _ = split_frame(frame)
+    location: dict[str, Any] = {"artifactLocation": {"uri": _uri(path)}}
+    if line > 0:
+        location["region"] = {"startLine": line}
+    return location
 
 
 # ---- baselines -------------------------------------------------------------------------

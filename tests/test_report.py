@@ -83,8 +83,8 @@ def test_junit_fails_a_case_per_failing_finding_and_passes_the_quiet_checks():
     suite = root.find("testsuite")
     cases = {c.get("name"): c for c in suite.iter("testcase")}
     # THEN the error fails, the warning and the info are told but pass, and every quiet check has its case
-    assert cases["unreachable-swapped step 7  seq 'r1'  block 3"].find("failure") is not None
-    assert cases["unknown-block step 1  block 9"].find("failure") is None
+    assert cases["unreachable-swapped seq 'r1'  block 3"].find("failure") is not None
+    assert cases["unknown-block block 9"].find("failure") is None
     assert "stale: no findings" in cases and "leak: no findings" not in cases
     assert (suite.get("tests"), suite.get("failures")) == (str(len(cases)), "1")
 
@@ -97,9 +97,52 @@ def test_sarif_points_each_result_at_its_rule_and_trace_line():
     # event 41 is line 43: the header is line 1
     assert leak["locations"][0]["physicalLocation"] == {
         "artifactLocation": {"uri": "traces/run.kvtrace"}, "region": {"startLine": 43}}
-    assert leak["partialFingerprints"] == {"kvdoctor/v1": LEAK.key}
+    assert leak["partialFingerprints"] == {"kvdoctor/v2": f"{LEAK.key}:1"}
     info = next(r for r in run["results"] if r["ruleId"] == "attention/entropy-collapse")
     assert info["level"] == "note" and "region" not in info["locations"][0]["physicalLocation"]
+
+
+ALLOCATED = msgspec.structs.replace(LEAK, stacks={
+    "alloc": ["app.py:12 serve", "app.py:30 <module>"], "seq_end": ["app.py:19 cancel"]})
+
+
+def test_a_finding_with_stacks_names_the_users_line_in_every_format():
+    r = Report([ALLOCATED], source="python app.py", trace_path="traces/run.kvtrace")
+    # THEN the text says where the block was allocated and where its sequence ended
+    lines = render(r, "text").splitlines()
+    assert "        allocated at app.py:12 in serve <- app.py:30 in <module>" in lines
+    assert "        sequence ended at app.py:19 in cancel" in lines
+    # and the JSON carries the frames as recorded
+    assert json.loads(render(r, "json"))["findings"][0]["stacks"]["alloc"][0] == "app.py:12 serve"
+    # SARIF's primary location is the user's line; the abort and the trace event are related locations
+    result = json.loads(render(r, "sarif"))["runs"][0]["results"][0]
+    assert result["locations"][0]["physicalLocation"] == {
+        "artifactLocation": {"uri": "app.py"}, "region": {"startLine": 12}}
+    assert [loc["physicalLocation"]["artifactLocation"]["uri"] for loc in result["relatedLocations"]] == [
+        "app.py", "app.py", "traces/run.kvtrace"]
+    # JUnit's case carries file and line, as pytest's own do, and the stack in its failure
+    case = next(c for c in ET.fromstring(render(r, "junit").split("\n", 1)[1]).iter("testcase")
+                if c.find("failure") is not None)
+    assert (case.get("file"), case.get("line")) == ("app.py", "12")
+    assert "allocated at app.py:12 in serve" in case.find("failure").text
+    assert "allocated at app.py:12 in serve" in render_html(r)
+
+
+def test_a_fingerprint_is_the_rule_what_and_where_never_the_step():
+    # GIVEN the same leak found at another step, and a leak of the same block allocated elsewhere
+    later = msgspec.structs.replace(ALLOCATED, step=70, message="block 3 leaked on host at 70")
+    elsewhere = msgspec.structs.replace(ALLOCATED, stacks={"alloc": ["app.py:40 batch"]})
+    # THEN the step and the message change nothing; the user's line and the tier do
+    assert later.key == ALLOCATED.key != elsewhere.key
+    assert "at=app.py:12" in ALLOCATED.key and "step" not in ALLOCATED.key
+    mismatch = Finding(check="leak", rule="usage-mismatch", severity="error", message="m", evidence={"tier": "host"})
+    assert mismatch.key != msgspec.structs.replace(mismatch, evidence={"tier": "disk"}).key
+    # AND two findings of one key stay two alerts in SARIF, and two cases in JUnit
+    r = Report([mismatch, mismatch])
+    results = json.loads(render(r, "sarif"))["runs"][0]["results"]
+    assert [x["partialFingerprints"]["kvdoctor/v2"] for x in results] == [f"{mismatch.key}:1", f"{mismatch.key}:2"]
+    names = [c.get("name") for c in ET.fromstring(render(r, "junit").split("\n", 1)[1]).iter("testcase")]
+    assert "usage-mismatch" in names and "usage-mismatch #2" in names
 
 
 def test_an_unknown_format_is_a_usage_error_naming_the_formats():
