@@ -56,6 +56,8 @@ __all__ = [
     "TransferStart",
     "TransferDone",
     "TransferFailed",
+    "Adapter",
+    "Truncate",
     "Unknown",
     "KNOWN_EVENTS",
     "KINDS",
@@ -111,6 +113,11 @@ class SeqStart(Event, tag="seq_start"):
     seq: SeqId
     prompt_len: int
     stack: list[str] | None = None  # Python frames that admitted the sequence, when recorded
+    # What else computes or keys its K/V (v1.x): the adapter it runs under (name and the engine's id; which load
+    # of it the latest ``adapter`` event for that id says) and the cache salt its prefix-cache keys carry
+    adapter: str | None = None
+    adapter_id: int | str | None = None
+    salt: str | None = None
 
 
 class SeqEnd(Event, tag="seq_end"):
@@ -171,6 +178,9 @@ class Read(Event, tag="read"):
     digest_layers: list[int | None] | None = None
     # long context (v1.x): per block, the tier its copy was read from ("device", or the slower tier a staged copy came from)
     tiers: list[Tier] | None = None
+    # v1.x: the token positions [start, end) the read attends to, where the producer knows them: every one must
+    # have been written into one of ``blocks`` since it was allocated (a slot never written holds garbage or NaN)
+    span: list[int] | None = None
 
 
 class SwapOut(Event, tag="swap_out"):
@@ -430,6 +440,34 @@ class TransferFailed(Event, tag="transfer_failed"):
     reason: str | None = None
 
 
+class Adapter(Event, tag="adapter"):
+    """An adapter (a LoRA) that computes K/V for the requests naming it changed (v1.x): ``load``ed, ``reload``ed
+    under the same id with other contents, or ``unload``ed. ``load`` counts the distinct contents this id has held
+    (1 at its first load), so (``name``, ``adapter_id``, ``load``) is the identity of the K/V a request computes
+    under it: a prefix-cache hit across identities serves another adapter's K/V."""
+
+    op: str  # "load", "reload", "unload"
+    name: str
+    adapter_id: int | str
+    load: int
+    path: str | None = None  # where its weights came from
+    detail: str | None = None  # what the producer saw do it: "add_lora", "request r3 scheduled (load_inplace)"
+    digest: str | None = None  # a fingerprint of its contents
+
+
+class Truncate(Event, tag="truncate"):
+    """A cache was cut (v1.x): ``op`` ``crop`` dropped slots from the end of every row, ``reset`` emptied it.
+    ``keep`` is how many slots per row the call asked to leave, ``length`` how many the cache reports after it
+    at ``layer``: when they differ the next pass appends to stale slots and attends to them."""
+
+    op: str  # "crop", "reset"
+    keep: int
+    length: int
+    layer: int | None = None
+    cache: str | None = None  # the producer's name for the cache, when it watches several
+    asked: str | None = None  # the call as made: "crop(-5)", "reset()"
+
+
 class Unknown(msgspec.Struct, frozen=True, kw_only=True):
     """A kind this version does not know, kept whole so nothing a producer wrote is lost."""
 
@@ -442,7 +480,7 @@ class Unknown(msgspec.Struct, frozen=True, kw_only=True):
 KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, AttnStep, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
-    TraceEnd, ObserverError, Weights, TransferStart, TransferDone, TransferFailed,
+    TraceEnd, ObserverError, Weights, TransferStart, TransferDone, TransferFailed, Adapter, Truncate,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 
