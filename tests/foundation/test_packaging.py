@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"kvdoctor": "kvdoctor", "engine": "kvdoctor.engine", "checks": "kvdoctor.checks"}
 
-CONTRACT = ("kvdoctor.events", "kvdoctor.errors", "kvdoctor.knobs")  # what every layer shares
+CONTRACT = ("kvdoctor.events", "kvdoctor.errors", "kvdoctor.knobs", "kvdoctor.callsite")  # what every layer shares
 TRACE_FORMAT = ("kvdoctor.trace", "kvdoctor.binary_trace")
 UI = ("kvdoctor.cli", "kvdoctor.commands", "kvdoctor.tui")
 ENGINE_SIDE = ("kvdoctor.engine", "kvdoctor.demo", "kvdoctor.compression")  # import the engine, hence torch
@@ -36,6 +36,7 @@ RULES = {
     "kvdoctor.events": Rule("the event contract is plain data every layer shares", allowed=()),
     "kvdoctor.errors": Rule("errors and exit codes are shared by every layer", allowed=()),
     "kvdoctor.knobs": Rule("every layer reads its environment variables here", allowed=()),
+    "kvdoctor.callsite": Rule("every producer records the user's stack with it", allowed=()),
     "kvdoctor.findings": Rule("a finding points at events, nothing more", allowed=("kvdoctor.events",)),
     "kvdoctor.binary_trace": Rule("the trace format is events in, events out", allowed=CONTRACT),
     "kvdoctor.trace": Rule("the trace format is events in, events out", allowed=CONTRACT + TRACE_FORMAT),
