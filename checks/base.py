@@ -274,6 +274,10 @@ class CheckSuite:
             severity = self.severity.get(key)
             if severity is not None and severity != f.severity:
                 f = _with_severity(f, severity)
+            if not f.stacks:
+                stacks = self.ledger.stacks(f.block, f.seq)
+                if stacks:
+                    f = msgspec.structs.replace(f, stacks=stacks)
             f.evidence.setdefault("event_index", self.num_events)
             kept.append(f)
             self.findings.append(f)

@@ -75,6 +75,9 @@ class Ledger:
         # ``stranded`` are orphans past their deadline, already reported by the leak check.
         self.orphans: dict[int, int] = {}
         self.stranded: dict[int, int] = {}
+        # The user's stacks the producer recorded (empty when it records none), per sequence and kind:
+        # its seq_start's, its first alloc's, its seq_end's; kept as long as ``ended`` keeps the sequence.
+        self.seq_stacks: dict[Any, dict[str, list[str]]] = {}
         self.step = 0
         self._apply: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc,
@@ -107,6 +110,30 @@ class Ledger:
         if first is not None and (not events or events[0] is not first):
             events.insert(0, first)
         return [to_dict(e) for e in events]
+
+    def stacks(self, block: int | None, seq: Any) -> dict[str, list[str]]:
+        """The user's code behind a finding about ``block`` and/or ``seq``: where the block was allocated
+        (its alloc's stack, else its sequence's first), else where ``seq`` started; then where the
+        sequence ended (the finish or abort that left the block behind). Empty when none was recorded."""
+        out: dict[str, list[str]] = {}
+        if not self.seq_stacks:
+            return out
+        alloc = None
+        if block is not None:
+            alloc = self.alloc_event.get(block)
+            if alloc is None and block in self.freed:
+                alloc = self.freed[block][1]
+        if alloc is not None:
+            stack = alloc.stack or self.seq_stacks.get(alloc.seq, {}).get("alloc")
+            if stack:
+                out["alloc"] = stack
+            seq = seq if seq is not None else alloc.seq
+        recorded = self.seq_stacks.get(seq, {})
+        if not out and "seq_start" in recorded:
+            out["seq_start"] = recorded["seq_start"]
+        if "seq_end" in recorded:
+            out["seq_end"] = recorded["seq_end"]
+        return out
 
     def strand(self, block: int) -> None:
         """Mark an orphan as overdue (reported), so later steps do not look at it again."""
@@ -145,12 +172,18 @@ class Ledger:
     def _seq_start(self, ev: SeqStart) -> None:
         self.seqs[ev.seq] = SeqState(ev.seq, ev)
         self.ended.pop(ev.seq, None)
+        if ev.stack:
+            self.seq_stacks[ev.seq] = {"seq_start": ev.stack}
 
     def _seq_end(self, ev: SeqEnd) -> None:
         state = self.seqs.pop(ev.seq, None)
         self.ended[ev.seq] = ev.step
+        if ev.stack:
+            self.seq_stacks.setdefault(ev.seq, {})["seq_end"] = ev.stack
         if len(self.ended) > self.ended_kept:
-            self.ended.popitem(last=False)
+            gone, _ = self.ended.popitem(last=False)
+            if self.seq_stacks:
+                self.seq_stacks.pop(gone, None)
         if state is None:
             return
         # seq_end releases every block the sequence still owns.
@@ -177,6 +210,8 @@ class Ledger:
         self.orphans.pop(block, None)
         self.stranded.pop(block, None)
         self._seq(ev.seq).blocks.add(block)
+        if ev.stack:
+            self.seq_stacks.setdefault(ev.seq, {}).setdefault("alloc", ev.stack)
 
     def _share(self, ev: Share) -> None:
         owners = self.owners.get(ev.block)

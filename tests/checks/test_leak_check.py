@@ -145,3 +145,29 @@ def test_near_miss_live_sequences_holding_blocks_at_trace_end_are_fine(trace):
     trace.sequence_with_blocks("r1", 2)
     trace.end_step()
     assert trace.run() == []
+
+
+def test_a_leak_names_where_its_block_was_allocated_and_where_its_sequence_was_aborted(trace):
+    # GIVEN a producer that records the user's stack on seq_start, the first alloc and seq_end
+    trace.start("r1", stack=["serve.py:10 admit"])
+    trace.alloc(1, "r1", stack=["serve.py:22 step_loop", "serve.py:40 main"])
+    trace.write(1, "r1", 4)
+    trace.alloc(2, "r1")  # later blocks of the sequence: no walk, the sequence's stack stands for them
+    trace.write(2, "r1", 4)
+    trace.swap_out(2, "host")
+    # WHEN the request is aborted and its swapped block forgotten
+    trace.end("r1", reason="aborted", stack=["serve.py:31 cancel"])
+    trace.free(1)
+    trace.end_step()
+    (f,) = trace.run()
+    # THEN the finding carries the sequence's allocation stack, then the abort's
+    assert f.block == 2
+    assert f.stacks == {"alloc": ["serve.py:22 step_loop", "serve.py:40 main"], "seq_end": ["serve.py:31 cancel"]}
+    assert f.code_location == ("serve.py", 22)
+
+
+def test_a_finding_about_a_sequence_alone_carries_its_start(trace):
+    trace.start("r1", stack=["app.py:5 main"])
+    trace.attn("r1", 3, max_logit=float("nan"), nonfinite=2)
+    (f,) = trace.run()
+    assert f.stacks == {"seq_start": ["app.py:5 main"]}

@@ -33,18 +33,18 @@ class TraceBuilder:
         return ev
 
     # sequences
-    def start(self, seq, prompt_len=0):
+    def start(self, seq, prompt_len=0, stack=None):
         self.seq_version[seq] = 0
         self.seq_len[seq] = 0
-        return self._emit(SeqStart, seq=seq, prompt_len=prompt_len)
+        return self._emit(SeqStart, seq=seq, prompt_len=prompt_len, stack=stack)
 
-    def end(self, seq, reason="finished"):
-        return self._emit(SeqEnd, seq=seq, reason=reason)
+    def end(self, seq, reason="finished", stack=None):
+        return self._emit(SeqEnd, seq=seq, reason=reason, stack=stack)
 
     # blocks
-    def alloc(self, block, seq, tier="device", codec=None):
+    def alloc(self, block, seq, tier="device", codec=None, stack=None):
         self.block_tier[block] = tier
-        return self._emit(Alloc, block=block, tier=tier, seq=seq, codec=codec)
+        return self._emit(Alloc, block=block, tier=tier, seq=seq, codec=codec, stack=stack)
 
     def share(self, block, seq, hash=None):
         return self._emit(Share, block=block, seq=seq, hash=hash)
