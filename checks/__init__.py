@@ -18,16 +18,20 @@ from typing import Iterable
 from ..findings import Severity
 
 from .accounting import AccountingCheck
+from .adapters import AdaptersCheck
+from .across import AcrossCheck, TraceTag
 from .attention import AttentionCheck, AttentionSettings
 from .attention_profile import AttentionProfile, ProfileBuilder, shipped_profile
 from .base import CheckBase, CheckSuite, Rule
 from .batch import BatchCheck
 from .codec import CodecCheck
+from .handoff import HandoffCheck
 from .integrity import IntegrityCheck
 from .leak import LeakCheck, LeakSettings
 from .ledger import ENDED_KEPT, FREED_KEPT, Ledger
 from .observer import ObserverCheck
 from .prefix import PrefixCheck
+from .ranks import RanksCheck
 from .stale import StaleCheck
 from .transfer import TransferCheck
 from .weights import WeightsCheck
@@ -37,13 +41,16 @@ __all__ = [
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
     "AttentionProfile", "ProfileBuilder", "shipped_profile",
     "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck", "ObserverCheck",
-    "WeightsCheck", "TransferCheck",
+    "WeightsCheck", "TransferCheck", "AdaptersCheck", "ACROSS_CHECKS", "make_across_suite", "AcrossCheck", "TraceTag",
+    "RanksCheck", "HandoffCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
     LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck, PrefixCheck,
-    ObserverCheck, WeightsCheck, TransferCheck,
+    ObserverCheck, WeightsCheck, TransferCheck, AdaptersCheck, RanksCheck, HandoffCheck,
 )
+# The checks that judge several traces of one workload together (``kvdoctor.workload`` feeds them).
+ACROSS_CHECKS: tuple[type[AcrossCheck], ...] = (RanksCheck, HandoffCheck)
 
 # "check/rule" -> Rule, for configuration, reports (SARIF rule tables) and docs.
 RULES: dict[str, Rule] = {f"{c.name}/{r.id}": r for c in ALL_CHECKS for r in c.RULES}
@@ -65,8 +72,18 @@ def make_suite(
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),
         IntegrityCheck(ledger), PrefixCheck(ledger), ObserverCheck(ledger),
-        WeightsCheck(ledger), TransferCheck(ledger),
+        WeightsCheck(ledger), TransferCheck(ledger), AdaptersCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,
+                      disabled=disabled, severity=severity, max_per_rule=max_per_rule)
+
+
+def make_across_suite(
+    *, disabled: Iterable[str] = (), severity: dict[str, Severity] | None = None, max_per_rule: int = 100,
+) -> CheckSuite:
+    """The rules across a workload's traces, under the same policy as ``make_suite`` (their ledger is unused)."""
+    ledger = Ledger()
+    disabled = set(disabled)
+    return CheckSuite([c(ledger) for c in ACROSS_CHECKS if c.name not in disabled], ledger=ledger,
                       disabled=disabled, severity=severity, max_per_rule=max_per_rule)

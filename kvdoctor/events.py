@@ -100,6 +100,23 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="h
     created: str | None = None
     pid: int | None = None
     calibration: str | None = None  # the INT8 key-scale calibration the cache used: its text and digest
+    # Who wrote the trace, in a workload of several (v1.x; docs/trace-format.md "A workload is all of its
+    # traces"): the instance (one engine a client talks to: a prefill or a decode server, a data-parallel
+    # engine), its role, and this process's place in it. Absent: a single process, rank 0 of 1.
+    instance: str | None = None
+    role: str | None = None  # what the instance does with K/V it shares: "prefill", "decode", "both"
+    dp_rank: int | None = None
+    dp_size: int | None = None
+    tp_rank: int | None = None
+    tp_size: int | None = None
+    pp_rank: int | None = None
+    pp_size: int | None = None
+    # Start-up facts that ranks and instances exchanging K/V must agree on (or, for layers, split).
+    layers: list[int] | None = None  # the model layers whose K/V this rank holds (pipeline parallel: its stage's)
+    kernel_block_size: int | None = None  # the attention kernel's block, where it differs from the manager's
+    kv_layout: str | None = None  # how a block's bytes are laid out, e.g. "(2, blocks, block_size, heads, dim)"
+    # Wall-clock nanoseconds since the Unix epoch at t = 0, so ``t0 + t`` orders events of several traces.
+    t0: int | None = None
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):
@@ -427,10 +444,22 @@ class TransferStart(Event, tag="transfer_start"):
     src: str | None = None  # where the bytes come from: a tier, an instance, a connector's store
     dst: str | None = None
     lease_steps: int | None = None  # steps after which the producer would call it lost
+    # Across instances (v1.x): ``key`` names the K/V in the store or on the wire, the same on both sides
+    # (a connector's file key, a request's transfer id), so the save of one trace pairs with the loads of
+    # others. ``num_tokens`` the tokens the blocks hold, ``layers`` those moved, ``bytes`` their size, and
+    # ``digests`` per block of ``blocks`` the content as this side saw it (null: not computed).
+    key: str | None = None
+    num_tokens: int | None = None
+    layers: list[int] | None = None
+    bytes: int | None = None
+    digests: list[int | None] | None = None
 
 
 class TransferDone(Event, tag="transfer_done"):
     transfer: str
+    # per block of the start's ``blocks``: the content once the bytes landed (a load's digests are known
+    # only now); null where not computed
+    digests: list[int | None] | None = None
 
 
 class TransferFailed(Event, tag="transfer_failed"):

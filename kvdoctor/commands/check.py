@@ -27,12 +27,14 @@ _DEMO_STEPS = 150
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
-        "sources: --trace FILE | --demo | -- CMD ARGS...\n"
+        "sources: --trace FILE|DIR... | --demo | -- CMD ARGS... (every trace the workload writes)\n"
         "exit status: 0 ok, 1 findings at or above --fail-on, 2 usage or configuration error, "
         "3 unreadable or incompatible trace"
     )
     src = p.add_argument_group("source (exactly one)")
-    src.add_argument("--trace", metavar="FILE", help="a trace file; followed while its writer is still running")
+    src.add_argument("--trace", metavar="FILE", nargs="+", action="extend",
+                     help="trace files, directories of them or globs, checked as one workload (each trace on its "
+                     "own, and the rules across traces over all); a trace is followed while its writer runs")
     src.add_argument("--demo", action="store_true", help="run the embedded model's demo workload and check it")
     src.add_argument("--vllm-events", metavar="ENDPOINT",
                      help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT): check what its events can show, until "
@@ -40,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("workload", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                      help="a workload to start with KVDOCTOR_TRACE set, checked as it runs")
     p.add_argument("--follow", action="store_true",
-                   help="with --trace: keep following the file until its writer closes it (or Ctrl-C)")
+                   help="with --trace: keep following the files until their writers close them (or Ctrl-C); "
+                   "a directory's new trace files join as they appear")
     p.add_argument("--idle-exit", type=float, default=0.0, metavar="S",
                    help="with --vllm-events: stop after S seconds without an event (default: until Ctrl-C)")
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
@@ -88,7 +91,7 @@ def _check(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..findings import Finding
     from ..report import load_baseline, render, summary_line, write_baseline
-    from ..session import CommandSource, Session, open_source
+    from ..workload import TraceSet, WorkloadSession
 
     if args.list_rules:
         return _list_rules()
@@ -128,7 +131,7 @@ def _check(args: argparse.Namespace) -> int:
         verify = "full"  # a fault shown on purpose should be caught at its first read, not at a sampled one
     env = dict(os.environ, **{knobs.VERIFY.name: verify}) if verify else None
     if args.trace:
-        source = open_source(args.trace, follow=True if args.follow else None, wait_s=args.wait)
+        source = TraceSet.open(args.trace, follow=True if args.follow else None, wait_s=args.wait)
     elif args.demo:
         argv = [sys.executable, "-m", "kvdoctor.demo", "--steps", str(args.steps)]
         if args.model:
@@ -139,17 +142,17 @@ def _check(args: argparse.Namespace) -> int:
             argv += ["--prefix-cache"]  # a prefix-cache fault needs the cache it breaks
         if (args.fault or "").startswith("spec-"):
             argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
-        source = CommandSource(argv, fault=args.fault, env=env)
+        source = TraceSet.command(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
     elif args.vllm_events:
         from ..integrations.vllm_events import bridge_argv
 
-        source = CommandSource(bridge_argv(args.vllm_events, idle_exit=args.idle_exit))
+        source = TraceSet.command(bridge_argv(args.vllm_events, idle_exit=args.idle_exit))
         source.name = f"vLLM KV events at {args.vllm_events}"
     else:
-        source = CommandSource(command, fault=args.fault, env=env)
+        source = TraceSet.command(command, fault=args.fault, env=env)
 
-    session = Session(source, config)
+    session = WorkloadSession(source, config)
     series = metrics = None
     if args.format == "html":
         from ..report_html import StepSeries
@@ -177,8 +180,8 @@ def _check(args: argparse.Namespace) -> int:
         session.stop()
         session.close()
         print("kvdoctor check: interrupted; reporting what was checked so far", file=sys.stderr)
-    if isinstance(source, CommandSource) and source.returncode not in (0, None):
-        session.suite.add([Finding(
+    if source.returncode not in (0, None):
+        session.add([Finding(
             check="workload", rule="exit-status", severity="error",
             message=f"{source.exit_message()}: {source.name}", evidence={"returncode": source.returncode},
         )])

@@ -1,0 +1,224 @@
+"""Ranks: the processes of one engine (tensor- and pipeline-parallel ranks) must agree.
+
+Every rank of an engine runs the same scheduler decisions over its share of the model: the same blocks
+to the same requests at the same step, the same batch. When ranks decide apart, the field sees
+out-of-range block ids (vLLM PR #50653), ranks that evict differently and then deadlock (sglang #28429,
+#33442, PR #10214), or one rank that never stores (LMCache #1807). Pipeline stages each hold a slice of
+the layers; K/V landing at another stage's layer offsets looks healthy to the hit rate (vllm-ascend PR
+#15900). The rules read each trace's header (``instance``, ``dp_rank``, ``tp_rank``/``pp_rank``,
+``layers``) and compare the ranks of one engine step by step; a trace whose header names no rank is an
+engine of its own and is not compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..events import Alloc, Batch, Evict, Free, Header, Read, Release, SeqEnd, SeqStart, Share, StepEnd
+from ..findings import Finding
+
+from .across import AcrossCheck, TraceTag
+from .base import NO_FINDINGS, Rule
+
+__all__ = ["RanksCheck"]
+
+# What every rank of an engine must agree on at start-up; ``layers`` only among ranks of one pipeline stage.
+_SHARED_FACTS = ("block_size", "kernel_block_size", "kv_layout", "num_layers", "dp_size", "tp_size", "pp_size")
+_DECISIONS = (SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Batch)
+_PENDING_STEPS = 4096  # steps one rank may run ahead of a lagging one before its oldest are dropped unjudged
+
+
+def _decision(ev: Any) -> tuple:
+    """What a scheduler decided, as ranks of one engine must all record it (no timings, no digests)."""
+    if type(ev) is Batch:
+        return ("batch", tuple(ev.rows), tuple(ev.positions), tuple(ev.n))
+    if type(ev) is SeqStart:
+        return ("seq_start", ev.seq, ev.prompt_len)
+    if type(ev) is SeqEnd:
+        return ("seq_end", ev.seq, ev.reason)
+    if type(ev) in (Alloc, Evict):
+        return (ev.__struct_config__.tag, ev.block, ev.tier, getattr(ev, "seq", None))
+    if type(ev) in (Share, Release):
+        return (ev.__struct_config__.tag, ev.block, ev.seq)
+    return ("free", ev.block)
+
+
+def _say(decision: tuple | None) -> str:
+    return "nothing" if decision is None else " ".join(str(x) for x in decision if x is not None)
+
+
+def _device_capacity(h: Header) -> int | None:
+    return next((t.capacity_blocks for t in h.tiers if t.name == "device"), None)
+
+
+class _Rank:
+    """One rank's decisions per step, kept until every rank of its engine has finished that step."""
+
+    def __init__(self, tag: TraceTag) -> None:
+        self.tag = tag
+        self.step = -1  # the step being recorded (-1: no event yet)
+        self.done_through = -1  # every step up to this one is complete
+        self.current: list[tuple] = []
+        self.steps: dict[int, list[tuple]] = {}
+        self.ended = False
+
+    def close_step(self) -> None:
+        if self.step >= 0 and self.step > self.done_through:
+            if self.current:
+                self.steps[self.step] = self.current
+                if len(self.steps) > _PENDING_STEPS:
+                    del self.steps[next(iter(self.steps))]
+            self.current = []
+            self.done_through = self.step
+
+
+class RanksCheck(AcrossCheck):
+    name = "ranks"
+    RULES = (
+        Rule("startup-mismatch", "error",
+             "ranks of one engine started with different block sizes, layouts, layer counts, parallel sizes or pools"),
+        Rule("stage-layers", "error",
+             "pipeline stages hold overlapping layers, or layers the model does not have"),
+        Rule("foreign-layer", "error", "a rank read K/V at a layer its pipeline stage does not hold"),
+        Rule("divergence", "error",
+             "ranks of one engine recorded different scheduler decisions (allocation, frees, batch) for one step"),
+    )
+
+    def __init__(self, ledger=None) -> None:
+        super().__init__(ledger)
+        self.engines: dict[tuple, list[_Rank]] = {}
+        self.ranks: dict[int, _Rank] = {}  # trace index -> its rank
+
+    def wants(self, tag: TraceTag) -> tuple[type, ...]:
+        if tag.engine_key is None:
+            return ()
+        return (*_DECISIONS, StepEnd, Read) if tag.header.layers is not None else (*_DECISIONS, StepEnd)
+
+    def trace_added(self, tag: TraceTag) -> Sequence[Finding]:
+        key = tag.engine_key
+        if key is None:
+            return NO_FINDINGS
+        rank = self.ranks[tag.index] = _Rank(tag)
+        peers = self.engines.setdefault(key, [])
+        peers.append(rank)
+        return self._startup(tag, [p.tag for p in peers if p is not rank])
+
+    def _startup(self, tag: TraceTag, peers: list[TraceTag]) -> list[Finding]:
+        out: list[Finding] = []
+        h = tag.header
+        if h.layers is not None and any(not 0 <= layer < h.num_layers for layer in h.layers) \
+                and self.once("stage-layers", tag.index):
+            out.append(self.found(tag, "stage-layers", f"{tag.who} holds layers {h.layers}, but the model has "
+                                  f"{h.num_layers} (0-{h.num_layers - 1})", layers=h.layers, num_layers=h.num_layers))
+        if not peers:
+            return out
+        first = peers[0]
+        g = first.header
+        facts = [f for f in _SHARED_FACTS if getattr(h, f) != getattr(g, f)]
+        if _device_capacity(h) != _device_capacity(g):
+            facts.append("device blocks")
+        if h.pp_rank == g.pp_rank and h.layers != g.layers:
+            facts.append("layers")
+        if facts and self.once("startup-mismatch", tag.index):
+            mine = {f: (_device_capacity(h) if f == "device blocks" else getattr(h, f)) for f in facts}
+            theirs = {f: (_device_capacity(g) if f == "device blocks" else getattr(g, f)) for f in facts}
+            out.append(self.found(tag, "startup-mismatch",
+                                  f"{tag.who} started with {_facts(mine)} where {first.who} has {_facts(theirs)}",
+                                  mine=mine, theirs=theirs, other_trace=first.name))
+        if h.layers is not None and h.pp_rank is not None:
+            for peer in peers:
+                p = peer.header
+                if p.pp_rank is None or p.pp_rank == h.pp_rank or p.layers is None:
+                    continue
+                both = sorted(set(h.layers) & set(p.layers))
+                if both and self.once("stage-layers", tag.index, peer.index):
+                    out.append(self.found(tag, "stage-layers", f"{tag.who} and {peer.who} are different pipeline "
+                                          f"stages but both hold layers {_span(both)}", layer=both[0],
+                                          layers=both, other_trace=peer.name))
+        return out
+
+    def see(self, tag: TraceTag, event: Any) -> Sequence[Finding]:
+        rank = self.ranks.get(tag.index)
+        if rank is None:
+            return NO_FINDINGS
+        out: Sequence[Finding] = NO_FINDINGS
+        if event.step != rank.step:
+            if rank.step >= 0:
+                rank.close_step()
+            rank.step = event.step
+            out = self._judge(tag.engine_key)
+        kind = type(event)
+        if kind is StepEnd:
+            rank.close_step()
+            return [*out, *self._judge(tag.engine_key)]
+        if kind is Read:
+            return [*out, *self._layer(rank, event)]
+        rank.current.append(_decision(event))
+        return out
+
+    def _layer(self, rank: _Rank, ev: Read) -> Sequence[Finding]:
+        held = rank.tag.header.layers
+        if ev.layer is None or held is None or ev.layer in held or not self.once("foreign-layer", rank.tag.index, ev.layer):
+            return NO_FINDINGS
+        tag = rank.tag
+        return [self.found(tag, "foreign-layer", f"{tag.who} read K/V of {ev.seq!r} at layer {ev.layer}, which its "
+                           f"stage does not hold (it holds {_span(held)})", seq=ev.seq, layer=ev.layer, step=ev.step,
+                           block=ev.blocks[0] if ev.blocks else None, held=held, event=self.event_dict(ev))]
+
+    def trace_ended(self, tag: TraceTag) -> Sequence[Finding]:
+        rank = self.ranks.get(tag.index)
+        if rank is None:
+            return NO_FINDINGS
+        rank.close_step()
+        rank.ended = True
+        return self._judge(tag.engine_key, final=True)
+
+    def _judge(self, key: Any, final: bool = False) -> list[Finding]:
+        """Compare every step all of ``key``'s ranks have finished; a rank whose trace ended is judged up to
+        its end and then left out (what it did not record is not a decision)."""
+        peers = self.engines.get(key, [])
+        live = [r for r in peers if not r.ended]
+        through = min((r.done_through for r in live), default=None)
+        out: list[Finding] = []
+        steps = sorted({s for r in peers for s in r.steps if through is None or s <= through})
+        for step in steps:
+            members = [r for r in peers if r.done_through >= step]
+            if len(members) > 1:
+                out.extend(self._compare(step, members))
+            for r in peers:
+                r.steps.pop(step, None)
+        return out
+
+    def _compare(self, step: int, members: list[_Rank]) -> list[Finding]:
+        ref = members[0]
+        mine = ref.steps.get(step, [])
+        out: list[Finding] = []
+        for other in members[1:]:
+            theirs = other.steps.get(step, [])
+            if theirs == mine:
+                continue
+            i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            a = mine[i] if i < len(mine) else None
+            b = theirs[i] if i < len(theirs) else None
+            if not self.once("divergence", other.tag.index):
+                continue
+            block = next((d[1] for d in (b, a) if d is not None and d[0] in ("alloc", "share", "release", "free", "evict")),
+                         None)
+            seq = next((d[-1] if d[0] in ("alloc", "evict") else d[2] for d in (b, a)
+                        if d is not None and d[0] in ("alloc", "share", "release")), None)
+            out.append(self.found(
+                other.tag, "divergence",
+                f"at step {step}, {other.tag.who} recorded {_say(b)} where {ref.tag.who} recorded {_say(a)} "
+                f"(decision {i + 1} of the step; {len(theirs)} against {len(mine)} decisions)",
+                step=step, block=block, seq=seq, other_trace=ref.tag.name,
+                theirs=[list(d) for d in theirs[i:i + 8]], reference=[list(d) for d in mine[i:i + 8]]))
+        return out
+
+
+def _facts(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in values.items())
+
+
+def _span(layers: list[int]) -> str:
+    s = sorted(layers)
+    return f"{s[0]}-{s[-1]}" if s == list(range(s[0], s[-1] + 1)) and len(s) > 1 else ", ".join(map(str, s))

@@ -1,0 +1,550 @@
+"""A workload is all of its traces: one per cache, process, rank or instance, checked as one.
+
+A deployment writes many traces: several caches in one process (``run.kvtrace``, ``run.2.kvtrace`` …),
+vLLM's engine cores, tensor- and pipeline-parallel ranks, prefill and decode instances joined by a KV
+connector. ``WorkloadSession`` reads them all:
+
+- **per trace**, every check runs in a ``CheckSuite`` of its own, as for a single trace (block ids, steps
+  and sequences are a trace's own), and each finding names the trace it came from;
+- **across traces**, the checks of ``kvdoctor.checks.ACROSS_CHECKS`` (ranks agreeing, a transfer's two
+  ends) read the events they want of every trace in one order: by wall-clock time (``header.t0 + t``; a
+  trace whose header has no ``t0`` counts from the earliest ``t0`` of the workload, or 0), ties by the
+  trace's place in the workload, then by the order within the trace.
+
+Memory stays bounded: a reader thread per trace decodes ahead by at most ``_AHEAD`` batches, the driver
+feeds the batch that starts earliest (a heap merge of per-trace batches, exact for finished traces), and
+the cross-trace events wait in a heap only until every trace has read past them. A trace still being
+written that has nothing new holds the merge back for at most ``LIVE_GRACE_S`` of wall-clock time.
+
+Sources: ``TraceSet.open(paths)`` (files, directories, globs; followed while their writers live),
+``TraceSet.command(argv)`` (a workload started with ``KVDOCTOR_TRACE`` in a directory of its own, every
+trace file that appears there followed). A trace that cannot be read is never skipped in silence: it is
+named in the report's notes and as a ``workload/unusable-trace`` finding.
+"""
+
+from __future__ import annotations
+
+import glob
+import heapq
+import os
+import queue
+import re
+import shlex
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import msgspec
+
+from .checks import CheckSuite, TraceTag, make_across_suite
+from .child import TracedChild
+from .config import Config
+from .errors import TraceError, UsageError
+from .events import Header
+from .findings import Finding
+from .report import Report, apply_baseline
+from .session import FollowSource, TraceSource, _stderr_fd, _writer_alive
+
+__all__ = ["TraceSet", "WorkloadSession", "trace_files", "LIVE_GRACE_S"]
+
+LIVE_GRACE_S = 2.0  # how long a live trace with nothing new may hold back the cross-trace merge
+_AHEAD = 4  # batches a trace's reader decodes ahead of the checks
+_SCAN_S = 0.25  # how often a followed directory is looked at for new traces
+_SUFFIXES = (".kvtrace", ".kvtrace.gz", ".kvtrace.msgpack")
+_END = object()
+
+
+def _is_trace_name(name: str) -> bool:
+    return name.endswith(_SUFFIXES)
+
+
+def _order(path: str) -> tuple:
+    """``run.kvtrace`` before ``run.2.kvtrace`` before ``run.10.kvtrace`` (the numbering of kvdoctor's writers)."""
+    name = os.path.basename(path)
+    stem = name.partition(".kvtrace")[0]
+    m = re.fullmatch(r"(.*)\.(\d+)", stem)
+    return (os.path.dirname(path), m.group(1), int(m.group(2))) if m else (os.path.dirname(path), stem, 1)
+
+
+def trace_files(args: list[str]) -> list[str]:
+    """The trace files ``args`` name: files as given, every trace file in a directory, a glob's matches;
+    in order, each once. A name that is none of these stays, so opening it says what is wrong."""
+    out: list[str] = []
+    for arg in args:
+        if os.path.isdir(arg):
+            found = sorted((os.path.join(arg, n) for n in os.listdir(arg) if _is_trace_name(n)), key=_order)
+            if not found:
+                raise TraceError(f"{arg} holds no trace files (*.kvtrace, *.kvtrace.gz, *.kvtrace.msgpack)")
+            out += found
+        elif glob.has_magic(arg) and not os.path.exists(arg):
+            found = sorted(glob.glob(arg), key=_order)
+            if not found:
+                raise TraceError(f"no trace matches {arg}")
+            out += found
+        else:
+            out.append(arg)
+    seen: set[str] = set()
+    return [p for p in out if not (os.path.abspath(p) in seen or seen.add(os.path.abspath(p)))]
+
+
+@dataclass
+class _Member:
+    """One trace of the workload: its source, its own checks, and a thread that reads it ahead."""
+
+    tag: TraceTag
+    source: Any
+    suite: CheckSuite
+    live: bool
+    wants: list[tuple[Any, frozenset]] = field(default_factory=list)  # cross-trace checks and the kinds they read
+    t0: int = 0
+    queue: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=_AHEAD))
+    head: list | None = None
+    ended: bool = False
+    idle: bool = False
+    last_t: int = 0  # wall-clock ns of the last event fed
+    idle_since: float = 0.0
+    error: Exception | None = None
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._read, name=f"kvdoctor-read-{self.tag.index}", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for batch in self.source.batches():
+                if batch:
+                    self.idle = False
+                    self.queue.put(batch)
+                elif not self.idle:
+                    self.idle, self.idle_since = True, time.monotonic()
+        except Exception as exc:  # a malformed line, a vanished file: the driver names the trace
+            self.error = exc
+        self.queue.put(_END)
+
+    def pull(self, block: bool) -> bool:
+        """Take the next batch into ``head`` (waiting for it when ``block``); False when there is none now."""
+        if self.head is not None or self.ended:
+            return self.head is not None
+        try:
+            item = self.queue.get(block=block, timeout=0.05 if block else None)
+        except queue.Empty:
+            return False
+        if item is _END:
+            self.ended = True
+            return False
+        self.head = item
+        return True
+
+
+class TraceSet:
+    """The traces of one workload, as they are known so far; ``scan`` finds new ones where it watches."""
+
+    def __init__(self, name: str, *, watch: str | None = None, wait_s: float = 10.0) -> None:
+        self.name = name
+        self.watch = watch  # a directory whose new trace files join the workload
+        self.wait_s = wait_s
+        self.paths: list[str] = []
+        self.pending: dict[str, float] = {}  # a file seen without a whole header yet -> when first seen
+        self.unusable: list[tuple[str, str]] = []
+        self.child: TracedChild | None = None
+        self.follow: bool | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    # ---- ways to make one ------------------------------------------------------------
+
+    @classmethod
+    def open(cls, args: list[str], *, follow: bool | None = None, wait_s: float = 10.0) -> "TraceSet":
+        """Trace files, directories or globs; ``follow`` True follows them all (a directory: its new files too),
+        None follows each trace whose writer still holds it open."""
+        paths = trace_files(args)
+        dirs = [a for a in args if os.path.isdir(a)]
+        name = paths[0] if len(paths) == 1 and not dirs else (
+            dirs[0] if len(args) == 1 and dirs else f"{len(paths)} traces")
+        ts = cls(name, watch=dirs[0] if follow and len(dirs) == 1 else None, wait_s=wait_s)
+        ts.follow = follow
+        ts.paths = paths
+        return ts
+
+    @classmethod
+    def command(cls, argv: list[str], *, fault: str | None = None, env: dict[str, str] | None = None,
+                wait_s: float = 3600.0) -> "TraceSet":
+        """``argv`` started with ``KVDOCTOR_TRACE`` in a fresh directory; every trace it writes there is read."""
+        if not argv:
+            raise UsageError("no workload command given: use `kvdoctor check -- python my_script.py`")
+        tmp = tempfile.TemporaryDirectory(prefix="kvdoctor-check-")
+        ts = cls(shlex.join(argv), watch=tmp.name, wait_s=wait_s)
+        ts._tmp, ts.follow = tmp, True
+        try:
+            ts.child = TracedChild(argv, str(Path(tmp.name) / "workload.kvtrace"), fault=fault, env=env,
+                                   stdout=_stderr_fd())
+        except UsageError:
+            tmp.cleanup()
+            raise
+        return ts
+
+    # ---- what the session asks -------------------------------------------------------
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.returncode if self.child is not None else None
+
+    def exit_message(self) -> str:
+        return self.child.exit_message() if self.child is not None else ""
+
+    def scan(self) -> list[str]:
+        """Trace files in the watched directory not seen before whose header is whole (in name order)."""
+        if self.watch is None:
+            return []
+        try:
+            names = os.listdir(self.watch)
+        except OSError:
+            return []
+        known = set(self.paths) | {p for p, _ in self.unusable}
+        new = []
+        for path in sorted((os.path.join(self.watch, n) for n in names if _is_trace_name(n)), key=_order):
+            if path in known:
+                continue
+            from .trace import read_header
+
+            try:
+                read_header(path)
+            except TraceError as exc:
+                first = self.pending.setdefault(path, time.monotonic())
+                if time.monotonic() - first > min(self.wait_s, 10.0):
+                    self.pending.pop(path)
+                    self.unusable.append((path, str(exc)))
+                continue
+            self.pending.pop(path, None)
+            self.paths.append(path)
+            new.append(path)
+        return new
+
+    def label(self, path: str) -> str:
+        """What reports call a trace: its path as given, or its file name in a started workload's own directory
+        (removed once checked)."""
+        return os.path.basename(path) if self.child is not None else path
+
+    def source(self, path: str) -> tuple[Any, bool]:
+        """The source for one trace of the set, and whether it is followed."""
+        from .trace import read_header
+
+        live = self.follow
+        if live is None:
+            header = read_header(path)
+            live = header.pid is not None and header.pid != os.getpid() and _writer_alive(Path(path), header.pid)
+        if not live:
+            return TraceSource(path), False
+        # the follower stops with the process its header names; a trace may appear before its header (--follow)
+        return FollowSource(path, wait_s=self.wait_s, poll_s=0.02), True
+
+    def running(self) -> bool:
+        """A started workload still runs (more traces may appear)."""
+        return self.child is not None and self.child.returncode is None
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+class WorkloadSession:
+    """Every check over every trace of a workload: per trace, and across them (see the module docstring)."""
+
+    def __init__(self, traces: TraceSet, config: Config | None = None) -> None:
+        self.traces = traces
+        self.config = config or Config()
+        self.across = make_across_suite(disabled=self.config.disable, severity=self.config.severity,  # type: ignore[arg-type]
+                                        max_per_rule=self.config.max_findings_per_rule)
+        self.members: list[_Member] = []
+        self.notes: list[str] = []
+        self.name = traces.name
+        self._found: list[tuple[int | None, Finding]] = []  # (member index or None: the workload's, finding)
+        self._cross: list[tuple[int, int, int, Any]] = []  # (wall ns, trace index, order, event)
+        self._order = 0
+        self._stop = threading.Event()
+        self._closed = False
+        self._t0_base: int | None = None
+        self._last_scan = 0.0
+        self._named = 0  # the set's unusable traces already named
+
+    # ---- running ---------------------------------------------------------------------
+
+    def run(self) -> "WorkloadSession":
+        for _ in self._drive(per_event=False):
+            pass
+        return self
+
+    def __iter__(self) -> Iterator[tuple[Any, list[Finding]]]:
+        """``(event, findings it completed)`` for every event in merged order, then ``(None, end findings)``."""
+        yield from self._drive(per_event=True)
+
+    def stop(self) -> None:
+        """From another thread (or a Ctrl-C handler): stop reading; the session ends as if the traces had."""
+        self._stop.set()
+        for m in self.members:
+            m.source.close()
+
+    def _drive(self, per_event: bool) -> Iterator[tuple[Any, list[Finding]]]:
+        try:
+            self._start()
+            while not self._stop.is_set():
+                m = self._next_member()
+                if m is None:
+                    if self._all_done():
+                        break
+                    continue
+                batch, m.head = m.head, None
+                yield from self._feed(m, batch, per_event)
+                self._release(self._watermark())
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        finally:
+            for m in self.members:
+                m.source.close()
+            self.traces.close()
+        yield None, self.close()
+
+    def _start(self) -> None:
+        paths = list(self.traces.paths)
+        if self.traces.child is not None:
+            paths = self._first_traces()
+        for path in paths:
+            self._add(path, strict=len(paths) == 1 and self.traces.watch is None)
+        if not self.members and not self.traces.unusable:
+            raise TraceError(f"no trace to check in {self.traces.name}")
+
+    def _first_traces(self) -> list[str]:
+        """A started workload: wait (up to ``wait_s``) for its first trace, or for it to exit without one."""
+        deadline = time.monotonic() + self.traces.wait_s
+        while not self._stop.is_set():
+            found = self.traces.scan()
+            if found:
+                return found
+            child = self.traces.child
+            assert child is not None
+            if child.returncode is not None or time.monotonic() > deadline:
+                child.wait(5.0)
+                found = self.traces.scan()
+                if found:
+                    return found
+                what = child.exit_message() if child.returncode is not None else \
+                    f"no trace after {self.traces.wait_s:g} s"
+                self.traces.close()
+                raise TraceError(f"the workload wrote no kvdoctor trace ({what}; does it build a kvdoctor engine "
+                                 "or run vLLM with the plugin?)")
+            time.sleep(0.05)
+        return []
+
+    def _add(self, path: str, strict: bool = False) -> None:
+        """Open one more trace of the workload; one that cannot be opened is named, unless it is the only one."""
+        try:
+            source, live = self.traces.source(path)
+            header = source.wait_header()
+        except TraceError as exc:
+            if strict:
+                raise
+            self._unusable(path, str(exc))
+            return
+        index = len(self.members)
+        tag = TraceTag(index=index, name=self.traces.label(path), header=header)
+        suite = self.config.make_suite(header.model)
+        m = _Member(tag=tag, source=source, suite=suite, live=live)
+        if header.t0 is not None:
+            m.t0 = header.t0
+            if self._t0_base is None or header.t0 < self._t0_base:
+                self._t0_base = header.t0
+        else:
+            m.t0 = self._t0_base or 0
+        for check in self.across.checks:
+            kinds = check.wants(tag)
+            if kinds:
+                m.wants.append((check, frozenset(kinds)))
+        self.members.append(m)
+        self._accept(None, [f for check in self.across.checks for f in check.trace_added(tag)])
+        m.start()
+
+    def _unusable(self, path: str, why: str) -> None:
+        path = self.traces.label(path)
+        self.notes.append(f"trace {path} could not be used: {why}")
+        self._accept(None, [Finding(check="workload", rule="unusable-trace", severity="error", trace=path,
+                                    message=f"a trace of the workload could not be read, so it was not checked: {why}",
+                                    evidence={"path": path})], across=False)
+
+    def _next_member(self) -> _Member | None:
+        """The trace whose next batch starts earliest, once every trace that may still have an earlier one
+        has shown its next batch (a live trace with nothing new is not waited for)."""
+        self._discover()
+        waiting = False
+        for m in self.members:
+            if m.head is None and not m.ended and not m.pull(block=False):
+                if m.ended:
+                    self._ended(m)
+                elif not (m.live and m.idle):
+                    waiting = True
+        if waiting:
+            # a trace still decoding may hold an earlier batch: wait for each (briefly, then look again)
+            for slow in [m for m in self.members if m.head is None and not m.ended and not (m.live and m.idle)]:
+                if not slow.pull(block=True):
+                    if slow.ended:
+                        self._ended(slow)
+                    return None
+        ready = [m for m in self.members if m.head is not None]
+        if not ready:
+            time.sleep(0.01)
+            return None
+        return min(ready, key=lambda m: (m.t0 + m.head[0].t, m.tag.index))
+
+    def _discover(self) -> None:
+        if self.traces.watch is None or time.monotonic() - self._last_scan < _SCAN_S:
+            return
+        self._last_scan = time.monotonic()
+        for path in self.traces.scan():
+            self._add(path)
+        for path, why in self.traces.unusable[self._named:]:
+            self._unusable(path, why)
+        self._named = len(self.traces.unusable)
+
+    def _all_done(self) -> bool:
+        if not all(m.ended for m in self.members):
+            return False
+        if self.traces.running():
+            time.sleep(0.05)  # the workload may still open another trace
+            return False
+        self._last_scan = 0.0
+        before = len(self.members)
+        self._discover()  # a trace opened just before the workload exited
+        return len(self.members) == before and all(m.ended for m in self.members)
+
+    def _feed(self, m: _Member, batch: list, per_event: bool) -> Iterator[tuple[Any, list[Finding]]]:
+        index = m.tag.index
+        if per_event:
+            observe = m.suite.observe
+            for event in batch:
+                found = self._accept(index, observe(event))
+                yield event, found
+        else:
+            found = m.suite.observe_many(batch)
+            if found:
+                self._accept(index, found)
+        m.last_t = m.t0 + batch[-1].t
+        if m.wants:
+            t0 = m.t0
+            for event in batch:
+                kind = type(event)
+                for check, kinds in m.wants:
+                    if kind in kinds:
+                        self._order += 1
+                        heapq.heappush(self._cross, (t0 + event.t, index, self._order, event))
+                        break
+
+    def _watermark(self) -> tuple[int, int]:
+        """Cross-trace events before this (wall ns, trace index) can no longer be preceded by one unread."""
+        now_ns = time.time_ns()
+        bound: tuple[int, int] | None = None
+        for m in self.members:
+            if m.ended:
+                continue
+            if m.head is not None:
+                t = m.t0 + m.head[0].t
+            elif m.live and m.idle and time.monotonic() - m.idle_since > LIVE_GRACE_S:
+                t = max(m.last_t, now_ns - int(LIVE_GRACE_S * 1e9))
+            else:
+                t = m.last_t
+            if bound is None or (t, m.tag.index) < bound:
+                bound = (t, m.tag.index)
+        return bound if bound is not None else (1 << 62, 0)
+
+    def _release(self, upto: tuple[int, int]) -> None:
+        cross = self._cross
+        while cross and (cross[0][0], cross[0][1]) < upto:
+            _, index, _, event = heapq.heappop(cross)
+            tag = self.members[index].tag
+            if event is None:
+                self._accept(None, [f for check in self.across.checks for f in check.trace_ended(tag)])
+                continue
+            for check, kinds in self.members[index].wants:
+                if type(event) in kinds:
+                    self._accept(None, check.see(tag, event))
+
+    def _ended(self, m: _Member) -> None:
+        """A trace ended: its end-of-trace rules, and what its reader could not read."""
+        if m.error is not None:
+            if len(self.members) == 1 and self.traces.watch is None:
+                raise m.error
+            self._unusable(m.tag.name, f"{m.error} (its events before that were checked)")
+        self._accept(m.tag.index, m.suite.finish())
+        for note in m.source.notes:
+            self.notes.append(f"{m.tag.name}: {note}" if len(self.members) > 1 else note)
+        # the trace's end joins the merge after its last event, so the rules across traces see it in order
+        self._order += 1
+        heapq.heappush(self._cross, (m.last_t, m.tag.index, self._order, None))
+        self._release(self._watermark())
+
+    def _accept(self, index: int | None, found: Any, across: bool = True) -> list[Finding]:
+        if not found:
+            return []
+        if index is None and across:
+            found = self.across.add(found)
+        self._found.extend((index, f) for f in found)
+        return list(found)
+
+    # ---- ending ----------------------------------------------------------------------
+
+    def close(self) -> list[Finding]:
+        """Every trace's end-of-trace rules (those not ended yet: a stop), then the cross-trace ones (once)."""
+        if self._closed:
+            return []
+        self._closed = True
+        before = len(self._found)
+        for m in self.members:
+            if not m.ended:
+                m.ended = True
+                self._accept(m.tag.index, m.suite.finish())
+        self._release((1 << 62, 0))
+        self._accept(None, self.across.finish())
+        return [f for _, f in self._found[before:]]
+
+    def add(self, findings: list[Finding]) -> None:
+        """Findings about the workload itself (its exit status)."""
+        self._accept(None, findings, across=False)
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding so far; each names its trace when the workload has several."""
+        several = len(self.members) > 1 or bool(self.traces.unusable)
+        return [msgspec.structs.replace(f, trace=self.members[i].tag.name)
+                if several and i is not None and f.trace is None else f for i, f in self._found]
+
+    @property
+    def num_events(self) -> int:
+        return sum(m.suite.num_events for m in self.members)
+
+    @property
+    def header(self) -> Header | None:
+        return self.members[0].tag.header if self.members else None
+
+    def report(self, *, fail_on: str | None = None, baseline: Any = None) -> Report:
+        findings, baselined = self.findings, 0
+        if baseline is not None:
+            findings, baselined = apply_baseline(findings, baseline)
+        one = len(self.members) == 1 and not self.traces.unusable
+        notes = list(self.notes)
+        if self.traces.child is not None:
+            notes.append(self.traces.exit_message())
+        if len(self.members) > 1:
+            notes.insert(0, f"{len(self.members)} traces: " + ", ".join(
+                f"{m.tag.name} ({m.tag.who})" if m.tag.who != m.tag.name else m.tag.name for m in self.members))
+        return Report(
+            findings, fail_on=fail_on or self.config.fail_on, source=self.name,
+            trace_path=self.members[0].tag.name if one else None, num_events=self.num_events,
+            truncated=any(m.source.truncated for m in self.members),
+            suppressed=sum(m.suite.suppressed for m in self.members) + self.across.suppressed,
+            baselined=baselined, notes=notes,
+        )
