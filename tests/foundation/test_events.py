@@ -76,6 +76,9 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
                               seq=st.none() | seq_ids, lease_steps=st.none() | ints),
         E.TransferDone: dict(transfer=st.text(max_size=10)),
         E.TransferFailed: dict(transfer=st.text(max_size=10), reason=st.none() | st.text(max_size=10)),
+        E.Adapter: dict(op=st.sampled_from(["load", "reload", "unload"]), name=st.text(max_size=10),
+                        adapter_id=seq_ids, load=ints, path=st.none() | st.text(max_size=10)),
+        E.Truncate: dict(op=st.sampled_from(["crop", "reset"]), keep=ints, length=ints, layer=st.none() | ints),
     }[cls]
     return st.builds(cls, **fields, **common)
 
