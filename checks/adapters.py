@@ -1,0 +1,145 @@
+"""Adapters: a prefix-cache hit on K/V another adapter computed.
+
+A LoRA changes K and V at every layer it adapts, so which adapter computed a block is part of what the block
+holds, exactly like its tokens. Engines key their prefix caches by the adapter's *name* (vLLM adds the path):
+- two adapters registered under one name with different ids share blocks (vllm #30931);
+- an adapter reloaded in place under the same name and path (the RL LoRA sync, ``load_inplace``) hits K/V of
+  its previous contents (vllm PR #42495, #42125; ms-swift resets the cache after a LoRA-only sync for this);
+- key parts appended untagged let a cache salt equal to an adapter's name (or a crafted extra key) reach that
+  adapter's blocks from the base model (vllm #44701, sglang #24638).
+A block remembers the adapter identity of its first write since allocation: the name and id its writer runs
+under (``seq_start``) and the load number the latest ``adapter`` event gave that id. A hit (``share`` with a
+``hash``) by a sequence of another identity is an error; when the two differ only because one's salt
+equals the other's adapter name, the cause is the key's untagged parts, and the rule says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..events import PREFIX_CACHE, Adapter, Evict, Free, SeqEnd, SeqStart, Share, Write
+from ..findings import Finding
+
+from .base import NO_FINDINGS, CheckBase, Rule
+
+__all__ = ["AdaptersCheck"]
+
+# (name, id, load) of the adapter a block was computed under; None for the base model alone
+Identity = tuple[str, Any, int] | None
+
+
+def _describe(identity: Identity) -> str:
+    if identity is None:
+        return "the base model (no adapter)"
+    name, key, load = identity
+    return f"adapter {name!r} (id {key}, load {load})"
+
+
+class AdaptersCheck(CheckBase):
+    name = "adapters"
+    RULES = (
+        Rule("foreign-hit", "error",
+             "a prefix-cache hit took a block computed under another adapter identity (name, id or load) than the "
+             "hitting sequence runs under"),
+        Rule("key-collision", "error",
+             "a prefix-cache hit across adapter identities whose key parts coincide untagged: a cache salt equal to "
+             "an adapter's name"),
+    )
+
+    def __init__(self, ledger=None) -> None:
+        super().__init__(ledger)
+        self.loads: dict[Any, tuple[int, Adapter]] = {}  # adapter id -> (its load number, the event that set it)
+        self.seqs: dict[Any, SeqStart] = {}  # live sequences that run under an adapter or carry a salt
+        self.written_under: dict[int, tuple[Identity, Any]] = {}  # block -> (identity, writer) of its first write
+        self._hits: dict[Any, list[int]] = {}  # seq -> foreign blocks it hit (evidence of its one finding)
+
+    def handlers(self):
+        return {Adapter: self._adapter, SeqStart: self._start, SeqEnd: self._end, Write: self._write,
+                Share: self._share, Free: self._gone, Evict: self._gone}
+
+    def _adapter(self, ev: Adapter) -> Sequence[Finding]:
+        self.loads[ev.adapter_id] = (ev.load, ev)
+        return NO_FINDINGS
+
+    def _start(self, ev: SeqStart) -> Sequence[Finding]:
+        if ev.adapter is not None or ev.adapter_id is not None or ev.salt is not None:
+            self.seqs[ev.seq] = ev
+        return NO_FINDINGS
+
+    def _end(self, ev: SeqEnd) -> Sequence[Finding]:
+        self.seqs.pop(ev.seq, None)
+        self._hits.pop(ev.seq, None)  # its finding keeps the list
+        return NO_FINDINGS
+
+    def _identity(self, seq: Any) -> Identity:
+        start = self.seqs.get(seq)
+        if start is None or (start.adapter is None and start.adapter_id is None):
+            return None
+        key = start.adapter_id if start.adapter_id is not None else start.adapter
+        load = self.loads.get(key)
+        return (start.adapter or str(key), key, load[0] if load else 0)
+
+    def _write(self, ev: Write) -> Sequence[Finding]:
+        if ev.block not in self.written_under:
+            self.written_under[ev.block] = (self._identity(ev.seq), ev.seq)
+        return NO_FINDINGS
+
+    def _gone(self, ev: Free | Evict) -> Sequence[Finding]:
+        self.written_under.pop(ev.block, None)
+        return NO_FINDINGS
+
+    def _share(self, ev: Share) -> Sequence[Finding]:
+        if ev.hash is None or ev.seq == PREFIX_CACHE or ev.block not in self.written_under:
+            return NO_FINDINGS
+        theirs, writer = self.written_under[ev.block]
+        mine = self._identity(ev.seq)
+        if mine == theirs:
+            return NO_FINDINGS
+        hits = self._hits.get(ev.seq)
+        if hits is not None:  # the same request's next foreign block: evidence of its one finding
+            hits.append(ev.block)
+            return NO_FINDINGS
+        hits = self._hits[ev.seq] = [ev.block]
+        collision = self._collision(ev.seq, mine, writer, theirs)
+        rule = "key-collision" if collision else "foreign-hit"
+        cause = collision or self._cause(mine, theirs)
+        return [self.finding(
+            rule,
+            f"prefix hit on block {ev.block} by request {ev.seq!r} at step {ev.step}: the block was computed by "
+            f"{writer!r} under {_describe(theirs)}, but {ev.seq!r} runs under {_describe(mine)}; {cause}. Its K/V "
+            f"are another model's (evidence.foreign_blocks lists every such block the request hit)",
+            seq=ev.seq, block=ev.block, step=ev.step, computed_under=_identity_dict(theirs),
+            hit_under=_identity_dict(mine), written_by=writer, foreign_blocks=hits,
+            events=[self.event_dict(ev)] + [self.event_dict(a) for a in self._load_events(mine, theirs)],
+            history=self.ledger.block_history(ev.block),
+        )]
+
+    def _load_events(self, *identities: Identity) -> list[Adapter]:
+        keys = {i[1] for i in identities if i is not None}
+        return [self.loads[k][1] for k in keys if k in self.loads]
+
+    def _collision(self, seq: Any, mine: Identity, writer: Any, theirs: Identity) -> str | None:
+        """The cause when one side's cache salt equals the other side's adapter name, else None."""
+        for a, b, b_id in ((seq, writer, theirs), (writer, seq, mine)):
+            start = self.seqs.get(a)
+            if b_id is not None and start is not None and start.salt == b_id[0]:
+                return (f"{a!r}'s cache_salt {start.salt!r} equals the adapter name of {b!r}: the engine's prefix "
+                        f"key does not keep its parts apart (tag each part: vllm #44701, sglang #24638)")
+        return None
+
+    @staticmethod
+    def _cause(mine: Identity, theirs: Identity) -> str:
+        if mine is None or theirs is None:
+            return "the prefix key leaves the adapter out (vllm #3264)"
+        if mine[0] == theirs[0] and mine[1] == theirs[1]:
+            return (f"adapter {mine[0]!r} was reloaded in place with other contents (load {theirs[2]} -> {mine[2]}) "
+                    f"and the prefix cache was not reset: the key holds its name and path, not its load (vllm PR "
+                    f"#42495). Reset the prefix cache after reloading an adapter")
+        if mine[0] == theirs[0]:
+            return (f"two adapters share the name {mine[0]!r} (ids {theirs[1]} and {mine[1]}): the key holds the "
+                    f"name, not the id (vllm #30931)")
+        return "the prefix key does not tell these adapters apart"
+
+
+def _identity_dict(identity: Identity) -> dict | None:
+    return None if identity is None else {"name": identity[0], "id": identity[1], "load": identity[2]}
