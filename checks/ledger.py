@@ -112,9 +112,11 @@ class Ledger:
         return [to_dict(e) for e in events]
 
     def stacks(self, block: int | None, seq: Any) -> dict[str, list[str]]:
-        """The user's code behind a finding about ``block`` and/or ``seq``: where the block was allocated
-        (its alloc's stack, else its sequence's first), else where ``seq`` started; then where the
-        sequence ended (the finish or abort that left the block behind). Empty when none was recorded."""
+        """The user's code behind a finding about ``block`` and/or ``seq``, first the most telling: where
+        ``seq`` started when it is not the sequence that allocated ``block`` (a read or write of another's
+        block: the misuse is the newcomer's), where the block was allocated (its alloc's stack, else its
+        sequence's first), and where the sequence ended (the finish or abort that left the block behind).
+        Empty when the producer recorded none."""
         out: dict[str, list[str]] = {}
         if not self.seq_stacks:
             return out
@@ -123,14 +125,15 @@ class Ledger:
             alloc = self.alloc_event.get(block)
             if alloc is None and block in self.freed:
                 alloc = self.freed[block][1]
+        recorded = self.seq_stacks.get(seq, {})
+        if (alloc is None or alloc.seq != seq) and "seq_start" in recorded:
+            out["seq_start"] = recorded["seq_start"]
         if alloc is not None:
             stack = alloc.stack or self.seq_stacks.get(alloc.seq, {}).get("alloc")
             if stack:
                 out["alloc"] = stack
-            seq = seq if seq is not None else alloc.seq
-        recorded = self.seq_stacks.get(seq, {})
-        if not out and "seq_start" in recorded:
-            out["seq_start"] = recorded["seq_start"]
+            if seq is None:
+                recorded = self.seq_stacks.get(alloc.seq, {})
         if "seq_end" in recorded:
             out["seq_end"] = recorded["seq_end"]
         return out

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import msgspec
 
 from .. import knobs
+from ..callsite import user_stack
 from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Weights
 from ..trace import TraceWriter
 from .guard import Call, Guard
@@ -54,6 +55,16 @@ class _Trace:
         self.step = 0
         self.ids = Versions()
         self.buf: list[Event] = []
+        self._stack: tuple[int, list[str] | None] = (-1, None)
+
+    def stack(self) -> list[str] | None:
+        """The user's frames behind this step's sequences and blocks: walked once per step, as every row
+        of a pass was started, allocated or ended by the same call in the user's code."""
+        step, frames = self._stack
+        if step != self.step:
+            frames = user_stack()
+            self._stack = (self.step, frames)
+        return frames
 
     def emit(self, cls: type, **fields: Any) -> None:
         self.buf.append(cls(t=time.perf_counter_ns() - self.t0, step=self.step, **fields))
@@ -226,7 +237,8 @@ class Observer:
                 other.rows.end_all("finished")
                 del self._caches[key]
         self._num_caches += 1
-        seen = _Seen(cache, CacheRows(f"c{self._num_caches}", BLOCK_SIZE, self.trace.ids, self.trace.emit))
+        seen = _Seen(cache, CacheRows(f"c{self._num_caches}", BLOCK_SIZE, self.trace.ids, self.trace.emit,
+                                         self.trace.stack))
         self._caches[id(cache)] = seen
         return seen
 

@@ -60,11 +60,13 @@ class Row:
 class CacheRows:
     """The rows of one cache and the events their changes make."""
 
-    def __init__(self, label: str, block_size: int, versions: Versions, emit: Emit) -> None:
+    def __init__(self, label: str, block_size: int, versions: Versions, emit: Emit,
+                 stack: Callable[[], list[str] | None] = lambda: None) -> None:
         self.label = label
         self.block_size = block_size
         self.ids = versions
         self.emit = emit
+        self.stack = stack  # the user's frames for seq_start, a sequence's first alloc and seq_end
         self.rows: list[Row] = []
         self.num_slots = 0  # slots written per row (transformers' get_seq_length)
 
@@ -73,7 +75,7 @@ class CacheRows:
     def start_seq(self, prompt_len: int) -> str:
         seq = self.ids.new_seq(self.label)
         self.ids.version[seq] = 0
-        self.emit(SeqStart, seq=seq, prompt_len=prompt_len)
+        self.emit(SeqStart, seq=seq, prompt_len=prompt_len, stack=self.stack())
         return seq
 
     def new_rows(self, prompt_lens: Sequence[int]) -> None:
@@ -90,7 +92,7 @@ class CacheRows:
         self.num_slots = 0
 
     def _end(self, row: Row, reason: str) -> None:
-        self.emit(SeqEnd, seq=row.holder, reason=reason)
+        self.emit(SeqEnd, seq=row.holder, reason=reason, stack=self.stack())
         for block in row.blocks:
             self.emit(Free, block=block)
         self.ids.version.pop(row.holder, None)
@@ -120,7 +122,7 @@ class CacheRows:
                 block = self.ids.new_block()
                 row.blocks.append(block)
                 row.block_versions.append(0)
-                self.emit(Alloc, block=block, tier="device", seq=row.holder)
+                self.emit(Alloc, block=block, tier="device", seq=row.holder, stack=None if k else self.stack())
             if count == 0:
                 first = pos
             if k == chunk_block and pos == chunk_pos + chunk_n:
@@ -194,7 +196,7 @@ class CacheRows:
             block = self.ids.new_block()
             row.blocks.append(block)
             row.block_versions.append(0)
-            self.emit(Alloc, block=block, tier="device", seq=row.holder)
+            self.emit(Alloc, block=block, tier="device", seq=row.holder, stack=None if k else self.stack())
             self._write_chunk(row, row.holder, k, k * bs, min(bs, source.num_real - k * bs))
         return row
 

@@ -3,6 +3,9 @@ and a finding naming sequence, block or position, layer and step for each misuse
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
@@ -11,6 +14,7 @@ import kvdoctor
 from kvdoctor.checks import make_suite
 from kvdoctor.engine.model import tiny_llama
 from kvdoctor.events import Attn, Batch, Read, Rollback, SeqStart, Write
+from kvdoctor.findings import split_frame
 from kvdoctor.trace import TraceReader
 
 PAD = 0
@@ -204,6 +208,28 @@ def test_one_cache_reused_for_an_unrelated_prompt_is_a_read_of_another_sequences
     # THEN the second prompt's sequence read the first one's block, named with layer and step
     found = _only(_findings(tmp_path / "run.kvtrace"), "batch/read-not-owned")
     assert found.block is not None and found.layer == 0 and found.step >= 4 and found.seq is not None
+
+
+def test_a_finding_names_the_users_lines_that_allocated_and_misused_the_cache(tiny, tmp_path):
+    # GIVEN the reused cache of the test above, each generate call on a line of its own
+    cache = DynamicCache(config=tiny.config)
+    a, b = torch.randint(3, 120, (1, 6)), torch.randint(3, 120, (1, 20))
+    with kvdoctor.observe(tiny, trace=tmp_path / "run.kvtrace"):
+        first = sys._getframe().f_lineno + 1
+        tiny.generate(a, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        second = sys._getframe().f_lineno + 1
+        tiny.generate(b, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    # THEN the finding starts at the second call (the unrelated prompt) and names the first (the block's allocation)
+    found = _only(_findings(tmp_path / "run.kvtrace"), "batch/read-not-owned")
+    starts, allocs = (split_frame(found.stacks[kind][0]) for kind in ("seq_start", "alloc"))
+    here = Path(__file__).name, sys._getframe().f_code.co_name
+    assert (Path(starts[0]).name, starts[2], starts[1]) == (*here, second)
+    assert (Path(allocs[0]).name, allocs[2], allocs[1]) == (*here, first)
+    assert found.code_location == (starts[0], second) and not Path(starts[0]).is_absolute()
+    # AND only the user's frames are recorded: none of transformers', torch's or kvdoctor's
+    events = _events(tmp_path / "run.kvtrace")
+    frames = [f for e in events if getattr(e, "stack", None) for f in e.stack]
+    assert frames and all(Path(split_frame(f)[0]).name == Path(__file__).name for f in frames)
 
 
 def test_rows_swapped_between_calls_on_one_cache_are_found(tiny, tmp_path):
