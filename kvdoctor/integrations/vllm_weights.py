@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .guard import Call, positions
 from .weights import weights_digest
 
-__all__ = ["patch_engine_core"]
+__all__ = ["patch_engine_core", "tracer_of"]
 
 # EngineCore utilities after which the weights may differ, and the cause each stands for
 _UTILITIES = {"collective_rpc": "update", "wake_up": "wake"}
@@ -53,7 +53,7 @@ def _watched(original: Callable, name: str, cause: str) -> Callable:
     arguments = positions(original)  # of the unbound function: ``self`` is argument 0
 
     def utility(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tracer = _tracer_of(self)
+        tracer = tracer_of(self)
         if tracer is None:
             return original(self, *args, **kwargs)
         part, digest = f"EngineCore.{name}", lambda: _digest(self)
@@ -69,7 +69,7 @@ def _watched(original: Callable, name: str, cause: str) -> Callable:
     return utility
 
 
-def _tracer_of(engine_core: Any) -> Any:
+def tracer_of(engine_core: Any) -> Any:
     try:
         return getattr(engine_core.scheduler, "_kvdoctor", None)
     except Exception:  # an engine core without a scheduler yet: nothing traced there
