@@ -52,6 +52,7 @@ from ..events import (
 from ..trace import TraceWriter
 from .guard import Call, Guard
 from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
+from .vllm_lora import watch_adapters
 from .vllm_weights import patch_engine_core
 
 __all__ = ["register", "VllmTracer", "PREFIX_CACHE", "SUPPORTED"]
@@ -110,6 +111,7 @@ def _patch_scheduler(path: str) -> None:
             from vllm.v1.engine.core import EngineCore  # the process building a scheduler is the engine core
 
             patch_engine_core(EngineCore)
+            watch_adapters(self._kvdoctor, EngineCore)
         except Exception as exc:  # the trace could not even start (an unwritable path): vLLM goes on
             _warn(f"not tracing vLLM ({type(exc).__name__}: {exc})")
 
