@@ -25,11 +25,11 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.engine.core import EngineCore  # noqa: E402
 
-from kvdoctor.checks import make_suite  # noqa: E402
 from kvdoctor.events import Adapter, SeqStart, Share  # noqa: E402
 from kvdoctor.integrations.vllm import PREFIX_CACHE, VllmTracer  # noqa: E402
 from kvdoctor.integrations.vllm_lora import watch_adapters  # noqa: E402
-from kvdoctor.trace import TraceReader  # noqa: E402
+
+from vllm_harness import judge  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -94,9 +94,7 @@ def traced(llm, tmp_path):
 
     def findings():
         tracer.detach()
-        suite = make_suite()
-        with_findings = suite.observe_many(TraceReader(path))
-        return with_findings + suite.finish(), list(TraceReader(path))
+        return judge(path)
 
     yield findings
     if tracer._wrapped:

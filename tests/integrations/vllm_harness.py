@@ -245,9 +245,14 @@ class Harness:
     def findings(self) -> tuple[list, list]:
         """Close the trace, judge it with every check; returns (findings, events)."""
         self.close()
-        suite = make_suite()
-        found = suite.observe_many(TraceReader(self.path))
-        return found + suite.finish(), list(TraceReader(self.path))
+        return judge(self.path)
+
+
+def judge(path: Path) -> tuple[list, list]:
+    """A finished trace judged by every check: (findings, events)."""
+    suite = make_suite()
+    found = suite.observe_many(TraceReader(path))
+    return found + suite.finish(), list(TraceReader(path))
 
 
 def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_num_batched_tokens: int = 256,
