@@ -22,8 +22,9 @@ __all__ = ["user_stack", "MAX_FRAMES"]
 
 MAX_FRAMES = 8  # the user's innermost frames kept: the call, and the few that led to it
 
-_NOT_THE_USERS: dict[CodeType, bool] = {}
-_SHOWN: dict[CodeType, str] = {}  # the user's code objects -> the path to show for their file
+# id(code) -> (code, the path to show for the user's code or None for a library's): keyed by id because
+# hashing a code object hashes its bytecode; the code object is kept, so its id is never reused meanwhile.
+_VERDICT: dict[int, tuple[CodeType, str | None]] = {}
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -41,18 +42,17 @@ def _library_roots() -> tuple[str, ...]:
 _ROOTS = _library_roots()
 
 
-def _classify(code: CodeType) -> bool:
-    """True when ``code`` is not the user's; a user's code object also gets the path to show."""
+def _classify(code: CodeType) -> str | None:
+    """The path to show for ``code``'s file when it is the user's; None when it is a library's."""
     filename = code.co_filename
     if filename.startswith("<") and not filename.startswith(("<stdin", "<ipython")):
-        return True  # frozen importlib, exec'd strings: nobody's file to open
+        return None  # frozen importlib, exec'd strings: nobody's file to open
     path = os.path.realpath(filename) if os.path.isabs(filename) else os.path.abspath(filename)
     parts = path.split(os.sep)
     if path.startswith(_ROOTS) or "site-packages" in parts or "dist-packages" in parts:
-        return True
+        return None
     cwd = os.getcwd() + os.sep
-    _SHOWN[code] = path[len(cwd):] if path.startswith(cwd) else path  # relative: the same on every checkout
-    return False
+    return path[len(cwd):] if path.startswith(cwd) else path  # relative: the same on every checkout
 
 
 def user_stack(limit: int = MAX_FRAMES) -> list[str] | None:
@@ -61,14 +61,14 @@ def user_stack(limit: int = MAX_FRAMES) -> list[str] | None:
     (kvdoctor's own demo, a server's worker thread)."""
     frame = sys._getframe(1)
     out: list[str] = []
-    not_the_users = _NOT_THE_USERS
+    verdicts = _VERDICT
     while frame is not None:
         code = frame.f_code
-        skip = not_the_users.get(code)
-        if skip is None:
-            skip = not_the_users[code] = _classify(code)
-        if not skip:
-            out.append(f"{_SHOWN[code]}:{frame.f_lineno} {code.co_qualname}")
+        known = verdicts.get(id(code))
+        if known is None or known[0] is not code:
+            known = verdicts[id(code)] = (code, _classify(code))
+        if known[1] is not None:
+            out.append(f"{known[1]}:{frame.f_lineno} {code.co_qualname}")
             if len(out) == limit:
                 break
         frame = frame.f_back
