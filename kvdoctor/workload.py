@@ -281,7 +281,13 @@ class WorkloadSession:
         return self
 
     def __iter__(self) -> Iterator[tuple[Any, list[Finding]]]:
-        """``(event, findings it completed)`` for every event in merged order, then ``(None, end findings)``."""
+        """``(event, findings it completed)`` for every event, a trace's batch at a time in merged order, then
+        ``(None, end findings)``."""
+        for _, event, found in self._drive(per_event=True):
+            yield event, found
+
+    def tagged(self) -> Iterator[tuple[TraceTag | None, Any, list[Finding]]]:
+        """As iterating, with the trace each event came from (None with the end findings)."""
         yield from self._drive(per_event=True)
 
     def stop(self) -> None:
@@ -290,7 +296,7 @@ class WorkloadSession:
         for m in self.members:
             m.source.close()
 
-    def _drive(self, per_event: bool) -> Iterator[tuple[Any, list[Finding]]]:
+    def _drive(self, per_event: bool) -> Iterator[tuple[TraceTag | None, Any, list[Finding]]]:
         try:
             self._start()
             while not self._stop.is_set():
@@ -309,7 +315,7 @@ class WorkloadSession:
             for m in self.members:
                 m.source.close()
             self.traces.close()
-        yield None, self.close()
+        yield None, None, self.close()
 
     def _start(self) -> None:
         paths = list(self.traces.paths)
@@ -422,13 +428,14 @@ class WorkloadSession:
         self._discover()  # a trace opened just before the workload exited
         return len(self.members) == before and all(m.ended for m in self.members)
 
-    def _feed(self, m: _Member, batch: list, per_event: bool) -> Iterator[tuple[Any, list[Finding]]]:
-        index = m.tag.index
+    def _feed(self, m: _Member, batch: list, per_event: bool) -> Iterator[tuple[TraceTag, Any, list[Finding]]]:
+        index, tag = m.tag.index, m.tag
         if per_event:
             observe = m.suite.observe
+            several = len(self.members) > 1
             for event in batch:
                 found = self._accept(index, observe(event))
-                yield event, found
+                yield tag, event, [msgspec.structs.replace(f, trace=tag.name) for f in found] if several else found
         else:
             found = m.suite.observe_many(batch)
             if found:
@@ -525,6 +532,11 @@ class WorkloadSession:
     @property
     def num_events(self) -> int:
         return sum(m.suite.num_events for m in self.members)
+
+    @property
+    def t0_base(self) -> int | None:
+        """The earliest wall-clock ``t0`` of the workload's traces (None: none says one)."""
+        return self._t0_base
 
     @property
     def header(self) -> Header | None:

@@ -119,3 +119,27 @@ def test_trace_processor_reads_the_export(exported):
         assert int(leak.as_pandas_dataframe()["n"][0]) == 1
     finally:
         tp.close()
+
+
+def test_a_workload_exports_a_process_per_trace_on_one_wall_clock_timeline(tmp_path, capsys):
+    # GIVEN two traces of one workload, the second started 1 ms after the first and leaking
+    quiet = [E.StepEnd(t=10_000, step=0)]
+    first = write_trace(tmp_path / "run.kvtrace", quiet, header=E.Header(
+        block_size=4, num_layers=2, tiers=[E.TierSpec(name="device", capacity_blocks=8)], t0=10**9, instance="a"))
+    write_trace(tmp_path / "run.2.kvtrace", _timed(leaky_events()), header=E.Header(
+        block_size=4, num_layers=2, tiers=[E.TierSpec(name="device", capacity_blocks=8)], t0=10**9 + 10**6,
+        instance="b"))
+    out = tmp_path / "workload.json"
+    # WHEN the directory is exported
+    assert main(["export", str(tmp_path), "--perfetto", str(out)]) == 0
+    capsys.readouterr()
+    events = json.loads(out.read_text())["traceEvents"]
+    # THEN each trace is a process named by its instance, the second's steps 1 ms later on the shared timeline
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {1: "kvdoctor instance a", 2: "kvdoctor instance b"}
+    first_steps = [e["ts"] for e in events if e.get("cat") == "step" and e["pid"] == 2]
+    assert first_steps and first_steps[0] >= 1000.0
+    # AND the leak's finding sits on the second process, naming its trace
+    found = [e for e in events if e.get("cat", "").startswith("finding")]
+    assert found and {e["pid"] for e in found} == {2} and found[0]["args"]["trace"].endswith("run.2.kvtrace")
+    assert str(first) != found[0]["args"]["trace"]

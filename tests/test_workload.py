@@ -130,3 +130,21 @@ def test_check_of_a_command_reads_every_trace_it_writes(tmp_path):
     clean = subprocess.run([*KVDOCTOR, "check", "--", sys.executable, str(script)], capture_output=True, text=True,
                            timeout=300)
     assert clean.returncode == 0 and "0 errors, 0 warnings, 0 info" in clean.stdout, clean.stdout + clean.stderr
+
+
+def test_info_export_and_replay_take_a_workloads_traces(tmp_path, capsys):
+    import json
+
+    from kvdoctor.cli import main
+    from kvdoctor.commands.replay import _pick
+
+    # GIVEN two ranks' traces in a directory
+    for rank in (0, 1):
+        write(tmp_path / f"rank{rank}.kvtrace", [StepEnd(t=1)], instance="p", tp_rank=rank, tp_size=2, t0=5)
+    # WHEN info reads the directory THEN one summary per trace, each saying who wrote it
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    infos = json.loads(capsys.readouterr().out)
+    assert [i["producer"] for i in infos] == [{"instance": "p", "tp_rank": r, "tp_size": 2, "t0": 5} for r in (0, 1)]
+    # AND replay shows one of them, chosen by place or name, and lists the others
+    assert _pick([str(tmp_path)], "rank1.kvtrace").endswith("rank1.kvtrace")
+    assert _pick([str(tmp_path)], "1").endswith("rank0.kvtrace") and "2 rank1.kvtrace" in capsys.readouterr().err

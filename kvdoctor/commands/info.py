@@ -1,4 +1,5 @@
-"""``kvdoctor info FILE``: what a trace holds, at a glance, without running any check."""
+"""``kvdoctor info FILE…``: what a trace holds, at a glance, without running any check; each trace of a
+workload (several files, a directory, a glob) in turn, with who wrote it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ HELP = "summarize a trace: header, event counts by kind, steps, duration, sequen
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", metavar="FILE", help="a .kvtrace (or .kvtrace.gz) file")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("trace", metavar="FILE", nargs="+",
+                   help="a .kvtrace (or .kvtrace.gz) file; several, a directory or a glob: each trace of the workload")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of text (a list of them for several traces)")
+
+
+# What a header says about who wrote the trace (docs/trace-format.md, "A workload is all of its traces").
+_WHO = ("instance", "role", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "layers",
+        "kernel_block_size", "kv_layout", "t0")
 
 
 def summarize(path: str) -> dict:
@@ -43,6 +51,7 @@ def summarize(path: str) -> dict:
         "created": h.created,
         "pid": h.pid,
         "calibration": h.calibration,
+        "producer": {k: getattr(h, k) for k in _WHO if getattr(h, k) is not None},
         "block_size": h.block_size,
         "num_layers": h.num_layers,
         "tiers": {t.name: t.capacity_blocks for t in h.tiers},
@@ -58,10 +67,20 @@ def summarize(path: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    info = summarize(args.trace)
+    from ..workload import trace_files
+
+    infos = [summarize(path) for path in trace_files(args.trace)]
     if args.json:
-        print(json.dumps(info))
+        print(json.dumps(infos[0] if len(infos) == 1 else infos))
         return 0
+    for i, info in enumerate(infos):
+        if i:
+            print()
+        _print(info)
+    return 0
+
+
+def _print(info: dict) -> None:
     tiers = ", ".join(f"{k} {v} blocks" + (f" ({info['codecs'][k]})" if k in info["codecs"] else "")
                       for k, v in info["tiers"].items())
     steps = "none" if info["steps"] is None else f"{info['steps'][0]}..{info['steps'][1]}"
@@ -72,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     for key in ("model", "engine", "created", "pid", "calibration"):
         if info[key] is not None:
             print(f"{key:<10} {info[key]}")
+    if info["producer"]:
+        print("producer   " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
     print(f"cache      block size {info['block_size']}, {info['num_layers']} layers; {tiers}")
     print(f"events     {info['num_events']}")
     for kind, n in info["kinds"].items():
@@ -80,4 +101,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"duration   {info['duration_s']:.3f} s")
     print(f"sequences  {info['num_sequences']}")
     print(f"ending     {ending}")
-    return 0

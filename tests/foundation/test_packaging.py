@@ -50,7 +50,7 @@ RULES = {
                                     allowed=CONTRACT + ("kvdoctor.engine",)),
     "kvdoctor.export": Rule("an export writes a session's events and findings for another tool",
                             allowed=CONTRACT + TRACE_FORMAT + ("kvdoctor.findings", "kvdoctor.config",
-                                                               "kvdoctor.session")),
+                                                               "kvdoctor.session", "kvdoctor.workload")),
     "kvdoctor.tui": Rule("the TUI is fed by a session; an engine runs in a child process (the demo), never in it",
                          forbidden=ENGINE_SIDE + ("kvdoctor.cli", "kvdoctor.commands", "kvdoctor.pytest_plugin")),
     "kvdoctor.commands": Rule("a command may use anything but the parser that lists it", forbidden=("kvdoctor.cli",)),
