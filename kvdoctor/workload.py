@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
 
@@ -143,10 +143,13 @@ class _Member:
 class TraceSet:
     """The traces of one workload, as they are known so far; ``scan`` finds new ones where it watches."""
 
-    def __init__(self, name: str, *, watch: str | None = None, wait_s: float = 10.0) -> None:
+    def __init__(self, name: str, *, watch: str | None = None, wait_s: float = 10.0,
+                 alive: Callable[[], bool] | None = None, skip: Iterable[str] = ()) -> None:
         self.name = name
         self.watch = watch  # a directory whose new trace files join the workload
         self.wait_s = wait_s
+        self._alive = alive  # while true, more traces may still appear in ``watch``
+        self.skip = {os.path.abspath(p) for p in skip}  # traces another reader takes care of
         self.paths: list[str] = []
         self.pending: dict[str, float] = {}  # a file seen without a whole header yet -> when first seen
         self.unusable: list[tuple[str, str]] = []
@@ -206,7 +209,7 @@ class TraceSet:
         known = set(self.paths) | {p for p, _ in self.unusable}
         new = []
         for path in sorted((os.path.join(self.watch, n) for n in names if _is_trace_name(n)), key=_order):
-            if path in known:
+            if path in known or os.path.abspath(path) in self.skip:
                 continue
             from .trace import read_header
 
@@ -243,6 +246,8 @@ class TraceSet:
 
     def running(self) -> bool:
         """A started workload still runs (more traces may appear)."""
+        if self._alive is not None:
+            return self._alive()
         return self.child is not None and self.child.returncode is None
 
     def close(self) -> None:
@@ -256,8 +261,9 @@ class TraceSet:
 class WorkloadSession:
     """Every check over every trace of a workload: per trace, and across them (see the module docstring)."""
 
-    def __init__(self, traces: TraceSet, config: Config | None = None) -> None:
+    def __init__(self, traces: TraceSet, config: Config | None = None, *, name_traces: bool | None = None) -> None:
         self.traces = traces
+        self.name_traces = name_traces  # findings name their trace: always, never, or (None) when there are several
         self.config = config or Config()
         self.across = make_across_suite(disabled=self.config.disable, severity=self.config.severity,  # type: ignore[arg-type]
                                         max_per_rule=self.config.max_findings_per_rule)
@@ -271,7 +277,7 @@ class WorkloadSession:
         self._closed = False
         self._t0_base: int | None = None
         self._last_scan = 0.0
-        self._named = 0  # the set's unusable traces already named
+        self._unusable_named = 0  # the set's unusable traces already named
 
     # ---- running ---------------------------------------------------------------------
 
@@ -323,7 +329,7 @@ class WorkloadSession:
             paths = self._first_traces()
         for path in paths:
             self._add(path, strict=len(paths) == 1 and self.traces.watch is None)
-        if not self.members and not self.traces.unusable:
+        if not self.members and not self.traces.unusable and self.traces.watch is None:
             raise TraceError(f"no trace to check in {self.traces.name}")
 
     def _first_traces(self) -> list[str]:
@@ -413,9 +419,9 @@ class WorkloadSession:
         self._last_scan = time.monotonic()
         for path in self.traces.scan():
             self._add(path)
-        for path, why in self.traces.unusable[self._named:]:
+        for path, why in self.traces.unusable[self._unusable_named:]:
             self._unusable(path, why)
-        self._named = len(self.traces.unusable)
+        self._unusable_named = len(self.traces.unusable)
 
     def _all_done(self) -> bool:
         if not all(m.ended for m in self.members):
@@ -432,10 +438,9 @@ class WorkloadSession:
         index, tag = m.tag.index, m.tag
         if per_event:
             observe = m.suite.observe
-            several = len(self.members) > 1
             for event in batch:
                 found = self._accept(index, observe(event))
-                yield tag, event, [msgspec.structs.replace(f, trace=tag.name) for f in found] if several else found
+                yield tag, event, [self._named(index, f) for f in found] if found else found
         else:
             found = m.suite.observe_many(batch)
             if found:
@@ -516,7 +521,7 @@ class WorkloadSession:
                 self._accept(m.tag.index, m.suite.finish())
         self._release((1 << 62, 0))
         self._accept(None, self.across.finish())
-        return [f for _, f in self._found[before:]]
+        return [self._named(i, f) for i, f in self._found[before:]]
 
     def add(self, findings: list[Finding]) -> None:
         """Findings about the workload itself (its exit status)."""
@@ -525,9 +530,15 @@ class WorkloadSession:
     @property
     def findings(self) -> list[Finding]:
         """Every finding so far; each names its trace when the workload has several."""
-        several = len(self.members) > 1 or bool(self.traces.unusable)
-        return [msgspec.structs.replace(f, trace=self.members[i].tag.name)
-                if several and i is not None and f.trace is None else f for i, f in self._found]
+        return [self._named(i, f) for i, f in self._found]
+
+    def _named(self, index: int | None, f: Finding) -> Finding:
+        """``f`` naming the trace it came from, where findings do (see ``name_traces``)."""
+        if index is None or f.trace is not None:
+            return f
+        named = self.name_traces if self.name_traces is not None else (
+            len(self.members) > 1 or bool(self.traces.unusable))
+        return msgspec.structs.replace(f, trace=self.members[index].tag.name) if named else f
 
     @property
     def num_events(self) -> int:

@@ -148,3 +148,24 @@ def test_info_export_and_replay_take_a_workloads_traces(tmp_path, capsys):
     # AND replay shows one of them, chosen by place or name, and lists the others
     assert _pick([str(tmp_path)], "rank1.kvtrace").endswith("rank1.kvtrace")
     assert _pick([str(tmp_path)], "1").endswith("rank0.kvtrace") and "2 rank1.kvtrace" in capsys.readouterr().err
+
+
+def test_watch_checks_the_other_traces_of_its_workload(tmp_path):
+    from types import SimpleNamespace
+
+    from kvdoctor.checks import make_suite
+    from kvdoctor.commands.watch import _OtherTraces
+
+    # GIVEN a watched workload whose first trace is on screen and whose second cache leaks
+    workload = SimpleNamespace(trace=tmp_path / "workload.kvtrace", title="two caches", returncode=None)
+    write(workload.trace, [StepEnd(t=1)])
+    checker = _OtherTraces(make_suite(), Config(), workload)
+    write(tmp_path / "workload.2.kvtrace", leaky())
+    time.sleep(1.0)
+    # WHEN the screen's trace goes on, and the workload exits
+    found = list(checker.observe(StepEnd(t=2, step=1)))
+    workload.returncode = 0
+    found += checker.finish()
+    # THEN the leak of the second trace reaches the screen's findings, naming its trace, its block kept aside
+    assert found and {f.trace.rsplit("/", 1)[1] for f in found} == {"workload.2.kvtrace"}
+    assert all(f.block is None for f in found) and any(f.evidence.get("block") == 0 for f in found)

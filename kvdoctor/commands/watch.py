@@ -119,6 +119,8 @@ def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: A
     from ..tui.feed import LiveFeed, suite_factory
 
     checker_factory = suite_factory(config)
+    if workload is not None:
+        checker_factory = _with_other_traces(checker_factory, config, workload)
     if metrics is not None:
         from ..metrics import metered
 
@@ -131,3 +133,62 @@ def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: A
         workload=workload,
     )
     app.run()
+
+
+def _with_other_traces(factory: Any, config: Any, workload: Any) -> Any:
+    """The screen shows the workload's first trace; every other trace it writes (a second cache, another
+    process) is checked too, on a thread of its own, each on its own and across them
+    (``kvdoctor.workload``), and its findings join the screen's list with the next event shown."""
+
+    def make(header: Any) -> Any:
+        return _OtherTraces(factory(header), config, workload)
+
+    return make
+
+
+class _OtherTraces:
+    """A checker for the feed: the shown trace's suite, plus the findings of the workload's other traces.
+
+    Those findings name their trace and leave ``block`` to the evidence, so the block map of the trace on
+    screen never marks a block of another trace."""
+
+    def __init__(self, suite: Any, config: Any, workload: Any) -> None:
+        import queue
+        import threading
+
+        from ..workload import TraceSet, WorkloadSession
+
+        self.suite = suite
+        self._found: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        traces = TraceSet(f"the other traces of {workload.title}", watch=str(workload.trace.parent),
+                          alive=lambda: workload.returncode is None, skip=[str(workload.trace)])
+        traces.follow = True
+        self.session = WorkloadSession(traces, config, name_traces=True)
+        self._thread = threading.Thread(target=self._run, name="kvdoctor-other-traces", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+
+        for _, found in self.session:
+            for f in found:
+                if f.block is not None:
+                    f = msgspec.structs.replace(f, block=None, evidence={**f.evidence, "block": f.block})
+                self._found.put(f)
+
+    def _drain(self) -> list[Any]:
+        out = []
+        while not self._found.empty():
+            out.append(self._found.get())
+        return out
+
+    def observe(self, event: Any) -> list[Any]:
+        found = self.suite.observe(event)
+        return [*found, *self._drain()] if not self._found.empty() else found
+
+    def finish(self) -> list[Any]:
+        self._thread.join(10.0)  # the workload is gone: its other traces end as their writers did
+        if self._thread.is_alive():
+            self.session.stop()
+            self._thread.join(2.0)
+        return [*self.suite.finish(), *self._drain()]
