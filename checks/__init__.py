@@ -32,6 +32,7 @@ from .ledger import ENDED_KEPT, FREED_KEPT, Ledger
 from .observer import ObserverCheck
 from .prefix import PrefixCheck
 from .ranks import RanksCheck
+from .slots import SlotsCheck
 from .stale import StaleCheck
 from .transfer import TransferCheck
 from .weights import WeightsCheck
@@ -41,13 +42,13 @@ __all__ = [
     "LeakCheck", "LeakSettings", "StaleCheck", "BatchCheck", "AttentionCheck", "AttentionSettings",
     "AttentionProfile", "ProfileBuilder", "shipped_profile",
     "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck", "ObserverCheck",
-    "WeightsCheck", "TransferCheck", "AdaptersCheck", "ACROSS_CHECKS", "make_across_suite", "AcrossCheck", "TraceTag",
-    "RanksCheck", "HandoffCheck",
+    "WeightsCheck", "TransferCheck", "AdaptersCheck", "SlotsCheck", "ACROSS_CHECKS", "make_across_suite",
+    "AcrossCheck", "TraceTag", "RanksCheck", "HandoffCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (
     LeakCheck, StaleCheck, BatchCheck, AttentionCheck, AccountingCheck, CodecCheck, IntegrityCheck, PrefixCheck,
-    ObserverCheck, WeightsCheck, TransferCheck, AdaptersCheck, RanksCheck, HandoffCheck,
+    ObserverCheck, WeightsCheck, TransferCheck, AdaptersCheck, SlotsCheck, RanksCheck, HandoffCheck,
 )
 # The checks that judge several traces of one workload together (``kvdoctor.workload`` feeds them).
 ACROSS_CHECKS: tuple[type[AcrossCheck], ...] = (RanksCheck, HandoffCheck)
@@ -72,7 +73,7 @@ def make_suite(
         LeakCheck(leak, ledger), StaleCheck(ledger), BatchCheck(ledger),
         AttentionCheck(attention, ledger, attention_profile), AccountingCheck(ledger), CodecCheck(ledger),
         IntegrityCheck(ledger), PrefixCheck(ledger), ObserverCheck(ledger),
-        WeightsCheck(ledger), TransferCheck(ledger), AdaptersCheck(ledger),
+        WeightsCheck(ledger), TransferCheck(ledger), AdaptersCheck(ledger), SlotsCheck(ledger),
     ]
     disabled = set(disabled)
     return CheckSuite([c for c in checks if c.name not in disabled], ledger=ledger,

@@ -34,7 +34,7 @@ import msgspec
 
 from .. import knobs
 from ..callsite import user_stack
-from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Weights
+from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Truncate, Weights
 from ..trace import TraceWriter
 from .guard import Call, Guard
 from .weights import weights_digest
@@ -122,6 +122,8 @@ class _Seen:
         self.ref = weakref.ref(cache)
         self.rows = rows
         self.layer: Any = None
+        self.layer_index: int | None = None
+        self.cut = False  # a crop or reset since the last pass: slots the cache holds past ``rows.num_slots`` are stale
         self.dirty = False  # rows were moved or cut since the last pass: check what each row continues
         self.broken = False  # a pass the cache could not take (batch size changed): start it over
 
@@ -249,6 +251,7 @@ class Observer:
             return
         self._unshadow(seen)
         seen.layer = layer
+        seen.layer_index = next(i for i, l in enumerate(cache.layers) if l is layer)
         for name in _LAYER_OPS:
             if hasattr(layer, name):
                 setattr(layer, name, self.guard.wrap(getattr(layer, name), f"{type(layer).__name__}.{name}",
@@ -276,10 +279,12 @@ class Observer:
             if tokens_to_remove < 0 and rows.rows:
                 rows.crop(-tokens_to_remove)
                 seen.dirty = True
+            self._cut(seen, "crop", f"crop({tokens_to_remove})")
 
         def after(call: Call, _: Any, __: Any) -> None:
             if name == "reset":
                 rows.end_all("finished")
+                self._cut(seen, "reset", "reset()")
             elif rows.num_slots:
                 arg = call.first()
                 if name == "batch_repeat_interleave":
@@ -290,6 +295,15 @@ class Observer:
                 seen.dirty = True
 
         return {"before": crop_before, "after": crop_after} if name == "crop" else {"after": after}
+
+    def _cut(self, seen: _Seen, op: str, asked: str) -> None:
+        """A ``truncate``: what the cut should leave, and what the layer it ran on reports now (transformers #47433,
+        #48509: a crop or reset that leaves slots behind). The next pass treats slots past it as never written."""
+        layer = seen.layer
+        length = int(layer.get_seq_length()) if getattr(layer, "is_initialized", True) else 0
+        self.trace.emit(Truncate, op=op, keep=seen.rows.num_slots, length=length, layer=seen.layer_index,
+                        cache=seen.rows.label, asked=asked)
+        seen.cut = True
 
     # ---- a forward pass -------------------------------------------------------------
 
@@ -362,9 +376,11 @@ class Observer:
         seen = self._seen(cache)
         self._shadow(seen, cache)
         rows = seen.rows
-        if seen.broken or (rows.rows and (len(rows.rows) != batch or rows.num_slots != past)):
+        stale = past - rows.num_slots if seen.cut and past > rows.num_slots else 0
+        seen.cut = False
+        if seen.broken or (rows.rows and (len(rows.rows) != batch or rows.num_slots + stale != past)):
             rows.end_all("aborted")  # changed where the observer could not see it: start it over
-            seen.broken = False
+            seen.broken = stale = False
         full_ids = pending[1] if pending is not None else None
         mask2d = pending[2] if pending is not None else (mask if mask is not None and mask.dim() == 2 else None)
         real = (mask2d[:, -new:] != 0).tolist() if mask2d is not None and mask2d.shape[-1] >= new else [[True] * new] * batch
@@ -374,6 +390,10 @@ class Observer:
             pos = pos * batch if len(pos) == 1 else pos
         else:
             pos = [list(range(past, past + new))] * batch
+        if stale:  # slots a cut left behind: the rows hold them, nobody wrote them (since the cut)
+            if not rows.rows:
+                rows.new_rows([past - stale + sum(r) for r in real])
+            rows.stale(stale)
         if not rows.rows:
             self._start(rows, pending, mask2d, batch, past, real)
         elif pending is not None and (pending[3] or seen.dirty):
@@ -386,7 +406,7 @@ class Observer:
         for b, row in enumerate(rows.rows):
             n = sum(real[b])
             counts.append(n)
-            firsts.append(pos[b][real[b].index(True)] if n else row.num_real)
+            firsts.append(pos[b][real[b].index(True)] if n and not row.unwritten else row.num_real)
         rows.batch(firsts, counts, self.tap.shape)
         for b, row in enumerate(rows.rows):
             rows.write(row, tokens[b], real[b], pos[b])

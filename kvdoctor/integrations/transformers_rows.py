@@ -45,7 +45,7 @@ class Versions:
 class Row:
     """One batch row of the cache: who holds it, who computes in it, what its slots contain."""
 
-    __slots__ = ("holder", "writer", "tokens", "real_at", "num_real", "blocks", "block_versions")
+    __slots__ = ("holder", "writer", "tokens", "real_at", "num_real", "blocks", "block_versions", "unwritten")
 
     def __init__(self, holder: Any) -> None:
         self.holder = holder
@@ -55,6 +55,7 @@ class Row:
         self.num_real = 0
         self.blocks: list[int] = []  # block k holds real tokens k*block_size ... (k+1)*block_size-1
         self.block_versions: list[int] = []  # the version the last write into each block made
+        self.unwritten = False  # holds slots nobody wrote (left by a cut): its writes are numbered by slot
 
 
 class CacheRows:
@@ -117,6 +118,8 @@ class CacheRows:
             if not is_real:
                 row.real_at.append(-1)
                 continue
+            if row.unwritten:  # rotary positions restart over stale slots; the slot is where the K/V land
+                pos = row.num_real
             k = row.num_real // bs
             if k == len(row.blocks):
                 block = self.ids.new_block()
@@ -138,6 +141,22 @@ class CacheRows:
             self._write_chunk(row, writer, chunk_block, chunk_pos, chunk_n)
         return first, count
 
+    def stale(self, n: int) -> None:
+        """``n`` slots appended to every row that no sequence wrote (a cut that left them behind): they count as the
+        row's tokens, in blocks of its holder, with no ``write``, so a read of them is a read of unwritten slots."""
+        bs = self.block_size
+        for row in self.rows:
+            row.tokens.extend([None] * n)
+            row.real_at.extend(range(row.num_real, row.num_real + n))
+            row.num_real += n
+            row.unwritten = True
+            while len(row.blocks) * bs < row.num_real:
+                block = self.ids.new_block()
+                row.blocks.append(block)
+                row.block_versions.append(0)
+                self.emit(Alloc, block=block, tier="device", seq=row.holder)
+        self.num_slots += n
+
     def _write_chunk(self, row: Row, writer: Any, k: int, pos: int, n: int) -> None:
         version = self.ids.version.get(writer, 0) + n
         self.ids.version[writer] = version
@@ -153,16 +172,19 @@ class CacheRows:
         for row in self.rows:
             if not row.num_real:
                 continue
-            lo = 0
+            lo = first = 0
             if visible_from > 0:
                 real_at = row.real_at
                 s = min(visible_from, len(real_at))
                 while s < len(real_at) and real_at[s] < 0:
                     s += 1
-                lo = real_at[s] // bs if s < len(real_at) else len(row.blocks)
+                first = real_at[s] if s < len(real_at) else row.num_real
+                lo = first // bs if s < len(real_at) else len(row.blocks)
             if lo >= len(row.blocks):
                 continue
-            self.emit(Read, seq=row.writer, blocks=row.blocks[lo:], versions=row.block_versions[lo:], layer=layer)
+            # positions number the row's real tokens, as its writes do (generate's position ids from the mask)
+            self.emit(Read, seq=row.writer, blocks=row.blocks[lo:], versions=row.block_versions[lo:], layer=layer,
+                      span=[first, row.num_real])
 
     # ---- what transformers does to a cache between passes ---------------------------
 

@@ -1,0 +1,112 @@
+"""Slots: K/V read where nothing was written, and caches whose length disagrees with what a cut left.
+
+Attention reads every slot its mask lets through. A slot no write produced holds whatever the memory held:
+zeros of a reset that only zeroed (transformers #48509), tokens a crop kept (transformers #47433), a fresh
+block's leftovers or NaN that 0 x NaN spreads through the softmax (vllm PR #43990, flash-attention #1745).
+Nothing crashes; the model attends to garbage. Two rules:
+- ``unwritten-read``: a ``read`` with a ``span`` of positions, some of which no ``write`` into the listed
+  blocks produced since they were allocated (named: the sequence, the block, the positions, the layer, the step);
+- ``cut-length``: a ``truncate`` after which the cache reports another length than the cut asked to leave,
+  so the next pass appends after stale slots.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..events import Alloc, Evict, Free, Read, Truncate, Write
+from ..findings import Finding
+
+from .base import NO_FINDINGS, CheckBase, Rule
+
+__all__ = ["SlotsCheck"]
+
+_REPORTS = {"reset": "transformers #48509: a reset that zeroes in place keeps the old length",
+            "crop": "transformers #47433: crop(0) or an oversized negative crop keeps tokens"}
+
+
+def _ranges(positions: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out, start = [], positions[0]
+    for prev, p in zip(positions, positions[1:] + [None]):
+        if p != prev + 1:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = p
+    return ", ".join(out)
+
+
+class SlotsCheck(CheckBase):
+    name = "slots"
+    RULES = (
+        Rule("unwritten-read", "error",
+             "a read covered positions that no write into its blocks produced since they were allocated"),
+        Rule("cut-length", "error",
+             "after a crop or reset the cache reports another length than the cut asked to leave"),
+    )
+
+    def __init__(self, ledger=None) -> None:
+        super().__init__(ledger)
+        self.written: dict[int, list[tuple[int, int]]] = {}  # block -> (pos, n) of each write since allocation
+
+    def handlers(self):
+        return {Alloc: self._gone, Free: self._gone, Evict: self._gone, Write: self._write, Read: self._read,
+                Truncate: self._truncate}
+
+    def _gone(self, ev: Alloc | Free | Evict) -> Sequence[Finding]:
+        self.written.pop(ev.block, None)
+        return NO_FINDINGS
+
+    def _write(self, ev: Write) -> Sequence[Finding]:
+        self.written.setdefault(ev.block, []).append((ev.pos, ev.n))
+        return NO_FINDINGS
+
+    def _read(self, ev: Read) -> Sequence[Finding]:
+        if ev.span is None:
+            return NO_FINDINGS
+        start, end = ev.span
+        covered = sorted(w for b in ev.blocks for w in self.written.get(b, ()))
+        missing, at = [], start
+        for pos, n in covered:  # walk the writes in order; gaps before each are unwritten
+            if pos > at:
+                missing.extend(range(at, min(pos, end)))
+            at = max(at, pos + n)
+            if at >= end:
+                break
+        missing.extend(range(at, end))
+        if not missing:
+            return NO_FINDINGS
+        block = self._block_of(ev.blocks, missing[0])
+        if not self.once("unwritten-read", ev.seq, block):
+            return NO_FINDINGS
+        return [self.finding(
+            "unwritten-read",
+            f"sequence {ev.seq!r} read positions {_ranges(missing)} of block {block} at step {ev.step}"
+            f"{'' if ev.layer is None else f', layer {ev.layer}'}, but no write produced them since the block was "
+            f"allocated: attention took stale or uninitialised K/V (zeros, another request's leftovers, NaN)",
+            seq=ev.seq, block=block, step=ev.step, layer=ev.layer, positions=missing[:64], span=list(ev.span),
+            events=[self.event_dict(ev)], history=self.ledger.block_history(block),
+        )]
+
+    def _block_of(self, blocks: list[int], pos: int) -> int:
+        """The read block ``pos`` falls in: one never written, else the last one whose writes start at or before it."""
+        never = [b for b in blocks if not self.written.get(b)]
+        if never:
+            return never[0]
+        starts = [(min(p for p, _ in self.written[b]), b) for b in blocks]
+        before = [b for s, b in starts if s <= pos]
+        return before[-1] if before else blocks[0]
+
+    def _truncate(self, ev: Truncate) -> Sequence[Finding]:
+        if ev.length == ev.keep or not self.once("cut-length", ev.cache, ev.step):
+            return NO_FINDINGS
+        where = f" at layer {ev.layer}" if ev.layer is not None else ""
+        extra = ev.length - ev.keep
+        effect = (f"the next pass appends after {extra} stale slot(s) and attends to them" if extra > 0 else
+                  f"{-extra} slot(s) the rows still count are gone")
+        return [self.finding(
+            "cut-length",
+            f"{ev.asked or ev.op} on cache {ev.cache or '?'} at step {ev.step} should leave {ev.keep} slots per row, "
+            f"but the cache reports {ev.length}{where}: {effect} ({_REPORTS.get(ev.op, ev.op)})",
+            step=ev.step, layer=ev.layer, keep=ev.keep, length=ev.length, cache=ev.cache,
+            events=[self.event_dict(ev)],
+        )]
