@@ -45,7 +45,8 @@ class Versions:
 class Row:
     """One batch row of the cache: who holds it, who computes in it, what its slots contain."""
 
-    __slots__ = ("holder", "writer", "tokens", "real_at", "num_real", "blocks", "block_versions", "unwritten")
+    __slots__ = ("holder", "writer", "tokens", "real_at", "num_real", "blocks", "block_versions", "unwritten",
+                 "first_pos", "next_pos")
 
     def __init__(self, holder: Any) -> None:
         self.holder = holder
@@ -56,6 +57,8 @@ class Row:
         self.blocks: list[int] = []  # block k holds real tokens k*block_size ... (k+1)*block_size-1
         self.block_versions: list[int] = []  # the version the last write into each block made
         self.unwritten = False  # holds slots nobody wrote (left by a cut): its writes are numbered by slot
+        self.first_pos = 0  # the position its first real token was written at, and one past its last: a read's span
+        self.next_pos = 0  # is numbered as the writes are, whatever position ids the caller passed
 
 
 class CacheRows:
@@ -120,6 +123,9 @@ class CacheRows:
                 continue
             if row.unwritten:  # rotary positions restart over stale slots; the slot is where the K/V land
                 pos = row.num_real
+            if not row.num_real:
+                row.first_pos = pos
+            row.next_pos = pos + 1
             k = row.num_real // bs
             if k == len(row.blocks):
                 block = self.ids.new_block()
@@ -150,6 +156,7 @@ class CacheRows:
             row.real_at.extend(range(row.num_real, row.num_real + n))
             row.num_real += n
             row.unwritten = True
+            row.next_pos = row.first_pos + row.num_real
             while len(row.blocks) * bs < row.num_real:
                 block = self.ids.new_block()
                 row.blocks.append(block)
@@ -182,9 +189,8 @@ class CacheRows:
                 lo = first // bs if s < len(real_at) else len(row.blocks)
             if lo >= len(row.blocks):
                 continue
-            # positions number the row's real tokens, as its writes do (generate's position ids from the mask)
             self.emit(Read, seq=row.writer, blocks=row.blocks[lo:], versions=row.block_versions[lo:], layer=layer,
-                      span=[first, row.num_real])
+                      span=[row.first_pos + first, row.next_pos])
 
     # ---- what transformers does to a cache between passes ---------------------------
 
@@ -213,6 +219,7 @@ class CacheRows:
         row.tokens = list(source.tokens)
         row.real_at = list(source.real_at)
         row.num_real = source.num_real
+        row.next_pos = source.num_real  # the copy is written at the positions that number its slots
         bs = self.block_size
         for k in range(len(source.blocks)):
             block = self.ids.new_block()
@@ -235,6 +242,7 @@ class CacheRows:
                 self.rollback(row, dropped + excess)
             del row.tokens[keep:], row.real_at[keep:]
             row.num_real = left
+            row.next_pos = row.first_pos + left
             num_blocks = -(-left // bs)
             for block in row.blocks[num_blocks:]:
                 self.emit(Release, block=block, seq=row.holder)

@@ -99,3 +99,43 @@ def test_a_crop_that_rolls_back_generated_tokens_and_continues_is_clean(tiny, tm
     cuts = [e for e in _events(path) if type(e).__name__ == "Truncate"]
     assert [(c.op, c.keep, c.length) for c in cuts] == [("crop", 12, 12)]
     assert _findings(path) == []
+
+
+def _positions_from_cache_position(model):
+    """``prepare_inputs_for_generation`` as unsloth had it (unsloth #3699; transformers #48161 for right padding):
+    ``position_ids`` set to ``cache_position``, one tensor shared by every row, so a left-padded row's tokens get
+    the positions of its padding."""
+    original = model.prepare_inputs_for_generation
+
+    def prepare(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+        ids = inputs["input_ids"]
+        cache = inputs.get("cache", inputs.get("past_key_values"))
+        start = cache.get_seq_length() if cache is not None else 0
+        inputs["position_ids"] = torch.arange(start, start + ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+        return inputs
+
+    prepare.__wrapped__ = original  # generate validates its arguments against the original's signature
+    return prepare
+
+
+@pytest.mark.parametrize("shared_positions", [True, False])
+def test_position_ids_shared_by_a_left_padded_batch_are_found_naming_the_padded_row(tiny, tmp_path, monkeypatch,
+                                                                                   shared_positions):
+    # GIVEN a batch of two prompts, the second left-padded by four
+    ids = _prompt(9, 0).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = PAD, 0
+    if shared_positions:  # WHEN position ids come from the shared cache position (the bug)
+        monkeypatch.setattr(tiny, "prepare_inputs_for_generation", _positions_from_cache_position(tiny))
+    path = tmp_path / "run.kvtrace"
+    with kvdoctor.observe(tiny, trace=path):
+        tiny.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+    findings = _findings(path)
+    if not shared_positions:  # the clean twin: positions from the mask
+        assert findings == [], findings
+        return
+    # THEN the padded row is named: it computes from position 4 while it holds nothing yet
+    (f,) = [f for f in findings if f.rule == "batch-position"]
+    assert (f.seq, f.step, f.evidence["row"], f.evidence["position"]) == ("c1#2", 0, 1, 4)
+    assert {x.check for x in findings} == {"batch"}, findings
