@@ -24,7 +24,7 @@ def test_sections_build_the_check_settings(tmp_path):
     assert cfg.attention.margin == 1.0 and isinstance(cfg.attention.margin, float)
     suite = cfg.make_suite()
     assert [c.name for c in suite.checks] == ["leak", "stale", "batch", "attention", "codec", "integrity", "prefix",
-                                             "observer", "weights", "transfer"]
+                                             "observer", "weights", "transfer", "adapters", "slots"]
     assert suite.max_per_rule == 7 and suite.severity == {"leak/usage-mismatch": "warning"}
 
 
