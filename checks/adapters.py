@@ -8,7 +8,8 @@ holds, exactly like its tokens. Engines key their prefix caches by the adapter's
 - key parts appended untagged let a cache salt equal to an adapter's name (or a crafted extra key) reach that
   adapter's blocks from the base model (vllm #44701, sglang #24638).
 A block remembers the adapter identity of its first write since allocation: the name and id its writer runs
-under (``seq_start``) and the load number the latest ``adapter`` event gave that id. A hit (``share`` with a
+under (``seq_start``) and the load number (and contents' digest) the latest ``adapter`` event gave that id;
+two identities with one name and the same digest compute the same K/V, whatever their ids. A hit (``share`` with a
 ``hash``) by a sequence of another identity is an error; when the two differ only because one's salt
 equals the other's adapter name, the cause is the key's untagged parts, and the rule says so.
 """
@@ -24,14 +25,27 @@ from .base import NO_FINDINGS, CheckBase, Rule
 
 __all__ = ["AdaptersCheck"]
 
-# (name, id, load) of the adapter a block was computed under; None for the base model alone
-Identity = tuple[str, Any, int] | None
+# (name, id, load, digest of its contents when the producer gave one) of the adapter a block was computed
+# under; None for the base model alone
+Identity = tuple[str, Any, int, str | None] | None
+
+
+def _same(a: Identity, b: Identity) -> bool:
+    """Whether K/V computed under ``a`` and ``b`` are the same: one name and, where both contents are known, the
+    same contents (a server re-adding an adapter under a new id computes the same K/V), else the same id and load."""
+    if a is None or b is None:
+        return a is b
+    if a[0] != b[0]:
+        return False
+    if a[3] is not None and b[3] is not None:
+        return a[3] == b[3]
+    return a[1:3] == b[1:3]
 
 
 def _describe(identity: Identity) -> str:
     if identity is None:
         return "the base model (no adapter)"
-    name, key, load = identity
+    name, key, load, _ = identity
     return f"adapter {name!r} (id {key}, load {load})"
 
 
@@ -77,7 +91,7 @@ class AdaptersCheck(CheckBase):
             return None
         key = start.adapter_id if start.adapter_id is not None else start.adapter
         load = self.loads.get(key)
-        return (start.adapter or str(key), key, load[0] if load else 0)
+        return (start.adapter or str(key), key, load[0] if load else 0, load[1].digest if load else None)
 
     def _write(self, ev: Write) -> Sequence[Finding]:
         if ev.block not in self.written_under:
@@ -93,7 +107,7 @@ class AdaptersCheck(CheckBase):
             return NO_FINDINGS
         theirs, writer = self.written_under[ev.block]
         mine = self._identity(ev.seq)
-        if mine == theirs:
+        if _same(mine, theirs):
             return NO_FINDINGS
         hits = self._hits.get(ev.seq)
         if hits is not None:  # the same request's next foreign block: evidence of its one finding
@@ -131,7 +145,7 @@ class AdaptersCheck(CheckBase):
     def _cause(mine: Identity, theirs: Identity) -> str:
         if mine is None or theirs is None:
             return "the prefix key leaves the adapter out (vllm #3264)"
-        if mine[0] == theirs[0] and mine[1] == theirs[1]:
+        if mine[:2] == theirs[:2]:
             return (f"adapter {mine[0]!r} was reloaded in place with other contents (load {theirs[2]} -> {mine[2]}) "
                     f"and the prefix cache was not reset: the key holds its name and path, not its load (vllm PR "
                     f"#42495). Reset the prefix cache after reloading an adapter")
@@ -142,4 +156,7 @@ class AdaptersCheck(CheckBase):
 
 
 def _identity_dict(identity: Identity) -> dict | None:
-    return None if identity is None else {"name": identity[0], "id": identity[1], "load": identity[2]}
+    if identity is None:
+        return None
+    name, key, load, digest = identity
+    return {"name": name, "id": key, "load": load, "digest": digest}

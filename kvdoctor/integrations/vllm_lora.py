@@ -12,8 +12,8 @@ only, so an adapter reloaded in place under the same name and path (``load_inpla
   request's first step: ``LRUCacheWorkerLoRAManager.add_adapter``).
 
 Each of them is a load only when it changes what the id holds: a fingerprint of the adapter's files (names,
-sizes, modification times and their first 64 KiB) that differs from the last one seen for the id is a new
-``load`` number; the same contents loaded again (an unload and add, ``load_inplace`` of unchanged files) keep
+sizes, their first and last 64 KiB: a training step changes every tensor) that differs from the last one seen
+for the id is a new ``load`` number; the same contents loaded again (an unload and add, ``load_inplace`` of unchanged files) keep
 it, since their K/V are the same. An adapter vLLM resolves from elsewhere than a local path (a hub id) is
 fingerprinted by its path alone. The honest limit: an adapter the worker's LRU dropped and reloaded from files
 changed meanwhile is not seen.
@@ -34,7 +34,7 @@ from .vllm_weights import tracer_of
 
 __all__ = ["watch_adapters", "AdapterLoads", "fingerprint"]
 
-_SAMPLE = 64 * 1024  # bytes of each file read into the fingerprint
+_SAMPLE = 64 * 1024  # bytes read into the fingerprint from each end of each file
 
 
 def watch_adapters(tracer: Any, engine_core_cls: type) -> None:
@@ -114,17 +114,21 @@ class AdapterLoads:
 
 
 def fingerprint(path: str) -> str:
-    """A digest of what a LoRA path holds: every file's name, size, modification time and first 64 KiB."""
+    """A digest of what a LoRA path holds: every file's name and size, its first and last 64 KiB. Not the
+    modification time: files rewritten with the same bytes compute the same K/V."""
     h = hashlib.blake2b(path.encode(), digest_size=8)
     if os.path.isdir(path):
         files = sorted(os.path.join(root, f) for root, _, names in os.walk(path) for f in names)
     else:
         files = [path] if os.path.isfile(path) else []
     for name in files:
-        st = os.stat(name)
-        h.update(f"{os.path.relpath(name, path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        size = os.path.getsize(name)
+        h.update(f"{os.path.relpath(name, path)}:{size}".encode())
         with open(name, "rb") as f:
             h.update(f.read(_SAMPLE))
+            if size > 2 * _SAMPLE:
+                f.seek(size - _SAMPLE)
+                h.update(f.read(_SAMPLE))
     return h.hexdigest()
 
 

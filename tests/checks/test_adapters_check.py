@@ -7,8 +7,9 @@ from tracebuilder import rules
 from kvdoctor.events import PREFIX_CACHE, Adapter, SeqStart
 
 
-def _load(trace, name, key, load=1, op="load"):
-    trace._emit(Adapter, op=op, name=name, adapter_id=key, load=load, path=f"/adapters/{name}", detail="add_lora")
+def _load(trace, name, key, load=1, op="load", digest=None):
+    trace._emit(Adapter, op=op, name=name, adapter_id=key, load=load, path=f"/adapters/{name}", detail="add_lora",
+                digest=digest)
 
 
 def _start(trace, seq, adapter=None, adapter_id=None, salt=None):
@@ -49,7 +50,7 @@ def test_a_hit_after_an_in_place_reload_of_the_same_adapter_names_request_block_
     (f,) = findings
     assert (f.seq, f.block, f.step) == ("r2", 7, 1)
     assert "load 1 -> 2" in f.message and "#42495" in f.message
-    assert f.evidence["computed_under"] == {"name": "sql", "id": 1, "load": 1}
+    assert f.evidence["computed_under"] == {"name": "sql", "id": 1, "load": 1, "digest": None}
 
 
 def test_two_adapters_with_one_name_and_different_ids_do_not_share_blocks(trace):
@@ -109,3 +110,16 @@ def test_one_finding_per_request_with_every_foreign_block_as_evidence(trace):
     trace.end_step()
     (f,) = trace.run()
     assert f.evidence["foreign_blocks"] == [2, 3]
+
+
+def test_the_same_contents_re_added_under_a_new_id_are_the_same_kv(trace):
+    # near miss: a server unloads an adapter and loads the same files again, under a new id (vLLM's serving
+    # layer counts ids); the contents' digest says the K/V are the same
+    _load(trace, "a", 1, digest="d1")
+    _cached_block(trace, 2, "r1", adapter="a", adapter_id=1)
+    trace._emit(Adapter, op="unload", name="a", adapter_id=1, load=1, digest="d1")
+    _load(trace, "a", 2, digest="d1")
+    assert _hit(trace, 2, "r2", adapter="a", adapter_id=2) == []
+    _load(trace, "a", 3, digest="d2")
+    (f,) = _hit(trace, 2, "r3", adapter="a", adapter_id=3)
+    assert f.rule == "foreign-hit" and "ids 1 and 3" in f.message
