@@ -68,6 +68,9 @@ class HandoffCheck(AcrossCheck):
         self.saves: OrderedDict[str, _Save] = OrderedDict()
         self.saves_by_id: dict[tuple[int, str], _Save] = {}  # (trace, transfer) -> a save still open
         self.loads: dict[tuple[int, str], _Load] = {}  # (trace, transfer) -> a load still open
+        # (instance, key) -> the request a load was for, where one trace of the instance names it (a scheduler)
+        # and another has the bytes (its worker)
+        self.requests: OrderedDict[tuple, Any] = OrderedDict()
 
     def wants(self, tag: TraceTag) -> tuple[type, ...]:
         return (TransferStart, TransferDone, TransferFailed)
@@ -101,6 +104,10 @@ class HandoffCheck(AcrossCheck):
                 self.saves.popitem(last=False)
             self.saves_by_id[(tag.index, ev.transfer)] = save
             return out
+        if ev.seq is not None:
+            self.requests[(tag.header.instance, ev.key)] = ev.seq
+            if len(self.requests) > KEYS_KEPT:
+                self.requests.popitem(last=False)
         save = self.saves.get(ev.key)
         load = _Load(tag, ev)
         self.loads[(tag.index, ev.transfer)] = load
@@ -151,12 +158,14 @@ class HandoffCheck(AcrossCheck):
             if not self.once("digest-mismatch", load.tag.index, ev.transfer):
                 return []
             src_blocks = save.start.blocks
+            seq = ev.seq if ev.seq is not None else self.requests.get((load.tag.header.instance, ev.key))
+            source = f" for request {save.start.seq!r}" if save.start.seq is not None else ""
+            whose = f"request {seq!r}'s" if seq is not None else "the"
             return [self.found(
                 load.tag, "digest-mismatch",
-                f"{load.tag.who} loaded {ev.seq!r}'s K/V (key {ev.key}) into block {ev.blocks[i]}, but its content "
-                f"differs from what {save.tag.who} saved for request {save.start.seq!r} "
-                f"(block {src_blocks[i] if i < len(src_blocks) else '?'}): the store held other K/V under this key",
-                seq=ev.seq, block=ev.blocks[i] if i < len(ev.blocks) else None, step=ev.step, key=ev.key,
+                f"{load.tag.who} loaded {whose} K/V (key {ev.key}) into block {ev.blocks[i]}, but its content differs from what {save.tag.who} saved"
+                f"{source} (block {src_blocks[i] if i < len(src_blocks) else '?'}): the store held other K/V under "
+                "this key", seq=seq, block=ev.blocks[i] if i < len(ev.blocks) else None, step=ev.step, key=ev.key,
                 block_index=i, loaded_digest=got, saved_digest=saved, source_trace=save.tag.name,
                 source_seq=save.start.seq, source_block=src_blocks[i] if i < len(src_blocks) else None,
                 blocks_differing=sum(1 for a, b in zip(digests, save.digests) if a is not None and b is not None and a != b))]

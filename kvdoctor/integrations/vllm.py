@@ -50,6 +50,7 @@ from ..events import (
     TierSpec, TransferDone, TransferFailed, TransferStart, Usage, Weights, Write,
 )
 from ..trace import TraceWriter
+from . import vllm_connector
 from .guard import Call, Guard
 from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
 from .vllm_lora import watch_adapters
@@ -97,6 +98,10 @@ def _patch_scheduler(path: str) -> None:
     if not is_supported(version):
         _warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
               f"{', '.join(SUPPORTED.values())}: {POLICY}); tracing what still matches")
+    try:  # a worker in this process (any process vLLM starts) records its connector's saves and loads
+        vllm_connector.patch_example_connector(path, f"vllm {version}", _trace_file)
+    except Exception as exc:
+        _warn(f"not tracing vLLM's KV connector ({type(exc).__name__}: {exc})")
     if getattr(Scheduler, "_kvdoctor_patched", False):
         return
     original_init = Scheduler.__init__
@@ -119,6 +124,74 @@ def _patch_scheduler(path: str) -> None:
     Scheduler._kvdoctor_patched = True
 
 
+def _kv_spec(scheduler: Any) -> Any:
+    return scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+
+
+def _role(scheduler: Any) -> str | None:
+    role = scheduler.vllm_config.kv_transfer_config.kv_role
+    return {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}.get(role, role)
+
+
+# Header facts, each read on its own so that one this vLLM lacks leaves only itself out.
+_HEADER_FACTS: dict[str, Callable[[Any], Any]] = {
+    "block_size": lambda s: _kv_spec(s).block_size,
+    "capacity": lambda s: s.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+    "num_layers": lambda s: s.vllm_config.model_config.get_num_layers(s.vllm_config.parallel_config),
+    "model": lambda s: str(s.vllm_config.model_config.model),
+    # a KV connector's engine id names the instance both ends of a handoff agree on
+    "instance": lambda s: s.vllm_config.kv_transfer_config.engine_id,
+    "role": _role,
+    "dp_rank": lambda s: s.vllm_config.parallel_config.data_parallel_rank,
+    "dp_size": lambda s: s.vllm_config.parallel_config.data_parallel_size,
+    "tp_size": lambda s: s.vllm_config.parallel_config.tensor_parallel_size,
+    "pp_size": lambda s: s.vllm_config.parallel_config.pipeline_parallel_size,
+    # what a block holds, as the cache spec says: two instances handing K/V over must agree on it
+    "kv_layout": lambda s: (f"{type(_kv_spec(s)).__name__}(kv_heads={_kv_spec(s).num_kv_heads}, "
+                            f"head_size={_kv_spec(s).head_size}, dtype={_kv_spec(s).dtype})"),
+}
+
+
+def _trace_file(path: str) -> str:
+    """The file this process writes: ``path``, or ``<stem>.2.kvtrace``, ``.3`` … beside it (the numbering of
+    kvdoctor's own writers) when another process of this run wrote it already: a second engine core (another
+    instance, a data-parallel engine) must not clobber the first's trace. A file older than this run (the
+    start of this process group's leader: the command that was started) is a previous run's, replaced."""
+    started = _run_started_ns()
+    head, name = os.path.split(path)
+    stem, dot, rest = name.partition(".kvtrace")
+    if not dot:
+        stem, rest = os.path.splitext(name)
+    n = 1
+    while True:
+        candidate = path if n == 1 else os.path.join(head, f"{stem}.{n}{dot}{rest}")
+        try:
+            if os.stat(candidate).st_mtime_ns < started:
+                return candidate
+        except OSError:
+            return candidate
+        n += 1
+
+
+def _run_started_ns() -> int:
+    """Wall-clock ns when this run began: its process group leader's start (this process's, where /proc says
+    nothing of it)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        for pid in (os.getpgrp(), os.getpid()):
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    start = int(f.read().rsplit(b")", 1)[1].split()[19])
+                return (boot * ticks + start) * 1_000_000_000 // ticks
+            except OSError:
+                continue
+    except (OSError, ValueError, StopIteration):
+        pass
+    return time.time_ns()
+
+
 class VllmTracer:
     """Writes one scheduler's KV-cache story; every method runs on vLLM's scheduler thread."""
 
@@ -131,26 +204,28 @@ class VllmTracer:
         self.writer: TraceWriter | None = None
         self.guard = Guard("vllm", self._record_error, self._stop)
         self.header = self._header(scheduler, engine)
-        self.writer = TraceWriter(path, self.header)
+        self.writer = TraceWriter(_trace_file(path), self.header)
         atexit.register(self.close)
         self.guard.attempt("start-up", self._start, scheduler, methods)
+        if self.guard.live:
+            vllm_connector.attach(self)  # the scheduler side of a KV connector records its loads here
 
-    @staticmethod
-    def _header(scheduler: Any, engine: str) -> Header:
-        """What the trace can say about the cache; a fact this vLLM does not offer is left out."""
+    def _header(self, scheduler: Any, engine: str) -> Header:
+        """What the trace can say about the cache and who wrote it; a fact this vLLM does not offer is left out.
+
+        The scheduler is the engine's (one per data-parallel engine), not a tensor- or pipeline-parallel
+        rank's: the header names its data-parallel rank and the engine's parallel sizes, no tp/pp rank."""
         fields: dict[str, Any] = {}
-        try:
-            fields["block_size"] = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-            fields["capacity"] = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
-            config = scheduler.vllm_config
-            fields["num_layers"] = config.model_config.get_num_layers(config.parallel_config)
-            fields["model"] = str(config.model_config.model)
-        except Exception:
-            pass
-        return Header(block_size=fields.get("block_size", 0), num_layers=fields.get("num_layers", 0),
-                      tiers=[TierSpec(name="device", capacity_blocks=fields.get("capacity", 0))],
-                      model=fields.get("model"), engine=engine, pid=os.getpid(),
-                      created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        for name, get in _HEADER_FACTS.items():
+            try:
+                fields[name] = get(scheduler)
+            except Exception:
+                pass
+        return Header(block_size=fields.pop("block_size", 0), num_layers=fields.pop("num_layers", 0),
+                      tiers=[TierSpec(name="device", capacity_blocks=fields.pop("capacity", 0))],
+                      engine=engine, pid=os.getpid(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      t0=time.time_ns() - (time.perf_counter_ns() - self._t0),
+                      **{k: v for k, v in fields.items() if v is not None})
 
     def _start(self, scheduler: Any, methods: Methods) -> None:
         self.manager = manager = scheduler.kv_cache_manager

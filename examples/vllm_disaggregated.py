@@ -1,0 +1,102 @@
+"""Disaggregated prefill and decode on the embedded SmolLM2: one vLLM instance computes the prompts' K/V and
+saves it through a KV connector, a second instance loads it and decodes. Checked as one workload:
+
+    kvdoctor check -- .venv-vllm/bin/python examples/vllm_disaggregated.py             # clean: no finding
+    kvdoctor check -- .venv-vllm/bin/python examples/vllm_disaggregated.py --fault foreign-kv
+
+Both instances use vLLM's ``ExampleConnector`` over one shared directory (one file per layer under a folder
+named by a hash of the prompt's tokens), the way a prefill server hands a request to a decode server. Each
+instance's engine core writes its own trace (``workload.kvtrace``, ``workload.2.kvtrace``), tagged with its
+instance (``prefill``, ``decode``); the plugin records each save and load with the connector's key and a
+digest per block of the K/V on each side, and ``kvdoctor check`` pairs them (``handoff`` rules).
+
+``--fault foreign-kv`` overwrites, between the two instances, one prompt's files in the store with another
+prompt's K/V of the same length: the decode instance loads K/V that is not its prompt's, and the check names
+the instance, the request and the block (``handoff/digest-mismatch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import tempfile
+
+from vllm_offline import QUESTIONS, SYSTEM, _default_model
+
+_BLOCK = 32
+
+
+def instance(name: str, model: str, storage: str):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, block_size=_BLOCK,
+               num_gpu_blocks_override=64, enable_prefix_caching=False, max_num_seqs=4, seed=0,
+               gpu_memory_utilization=0.2,
+               kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", engine_id=name,
+                                                   kv_connector_extra_config={"shared_storage_path": storage}))
+
+
+def overwrite_one(storage: str, before: set[str]) -> str:
+    """The fault: one prompt's folder in the store gets another prompt's files of the same shapes."""
+    import safetensors.torch
+
+    folders = sorted(set(os.listdir(storage)) - before)
+
+    def shapes(folder: str) -> tuple:
+        files = sorted(os.listdir(os.path.join(storage, folder)))
+        return tuple((f, tuple(safetensors.torch.load_file(os.path.join(storage, folder, f))["kv_cache"].shape))
+                     for f in files[:1]) + (len(files),)
+
+    by_shape: dict[tuple, list[str]] = {}
+    for folder in folders:
+        by_shape.setdefault(shapes(folder), []).append(folder)
+    pair = next((names for names in by_shape.values() if len(names) > 1), None)
+    if pair is None:
+        raise SystemExit("vllm_disaggregated: no two prompts of the same length to swap; use more --requests")
+    victim, other = pair[0], pair[1]
+    for f in os.listdir(os.path.join(storage, other)):
+        shutil.copyfile(os.path.join(storage, other, f), os.path.join(storage, victim, f))
+    return victim
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--fault", choices=["foreign-kv"], help="overwrite a prompt's K/V in the store with another's")
+    args = ap.parse_args()
+
+    from vllm import SamplingParams
+
+    model = args.model or _default_model()
+    storage = tempfile.mkdtemp(prefix="kvdoctor-disaggregated-")
+    prefill = instance("prefill", model, storage)
+    tokenizer = prefill.get_tokenizer()
+    # the question first: the connector keys a prompt by its tokens up to a block boundary, so prompts that
+    # differ only after a long shared system prompt would share one entry in the store
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{q}\n\nHow to answer: {SYSTEM}"}],
+                                             tokenize=False, add_generation_prompt=True)
+               for q in QUESTIONS[:args.requests]]
+    # the prefill instance computes each prompt (and one token) and saves its K/V to the store
+    prefill.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    del prefill
+    gc.collect()  # its engine core exits and closes its trace
+    if args.fault:
+        print(f"vllm_disaggregated: fault foreign-kv: store entry {overwrite_one(storage, set())[:12]}… now holds "
+              "another prompt's K/V")
+    # the decode instance finds each prompt's K/V in the store, loads it and decodes
+    decode = instance("decode", model, storage)
+    out = decode.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
+                          use_tqdm=False)
+    print(f"vllm_disaggregated: {len(out)} requests prefilled by one instance, decoded by another through {storage}")
+    del decode
+    gc.collect()
+    shutil.rmtree(storage, ignore_errors=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine cores: the guard keeps the children from rerunning this
+    main()

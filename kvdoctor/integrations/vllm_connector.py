@@ -1,0 +1,279 @@
+"""K/V handed between instances through vLLM's ``ExampleConnector``: the connector's saves and loads as transfers.
+
+Disaggregated prefill saves a prompt's K/V from one instance and loads it into another. vLLM's
+``ExampleConnector`` (shared storage: one file per layer under a folder named by a hash of the prompt's
+tokens) does it in two places, and the plugin wraps both, class-level, in every process vLLM starts:
+
+- **the scheduler** (engine core) decides that a request's first tokens come from the store
+  (``update_state_after_alloc``): the engine core's trace records a ``load`` with the request, the blocks,
+  the connector's key (the folder's name: the same on every instance for the same tokens) and the tokens;
+- **the worker** moves the bytes inside its forward pass (``save_kv_layer`` per layer, ``wait_for_save`` at
+  the end; ``start_load_kv`` before it). A worker runs in a process of its own, so it writes a trace of its
+  own (``workload.N.kvtrace`` beside the engine core's), tagged with its instance and its tensor- and
+  pipeline-parallel rank: a ``save`` per stored request with a digest per block of the K/V read out of the
+  paged cache, and a ``load`` per loaded request with the digest of the K/V that landed.
+
+Both digests cover the same rows (the connector's slot mapping, indexed as the connector indexes it) and
+are summed over layers whatever their order, so a save on one instance and a load on another agree exactly
+when the destination holds what the source saved: ``kvdoctor check`` over the workload names a load of other
+K/V (``handoff/digest-mismatch``: a stale or foreign file under the key), with the request from the engine
+core's record of the same load. Every wrapper runs the connector's method as called; a failure of the
+bookkeeping stops that trace (one ``observer_error``) and vLLM goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import itertools
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from ..events import Header, ObserverError, TierSpec, TransferDone, TransferStart
+from ..trace import TraceWriter
+from .guard import Guard
+
+__all__ = ["patch_example_connector", "attach", "WorkerTrace"]
+
+_MASK = (1 << 64) - 1
+_tracer: Any = None  # the engine core's tracer in this process (its scheduler's), once one started
+_ids = itertools.count()
+
+
+def attach(tracer: Any) -> None:
+    """The engine core's tracer: the scheduler side of the connector records its loads there."""
+    global _tracer
+    _tracer = tracer
+
+
+def patch_example_connector(path: str, engine: str, trace_file: Callable[[str], str]) -> None:
+    """Wrap ``ExampleConnector`` once per process (a vLLM without it: nothing). A worker-side connector built
+    in this process writes its transfers to ``trace_file(path)``."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+    except ImportError:
+        return
+    if getattr(ExampleConnector, "_kvdoctor_patched", False):
+        return
+    original_init = ExampleConnector.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        try:
+            if _is_worker(self) and WorkerTrace.current is None:
+                WorkerTrace.current = WorkerTrace(self, trace_file(path), engine)
+        except Exception as exc:  # the trace could not even start: the connector works untraced
+            _say(f"not tracing this vLLM worker's KV connector ({type(exc).__name__}: {exc})")
+
+    ExampleConnector.__init__ = __init__
+    for name, after in (("save_kv_layer", _saved_layer), ("wait_for_save", _saves_done),
+                        ("start_load_kv", _loaded)):
+        setattr(ExampleConnector, name, _watched(getattr(ExampleConnector, name), name, after, worker=True))
+    ExampleConnector.update_state_after_alloc = _watched(ExampleConnector.update_state_after_alloc,
+                                                         "update_state_after_alloc", _will_load, worker=False)
+    ExampleConnector._kvdoctor_patched = True
+
+
+def _say(message: str) -> None:
+    try:
+        import sys
+
+        sys.stderr.write(f"kvdoctor: {message}\n")
+    except Exception:
+        pass
+
+
+def _is_worker(connector: Any) -> bool:
+    role = getattr(connector, "_role", None)
+    return getattr(role, "name", str(role)).upper().endswith("WORKER")
+
+
+def _watched(original: Callable, name: str, after: Callable[..., None], *, worker: bool) -> Callable:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        trace = WorkerTrace.current if worker else _tracer
+        if trace is not None and trace.writer is not None and trace.guard.live:
+            trace.guard.attempt(f"ExampleConnector.{name}", after, trace, self, *args, **kwargs)
+        return result
+
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    return method
+
+
+class WorkerTrace:
+    """A worker's own trace: the K/V its connector saved and loaded, step by step (one step a forward pass)."""
+
+    current: "WorkerTrace | None" = None  # one per process: the first worker-side connector's
+
+    def __init__(self, connector: Any, path: str, engine: str) -> None:
+        self._t0 = time.perf_counter_ns()
+        self.step = 0
+        self.pending: dict[str, list] = {}  # key -> [request, digests so far] of this forward's saves
+        self.writer: TraceWriter | None = None
+        self.guard = Guard("vllm", self._record_error, lambda: None)
+        self.writer = TraceWriter(path, _worker_header(connector, engine, self._t0))
+        atexit.register(self.close)
+
+    def _emit(self, cls: type, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.write_many([cls(t=time.perf_counter_ns() - self._t0, step=self.step, **fields)])
+
+    def _record_error(self, event: ObserverError) -> None:
+        self._emit(ObserverError, **{f: getattr(event, f) for f in event.__struct_fields__ if f not in ("t", "step")})
+        self.close()
+
+    def close(self) -> None:
+        try:
+            atexit.unregister(self.close)
+            if self.writer is not None and not self.writer.closed:
+                self.writer.close()
+        except Exception as exc:
+            _say(f"the worker's trace could not be closed ({type(exc).__name__}: {exc})")
+
+
+def _worker_header(connector: Any, engine: str, t0_perf: int) -> Header:
+    """Who this worker is: its instance (the connector's engine id) and its ranks; a fact it lacks is left out."""
+    fields: dict[str, Any] = {}
+    config = getattr(connector, "_vllm_config", None)
+    facts: dict[str, Callable[[], Any]] = {
+        "num_layers": lambda: config.model_config.get_num_layers(config.parallel_config),
+        "model": lambda: str(config.model_config.model),
+        "instance": lambda: config.kv_transfer_config.engine_id,
+        "dp_rank": lambda: config.parallel_config.data_parallel_rank,
+        "dp_size": lambda: config.parallel_config.data_parallel_size,
+        "tp_size": lambda: config.parallel_config.tensor_parallel_size,
+        "pp_size": lambda: config.parallel_config.pipeline_parallel_size,
+        "tp_rank": _tp_rank,
+        "pp_rank": _pp_rank,
+    }
+    for name, get in facts.items():
+        try:
+            fields[name] = get()
+        except Exception:
+            pass
+    return Header(block_size=connector._block_size, num_layers=fields.pop("num_layers", 0),
+                  tiers=[TierSpec(name="device", capacity_blocks=0)], engine=f"{engine} worker", pid=os.getpid(),
+                  created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  t0=time.time_ns() - (time.perf_counter_ns() - t0_perf),
+                  **{k: v for k, v in fields.items() if v is not None})
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _pp_rank() -> int:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
+# ---- the bytes: digests per block ----------------------------------------------------------
+
+
+def _rows(layer: Any, slots: Any, block_size: int) -> Any:
+    """The K/V rows of ``slots`` in a paged layer, indexed as the connector indexes it: (tokens, ...)."""
+    if layer.dim() == 2:  # MLA: one latent row per slot
+        return layer[slots]
+    return layer[slots // block_size, :, slots % block_size]
+
+
+def _block_digests(rows: Any, layer_name: str, block_size: int) -> list[int]:
+    """Per block of ``block_size`` rows: a digest of its bytes in this layer (summed over layers later)."""
+    data = rows.detach().cpu().contiguous()
+    out = []
+    for start in range(0, data.shape[0], block_size):
+        h = hashlib.blake2b(layer_name.encode(), digest_size=8)
+        h.update(data[start:start + block_size].numpy().tobytes())
+        out.append(int.from_bytes(h.digest(), "little"))
+    return out
+
+
+def _add(total: list[int] | None, part: list[int]) -> list[int]:
+    return part if total is None else [(a + b) & _MASK for a, b in zip(total, part)]
+
+
+def _requests(connector: Any, store: bool) -> list[Any]:
+    meta = connector._get_connector_metadata()
+    return [r for r in getattr(meta, "requests", ()) if r.is_store == store]
+
+
+def _key(connector: Any, token_ids: Any, mm_hashes: list[str]) -> str:
+    return os.path.basename(connector._generate_foldername_debug(token_ids, mm_hashes, create_folder=False))
+
+
+def _blocks(request: Any, block_size: int) -> list[int]:
+    return list(dict.fromkeys(int(s) // block_size for s in request.slot_mapping.tolist()))
+
+
+# ---- the worker: saves and loads with their digests ----------------------------------------
+
+
+def _saved_layer(trace: WorkerTrace, connector: Any, layer_name: str, kv_layer: Any, *args: Any, **kwargs: Any) -> None:
+    """A layer of each stored request was written to its file: add that layer's bytes to its blocks' digests."""
+    bs = connector._block_size
+    for request in _requests(connector, store=True):
+        rows = _rows(kv_layer, request.slot_mapping.to(kv_layer.device), bs)
+        entry = trace.pending.setdefault(_key(connector, request.token_ids, request.mm_hashes), [request, None])
+        entry[1] = _add(entry[1], _block_digests(rows, layer_name, bs))
+
+
+def _saves_done(trace: WorkerTrace, connector: Any, *args: Any, **kwargs: Any) -> None:
+    """The forward pass ended with every layer saved: one save per stored request; the next step begins."""
+    pending, trace.pending = trace.pending, {}
+    bs = connector._block_size
+    for key, (request, digests) in pending.items():
+        transfer = f"save:{key[:12]}:{next(_ids)}"
+        trace._emit(TransferStart, transfer=transfer, op="save", blocks=_blocks(request, bs), src="device",
+                    dst=f"connector:{connector._storage_path}", key=key, num_tokens=len(request.slot_mapping),
+                    digests=digests)
+        trace._emit(TransferDone, transfer=transfer)
+    trace.step += 1
+
+
+def _loaded(trace: WorkerTrace, connector: Any, forward_context: Any, *args: Any, **kwargs: Any) -> None:
+    """``start_load_kv`` injected each loaded request's K/V: digest what landed, over the same rows."""
+    if forward_context.attn_metadata is None:
+        return  # the connector loaded nothing this time
+    bs = connector._block_size
+    for request in _requests(connector, store=False):
+        digests: list[int] | None = None
+        for layer_name, layer in forward_context.no_compile_layers.items():
+            kv = getattr(layer, "kv_cache", None)
+            if kv is None:
+                continue
+            kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+            digests = _add(digests, _block_digests(_rows(kv, request.slot_mapping.to(kv.device), bs), layer_name, bs))
+        key = _key(connector, request.token_ids, request.mm_hashes)
+        transfer = f"load:{key[:12]}:{next(_ids)}"
+        trace._emit(TransferStart, transfer=transfer, op="load", blocks=_blocks(request, bs),
+                    src=f"connector:{connector._storage_path}", dst="device", key=key,
+                    num_tokens=len(request.slot_mapping))
+        trace._emit(TransferDone, transfer=transfer, digests=digests)
+
+
+# ---- the scheduler: which request a load is for --------------------------------------------
+
+
+def _will_load(tracer: Any, connector: Any, request: Any, blocks: Any, num_external_tokens: int,
+               *args: Any, **kwargs: Any) -> None:
+    """The scheduler gave ``request`` blocks for tokens the connector will load: record that load (its bytes
+    land in the worker's next forward, whose trace has their digests) under the same key."""
+    if not num_external_tokens:
+        return
+    import torch
+
+    bs = connector._block_size
+    prompt = list(request.prompt_token_ids or [])
+    valid = (len(prompt) - 1) // bs * bs  # the tokens the connector keys and moves (make_meta's alignment)
+    mm = [f.identifier for f in getattr(request, "mm_features", None) or ()]
+    key = _key(connector, torch.tensor(prompt)[:valid], mm)
+    ids = [b for b in blocks.get_block_ids()[0][:valid // bs]]
+    transfer = f"load:{key[:12]}:{next(_ids)}"
+    tracer._emit(TransferStart, transfer=transfer, op="load", blocks=ids, seq=request.request_id,
+                 src=f"connector:{connector._storage_path}", dst="device", key=key, num_tokens=valid)
+    tracer._emit(TransferDone, transfer=transfer)

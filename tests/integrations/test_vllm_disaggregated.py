@@ -1,0 +1,60 @@
+"""Disaggregated prefill and decode under the vLLM plugin: two instances, four traces, one workload.
+
+``examples/vllm_disaggregated.py`` prefills on one vLLM instance and decodes on another through the
+``ExampleConnector``; each engine core and each worker writes its own trace. Checked as one workload by
+``kvdoctor check -- CMD``, a clean run is silent and a store entry overwritten with another prompt's K/V is
+named with the loading instance, request and block (about 2 minutes a run on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdoctor.integrations.vllm import _trace_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_second_engine_core_of_the_run_writes_a_numbered_trace(tmp_path):
+    # GIVEN a trace a previous run left, older than this process
+    old = tmp_path / "run.kvtrace"
+    old.write_text("")
+    os.utime(old, (1, 1))
+    # THEN this run takes its place (a re-run replaces its own trace)
+    assert _trace_file(str(old)) == str(old)
+    # AND once this run wrote it, the next engine core of the run writes beside it, in kvdoctor's numbering
+    old.write_text("")
+    (tmp_path / "run.2.kvtrace").write_text("")
+    assert _trace_file(str(old)) == str(tmp_path / "run.3.kvtrace")
+
+
+def _check(*example_args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "check", "--", sys.executable, "vllm_disaggregated.py", *example_args],
+        cwd=ROOT / "examples", env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_prefill_then_decode_is_one_clean_workload_and_a_foreign_entry_is_named():
+    pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
+    # GIVEN a prefill instance and a decode instance handing K/V over through the connector's store
+    clean = _check()
+    # THEN all four traces (each instance's engine core and worker) are read, and nothing is found
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-3000:]
+    assert "4 traces" in clean.stdout and "instance prefill" in clean.stdout and "instance decode" in clean.stdout
+    assert "0 errors, 0 warnings, 0 info" in clean.stdout
+    # WHEN one prompt's entry in the store holds another prompt's K/V of the same length
+    fault = _check("--fault", "foreign-kv")
+    # THEN the decode instance's load of it is named: instance, request and block
+    assert fault.returncode == 1, fault.stdout + fault.stderr[-3000:]
+    assert fault.stdout.count("handoff/digest-mismatch") == 1
+    line = next(x for x in fault.stdout.splitlines() if "handoff/digest-mismatch" in x)
+    assert " seq '" in line and " block " in line
+    assert "instance decode" in fault.stdout and "saved" in fault.stdout
