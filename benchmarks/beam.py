@@ -25,8 +25,8 @@ PROMPT = ("Once upon a time, in a small village by the sea, there lived an old f
 def measure(beams: int, new_tokens: int) -> dict[str, object]:
     from transformers import DynamicCache
 
-    from kvdoctor.engine.hf import EngineCache
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.hf import EngineCache
+    from kvdoctor.engine.model.model import load_model
 
     smol = load_model()
     model = smol.model

@@ -39,7 +39,7 @@ NUM_LAYERS = 8
 
 def record(path: Path, num_events: int, seed: int = 0) -> int:
     """Drive the real cache like a decode server until the trace holds ``num_events`` events."""
-    from kvdoctor.engine.cache import PagedKVCache
+    from kvdoctor.engine.kv.cache import PagedKVCache
     from kvdoctor.engine.config import EngineConfig
     from kvdoctor.engine.errors import OutOfBlocks
     from kvdoctor.events import Attn, Batch
@@ -144,8 +144,8 @@ def live(model_arg: str | None, batch: int, new_tokens: int, repeats: int) -> di
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import _prompts, runner_decode  # the decode benchmark's own measurement
 
-    from kvdoctor.engine.model import load_model, tiny_llama
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.model.model import load_model, tiny_llama
+    from kvdoctor.engine.serving.runner import Runner
     from kvdoctor.session import Session
 
     lm = tiny_llama(num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,

@@ -135,7 +135,7 @@ class Spec:
 
 
 def _text() -> str:
-    from kvdoctor.engine.codecs import calibration_text
+    from kvdoctor.engine.kv.codecs import calibration_text
 
     return calibration_text()
 
@@ -178,7 +178,7 @@ def _chat(tokenizer: Any, content: str) -> list[int]:
 
 def build_runner(lm: Any, scenario: Scenario):
     from kvdoctor.compression import engine_settings
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.serving.runner import Runner
 
     settings = {"block_size": 16, "device_blocks": 512, "host_blocks": 512, **scenario.engine}
     settings.update(engine_settings(scenario.codec, scenario.topk, lm))
@@ -191,8 +191,8 @@ def run_scenario(lm: Any, scenario: Scenario, specs: list[Spec], *, config: Any 
     """Every request of ``specs`` through one engine built for ``scenario``, checked live. ``corrupt``
     (a function of the scaled scores) is applied to the middle layer's attention from step 2 on;
     ``record`` keeps the run's events, tokens and findings for a before/after diff."""
-    from kvdoctor.engine.runner import SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.serving.runner import SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
     from kvdoctor.events import SwapOut
     from kvdoctor.session import Session
 
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if not scenarios:
         p.error(f"--only {args.only}: none of {', '.join(s.name for s in SCENARIOS)}")
 
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.model import load_model
 
     lm = load_model()
     t_start = time.perf_counter()

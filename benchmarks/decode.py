@@ -7,9 +7,9 @@ run decodes the same number of tokens:
 - batch 1: one prompt;
 - batch 8: eight prompts of different lengths, continuously batched by the runner and
   left-padded into one batch for transformers;
-- layers (``--layer-pairs N``): the runner with its compiled decode layers (``engine/decode_layer.py``)
+- layers (``--layer-pairs N``): the runner with its compiled decode layers (``engine/model/decode_layer.py``)
   against a second runner on the same model with its torch path (``KVDOCTOR_DECODE_LAYER=0``), ABBA;
-- pages (``--page-pairs N``): the runner with its weights on 2 MB pages (``engine/hugepages.py``) against
+- pages (``--page-pairs N``): the runner with its weights on 2 MB pages (``engine/model/hugepages.py``) against
   a runner on a second copy of the model that leaves them on 4 KB pages (``KVDOCTOR_HUGEPAGES=0``), ABBA;
 - bound: one row through every projection (the kernel alone), the batch-1 ceiling the weights' bytes set,
   and batch-1 runs each paired with a bound measured next to it (the runner's share of the bound);
@@ -48,7 +48,6 @@ alternately, as the baseline of what those passes save. Peak RSS of the process 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -56,37 +55,14 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-_TEXT = (
-    "The history of computing is a story of layers: transistors make gates, gates make adders and memories, "
-    "memories and adders make processors, and processors run the programs that people write to solve problems "
-    "in science, business and daily life. Each layer hides the details of the one below it, which lets engineers "
-    "build large systems without keeping every detail in mind at once. Caches are a good example of this idea."
-)
-
-
-def _prompts(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
-    ids = tokenizer(_TEXT)["input_ids"]
-    while len(ids) < max(lengths):
-        ids = ids + ids
-    return [ids[:n] for n in lengths]
-
-
-def _clocks() -> tuple[float, float]:
-    """(wall, CPU) seconds. CPU time of this process is the fairer clock on a shared machine with
-    one torch thread: it does not count the time other processes held the core. On a GPU the clock first
-    waits for the queued kernels, so a reading covers the work and not only its launch."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter(), time.process_time()
-
-
-def _rates(tokens: int, start: tuple[float, float]) -> tuple[float, float]:
-    wall, cpu = _clocks()
-    return tokens / (wall - start[0]), tokens / (cpu - start[1])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_events import (  # noqa: E402  (benchmarks are scripts: their folder is the package)
+    compiled_events, digest_share, digests_paired, event_parts, events_by_step, scoped_env, sink_split)
+from pairing import clocks, median, paired, prompts_of, quartiles, rates, runner_decode  # noqa: E402
 
 
 class _FirstToken:
@@ -97,7 +73,7 @@ class _FirstToken:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.t is None:
-            self.t = _clocks()
+            self.t = clocks()
         return scores
 
 
@@ -114,259 +90,9 @@ def hf_decode(model: Any, prompts: list[list[int]], new_tokens: list[int], pad_i
     longest = max(new_tokens)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                          do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([first]))
-    rates = _rates(sum(n - 1 for n in new_tokens), first.t)
+    rates = rates(sum(n - 1 for n in new_tokens), first.t)
     assert out.shape[1] == width + longest
     return rates
-
-
-def _prefilled(runner: Any, prompts: list[list[int]], new_tokens: int | list[int]) -> Any:
-    """A scheduler serving ``prompts`` in one batch to ``new_tokens`` each (one count, or one a prompt) whatever
-    they generate, after its first step: every prompt's prefill and first token, so what follows is decode."""
-    from kvdoctor.engine.scheduler import Request, Scheduler
-
-    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
-    sched = Scheduler(runner, max_batch=len(prompts))
-    for p, n in zip(prompts, counts):
-        sched.submit(Request(p, max_new_tokens=n, ignore_eos=True))
-    sched.step()
-    return sched
-
-
-def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: list[int]) -> tuple[float, float]:
-    """Decode tokens/s (wall, CPU) of the runner with continuous batching over the unpadded prompts."""
-    sched = _prefilled(runner, prompts, new_tokens)
-    t0 = _clocks()
-    sched.run()
-    rates = _rates(sum(n - 1 for n in new_tokens), t0)
-    assert sorted(len(g.token_ids) for g in sched.done.values()) == sorted(new_tokens)
-    return rates
-
-
-def events_by_step(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int
-                   ) -> dict[str, list[float]]:
-    """Seconds per decode step (wall, CPU) with events off and with ``sink`` listening, alternating step
-    by step in one continuous batch (off, on, on, off, …): each pair compares two neighbouring steps of
-    the same batch, so machine load and the growing context hit both sides alike."""
-    sched = _prefilled(runner, prompts, new_tokens)
-    times: dict[str, list[float]] = {"off_wall": [], "off_cpu": [], "on_wall": [], "on_cpu": []}
-    i = 0
-    while len(sched.done) < len(prompts):
-        on = i % 4 in (1, 2)
-        wall, cpu = _timed_step(runner, sched, sink if on else None)
-        side = "on" if on else "off"
-        times[f"{side}_wall"].append(wall)
-        times[f"{side}_cpu"].append(cpu)
-        i += 1
-    n = min(len(times["off_cpu"]), len(times["on_cpu"]))
-    return {k: v[:n] for k, v in times.items()}
-
-
-def _timed_step(runner: Any, sched: Any, sink: Callable[[list[Any]], None] | None) -> tuple[float, float]:
-    """(wall, CPU) seconds of one scheduler step, with ``sink`` listening (None: nobody listens). A listened
-    step ends by handing its events to the sink, so the sink's work is inside the step's time."""
-    if sink is not None:
-        runner.bus.subscribe(sink)
-    w0, c0 = _clocks()
-    sched.step()
-    if sink is not None:
-        runner.bus.unsubscribe(sink)
-    w1, c1 = _clocks()
-    return w1 - w0, c1 - c0
-
-
-def sink_split(runner: Any, sinks: dict[str, Callable[[list[Any]], None]], prompts: list[list[int]], new_tokens: int,
-               runs: int) -> dict[str, Any]:
-    """The extra time of a step listened by each of ``sinks`` over an unlistened step, in cycles of one
-    unlistened step and one step per sink (the sinks' order rotating cycle by cycle, so none always follows
-    the unlistened step): a sink that discards the events measures what producing them costs the engine,
-    a trace writer what writing them adds. Medians of each sink's step minus its cycle's unlistened step,
-    with quartiles; a step's spread on a shared machine needs hundreds of cycles to resolve 0.5%."""
-    names = list(sinks)
-    extra: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in names}
-    off: dict[str, list[float]] = {"wall": [], "cpu": []}
-    cycles = 0
-    for _ in range(runs):
-        sched = _prefilled(runner, prompts, new_tokens)
-        while sched.live:
-            base = _timed_step(runner, sched, None)
-            steps = []
-            for name in names[cycles % len(names):] + names[: cycles % len(names)]:
-                if sched.live:
-                    steps.append((name, _timed_step(runner, sched, sinks[name])))
-            if len(steps) < len(names):
-                break  # the batch ended inside the cycle: an incomplete cycle is left out
-            for j, clock in enumerate(("wall", "cpu")):
-                off[clock].append(base[j])
-                for name, times in steps:
-                    extra[name][clock].append(times[j] - base[j])
-            cycles += 1
-    out: dict[str, Any] = {"cycles": cycles}
-    for clock in ("wall", "cpu"):
-        step = _median(off[clock])
-        out[clock] = {"off_ms": round(1e3 * step, 2)}
-        for name in names:
-            mid, (lo, hi) = _median(extra[name][clock]), _quartiles(extra[name][clock])
-            out[clock][name] = {"extra_ms": round(1e3 * mid, 3), "share": round(mid / step, 4),
-                                "share_q1": round(lo / step, 4), "share_q3": round(hi / step, 4)}
-    return out
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """``name`` set to ``value`` for the block, then as it was."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
-@contextlib.contextmanager
-def compiled_events(on: bool) -> Iterator[None]:
-    """Attention statistics and digest unit sums by their compiled passes (``on``), or by the torch and
-    numpy passes they replaced: the baseline of ``--compiled-events both``."""
-    from kvdoctor.engine import attention, digest
-
-    saved = attention._stats_kernel, digest._sums_kernel
-    if not on:
-        attention._stats_kernel = digest._sums_kernel = lambda: None
-    try:
-        yield
-    finally:
-        attention._stats_kernel, digest._sums_kernel = saved
-
-
-class _Timers:
-    """Wall-clock seconds spent inside chosen methods, per label, while in effect: each method is wrapped
-    on its instance (``targets``: label -> [(object, method name)]) and the wrapper's own cost subtracted.
-
-    The wall clock is a vDSO read (~50 ns): the process CPU clock is a system call whose own cost, several
-    times a timed call's, would swamp it; a section preempted by another process only inflates the figure."""
-
-    def __init__(self, targets: dict[str, list[tuple[Any, str]]]) -> None:
-        self.targets = targets
-        self.reset()
-        label = next(iter(targets))
-        probe = self._wrap(lambda: None, label)  # what the timer itself adds to each interval
-        for _ in range(20000):
-            probe()
-        self.per_call = self.spent[label] / self.calls[label]
-        self.reset()
-
-    def _wrap(self, f: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def g(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                self.spent[label] += time.perf_counter() - t0
-                self.calls[label] += 1
-        return g
-
-    def reset(self) -> None:
-        self.spent = dict.fromkeys(self.targets, 0.0)
-        self.calls = dict.fromkeys(self.targets, 0)
-
-    def inside(self, label: str) -> float:
-        """Seconds inside ``label``'s methods since the last reset, less the timers' own share."""
-        return max(self.spent[label] - self.calls[label] * self.per_call, 0.0)
-
-    def __enter__(self) -> _Timers:
-        for label, methods in self.targets.items():
-            for o, n in methods:
-                setattr(o, n, self._wrap(getattr(o, n), label))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for methods in self.targets.values():
-            for o, n in methods:
-                delattr(o, n)  # the instance attribute goes; the class's method shows again
-
-
-def _listened_decode(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
-                     timers: _Timers, each_step: Callable[[], None] = lambda: None) -> tuple[int, float]:
-    """Decode ``prompts`` with ``sink`` listening, ``timers`` reset after the prefill; decode steps and seconds."""
-    runner.bus.subscribe(sink)
-    try:
-        sched = _prefilled(runner, prompts, new_tokens)
-        timers.reset()
-        steps, t0 = 0, time.perf_counter()
-        while sched.live:
-            sched.step()
-            each_step()
-            steps += 1
-        return steps, time.perf_counter() - t0
-    finally:
-        runner.bus.unsubscribe(sink)
-
-
-def digest_share(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
-                 mode: str) -> dict[str, Any]:
-    """Time inside the digest code per decode step, and its share of the step, with every event on."""
-    book = runner.cache.digests
-    before = book.mode
-    book.mode = mode
-    try:
-        with _Timers({"digest": [(book, "stage"), (book, "stage_units"), (book, "record_write"), (book, "verify"),
-                                 (book, "retake")]}) as t:
-            steps, total = _listened_decode(runner, sink, prompts, new_tokens, t)
-    finally:
-        book.mode = before
-    inside = t.inside("digest")
-    return {"steps": steps, "step_ms": round(1e3 * total / steps, 2), "digest_ms": round(1e3 * inside / steps, 3),
-            "share": round(inside / total, 4), "calls_per_step": round(t.calls["digest"] / steps, 1)}
-
-
-def event_parts(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int
-                ) -> dict[str, float]:
-    """Milliseconds a listened decode step spends inside each part of the event path (medians over the
-    steps): attention statistics and their events, staging the written K/V for digests, booking writes
-    (digest fold and records), read events (and sampled verification), and the step's end (the sink)."""
-    cache = runner.cache
-    targets = {"stats": [(runner, "_emit_stats")],
-               "stage": [(cache.digests, "stage"), (cache.digests, "stage_units")],
-               "writes": [(cache.digests, "record_write")], "reads": [(cache, "emit_read")],
-               "step_end": [(runner.bus, "end_step")]}
-    per_step: dict[str, list[float]] = {label: [] for label in [*targets, "total"]}
-
-    def note() -> None:
-        for label in targets:
-            per_step[label].append(t.inside(label))
-        per_step["total"].append(sum(t.inside(label) for label in targets))
-        t.reset()
-
-    with _Timers(targets) as t:
-        _listened_decode(runner, sink, prompts, new_tokens, t, note)
-    return {label: round(1e3 * _median(v), 3) for label, v in per_step.items()}
-
-
-def digests_paired(runner: Any, sink: Callable[[list[Any]], None], prompts: list[list[int]], new_tokens: int,
-                   mode: str, pairs: int) -> dict[str, Any]:
-    """Whole decode runs with every event on, content digests off (a) against ``mode`` (b), ABBA."""
-
-    def with_mode(m: str) -> Callable[[], tuple[float, float]]:
-        def run() -> tuple[float, float]:
-            runner.cache.digests.mode = m
-            runner.bus.subscribe(sink)
-            try:
-                return runner_decode(runner, prompts, [new_tokens] * len(prompts))
-            finally:
-                runner.bus.unsubscribe(sink)
-        return run
-
-    before = runner.cache.digests.mode
-    try:
-        out = paired(with_mode("off"), with_mode(mode), pairs)
-    finally:
-        runner.cache.digests.mode = before
-    # tokens/s ratio b/a -> extra time per token of b
-    return {clock: {"off_tok_s": v["a"], f"{mode}_tok_s": v["b"], "overhead": round(1 / v["ratio"] - 1, 4),
-                    "overhead_q1": round(1 / v["ratio_q3"] - 1, 4), "overhead_q3": round(1 / v["ratio_q1"] - 1, 4)}
-            for clock, v in out.items()}
 
 
 def _rss_mb(field: str = "VmRSS") -> float:
@@ -403,12 +129,12 @@ def _bound_seconds(calls: list[Callable[[], None]], passes: int) -> tuple[float,
     times = []
     with torch.inference_mode():
         for _ in range(passes + 1):
-            t = _clocks()
+            t = clocks()
             for call in calls:
                 call()
-            end = _clocks()
+            end = clocks()
             times.append((end[0] - t[0], end[1] - t[1]))
-    return _median([w for w, _ in times[1:]]), _median([c for _, c in times[1:]])
+    return median([w for w, _ in times[1:]]), median([c for _, c in times[1:]])
 
 
 def weight_bound(runner: Any, repeats: int) -> dict[str, float]:
@@ -445,36 +171,6 @@ def profile_batch8(runner: Any, prompts: list[list[int]], new_tokens: int) -> in
     print(f"decode {wall:.2f} tok/s (wall, under the profiler), threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}")
     return 0
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4)
-    return q[0], q[2]
-
-
-def paired(a: Callable[[], tuple[float, float]], b: Callable[[], tuple[float, float]], pairs: int
-           ) -> dict[str, Any]:
-    """Run ``a`` and ``b`` alternately ``pairs`` times (ABBA order, so a drift in machine load hits both
-    alike) and compare them pair by pair: the median of the per-pair ratios b/a of tokens/s, by wall
-    clock and by CPU time, is robust to the bursts of load a shared machine has; quartiles show the noise."""
-    runs: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
-    for i in range(pairs):
-        order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
-        for name, fn in order:
-            runs[name].append(fn())
-    out: dict[str, Any] = {}
-    for clock, j in (("wall", 0), ("cpu", 1)):
-        ratios = [rb[j] / ra[j] for ra, rb in zip(runs["a"], runs["b"])]
-        lo, hi = _quartiles(ratios)
-        out[clock] = {"a": round(_median([r[j] for r in runs["a"]]), 2), "b": round(_median([r[j] for r in runs["b"]]), 2),
-                      "ratio": round(_median(ratios), 4), "ratio_q1": round(lo, 4), "ratio_q3": round(hi, 4)}
-    return out
 
 
 def _named(r: dict[str, Any], a: str, b: str, ratio: str) -> dict[str, Any]:
@@ -524,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run batch 8 with different output budgets per request (continuous batching's case)")
     ap.add_argument("--layer-pairs", type=int, default=0,
                     help="also ABBA pairs of the runner with its compiled decode layers against its torch path "
-                         "(engine/decode_layer.py; same model, a second runner with KVDOCTOR_DECODE_LAYER=0)")
+                         "(engine/model/decode_layer.py; same model, a second runner with KVDOCTOR_DECODE_LAYER=0)")
     ap.add_argument("--page-pairs", type=int, default=0,
                     help="also ABBA pairs of the runner with its weights on 2 MB pages against a second copy of the "
-                         "model whose runner leaves them on 4 KB pages (KVDOCTOR_HUGEPAGES=0; engine/hugepages.py)")
+                         "model whose runner leaves them on 4 KB pages (KVDOCTOR_HUGEPAGES=0; engine/model/hugepages.py)")
     ap.add_argument("--no-matvec", action="store_true", help="runner with F.linear (MKL) for every projection, not the C kernel")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both sides (default float32)")
@@ -542,18 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvdoctor.engine.model import load_model
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.model.model import load_model
+    from kvdoctor.engine.serving.runner import Runner
     from kvdoctor import binary_trace
     from kvdoctor.trace import TraceWriter
 
-    # With --only-events transformers never runs: the runner's own light modules (engine/llama.py) then, so
+    # With --only-events transformers never runs: the runner's own light modules (engine/model/llama.py) then, so
     # the peak RSS is what serving with kvdoctor's runner takes.
     lm = load_model(args.model, dtype=args.dtype, device=args.device, light=args.only_events)
     rss_loaded = _rss_mb()
     model, tok = lm.model, lm.tokenizer
     lengths = [int(x) for x in args.batch_lengths.split(",")]
-    batch8 = _prompts(tok, lengths)
+    batch8 = prompts_of(tok, lengths)
     batch1 = [batch8[len(batch8) // 2]]
     pad = getattr(model.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else model.config.eos_token_id
@@ -589,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
                    lambda p=prompts, b=budgets: runner_decode(runner, p, b), args.repeats)
         results[name] = _named(r, "transformers", "runner", "speedup")
     if args.layer_pairs:
-        with _environ("KVDOCTOR_DECODE_LAYER", "0"):
+        with scoped_env("KVDOCTOR_DECODE_LAYER", "0"):
             torch_path = Runner.create(model, tokenizer=tok, device_blocks=512, host_blocks=0,
                                        native_matvec=not args.no_matvec)
         _against(results, "layers", torch_path, runner, scenarios, args.layer_pairs)
     if args.page_pairs:  # a second copy of the model, whose runner leaves its weights on 4 KB pages
-        with _environ("KVDOCTOR_HUGEPAGES", "0"):
+        with scoped_env("KVDOCTOR_HUGEPAGES", "0"):
             other = load_model(args.model, dtype=args.dtype, device=args.device, light=args.only_events)
             small_pages = Runner.create(other.model, tokenizer=tok, device_blocks=512, host_blocks=0,
                                         native_matvec=not args.no_matvec)
@@ -616,14 +312,14 @@ def main(argv: list[str] | None = None) -> int:
                     parts[on].append(event_parts(runner, writer.write_many, prompts, E))
         for on in kernels:
             key = name if on else f"{name}_torch"
-            results[f"{key}_parts"] = {label: _median([p[label] for p in parts[on]]) for label in parts[on][0]}
+            results[f"{key}_parts"] = {label: median([p[label] for p in parts[on]]) for label in parts[on][0]}
             results[key] = {"pairs": len(steps[on]["off_cpu"])}
             for clock in ("cpu", "wall"):
                 off, listened = steps[on][f"off_{clock}"], steps[on][f"on_{clock}"]
                 ratios = [b / a - 1 for a, b in zip(off, listened)]  # extra time of the listened step
-                lo, hi = _quartiles(ratios)
-                results[key][clock] = {"off_ms": round(1e3 * _median(off), 2), "on_ms": round(1e3 * _median(listened), 2),
-                                       "overhead": round(_median(ratios), 4), "overhead_q1": round(lo, 4),
+                lo, hi = quartiles(ratios)
+                results[key][clock] = {"off_ms": round(1e3 * median(off), 2), "on_ms": round(1e3 * median(listened), 2),
+                                       "overhead": round(median(ratios), 4), "overhead_q1": round(lo, 4),
                                        "overhead_q3": round(hi, 4)}
     if args.sink_split:
         binary = TraceWriter(trace_path + binary_trace.SUFFIX, runner.cache.header())

@@ -87,8 +87,8 @@ def cuda_section() -> dict[str, Any]:
 def engine_section(device: str = "cuda") -> dict[str, Any]:
     import torch
 
-    from kvdoctor.engine.model import tiny_llama
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.model.model import tiny_llama
+    from kvdoctor.engine.serving.runner import Runner
     from kvdoctor.events import Mem
     from kvdoctor.probes import attach_to_cache
 

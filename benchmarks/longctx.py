@@ -46,7 +46,7 @@ from quality import texts  # noqa: E402  (the same texts as the quality benchmar
 
 
 def _runners(model: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.serving.runner import Runner
 
     bs = args.block_size
     blocks = -(-(args.context + args.eval + args.greedy + 1) // bs)
@@ -165,7 +165,7 @@ def main() -> int:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.model import load_model
 
     loaded = load_model()
     data = {k: v for k, v in texts(loaded.tokenizer, args.context + args.eval + args.greedy).items()

@@ -30,7 +30,7 @@ import time
 import torch
 
 import kvdoctor
-from kvdoctor.engine.model import load_model, tiny_llama
+from kvdoctor.engine.model.model import load_model, tiny_llama
 from kvdoctor.integrations.transformers import Observer
 from kvdoctor.integrations.transformers_attention import AttentionTap
 

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from kvdoctor.demo import SYSTEM_PROMPT
-from kvdoctor.engine.model import load_model, tiny_llama
-from kvdoctor.engine.runner import Runner, SamplingParams
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.model.model import load_model, tiny_llama
+from kvdoctor.engine.serving.runner import Runner, SamplingParams
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 
 # The demo's system prompt and house rules: over 200 SmolLM2 tokens in the chat template.
 RULES = (

@@ -76,7 +76,7 @@ def reading_costs(cache: Any, n: int) -> dict[str, float | None]:
 def load(model_name: str, device: str) -> tuple[Any, list[list[int]]]:
     import torch
 
-    from kvdoctor.engine.model import load_model, tiny_llama
+    from kvdoctor.engine.model.model import load_model, tiny_llama
 
     if model_name == "tiny":
         loaded = tiny_llama()
@@ -101,7 +101,7 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, probes: dict[
                 trace_dir: str) -> Rate:
     """Decode throughput of one run (the prefill step excluded), and how many mem events it had."""
     from kvdoctor.engine.bus import Bus
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.serving.runner import Runner
     from kvdoctor.events import Mem, StepEnd
     from kvdoctor.trace import TraceWriter
 
@@ -152,7 +152,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     model, prompts = load(args.model, args.device)
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.serving.runner import Runner
 
     with Runner.create(model, device_blocks=64, host_blocks=64) as runner:
         runner.generate(prompts[:2], max_new_tokens=8)  # a cache with something in it

@@ -96,7 +96,7 @@ def _has_mixed() -> bool:
 
 
 def texts(tokenizer: Any, context: int) -> dict[str, list[int]]:
-    from kvdoctor.engine.codecs import calibration_text
+    from kvdoctor.engine.kv.codecs import calibration_text
 
     pydoc = tokenizer(calibration_text())["input_ids"]
     pydoc = list(pydoc[len(pydoc) // 2 :])  # the half calibration never saw
@@ -112,7 +112,7 @@ def texts(tokenizer: Any, context: int) -> dict[str, list[int]]:
 @torch.inference_mode()
 def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namespace) -> dict[str, Any]:
     """Perplexity over ``ids[:context]`` (chunked prefill), then decode steps for the bytes read."""
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.serving.runner import Runner
 
     ctx = args.context
     config = {"block_size": args.block_size, **setting.config}
@@ -199,8 +199,8 @@ def main() -> int:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvdoctor.engine.codecs import default_calibration
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.kv.codecs import default_calibration
+    from kvdoctor.engine.model.model import load_model
 
     t_start = time.perf_counter()
     loaded = load_model()

@@ -212,9 +212,9 @@ def soak_engine(num_requests: int, *, seed: int = 0, checkpoint: int = 250, warm
     import torch
 
     from kvdoctor.config import Config
-    from kvdoctor.engine.model import tiny_llama
-    from kvdoctor.engine.runner import Runner, SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.model.model import tiny_llama
+    from kvdoctor.engine.serving.runner import Runner, SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
 
     torch.manual_seed(seed)
     lm = tiny_llama(num_layers=2, max_position_embeddings=512)

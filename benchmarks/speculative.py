@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from kvdoctor.engine.model import load_model, tiny_llama
-from kvdoctor.engine.runner import Runner, SamplingParams
-from kvdoctor.engine.scheduler import Request, Scheduler
-from kvdoctor.engine.speculative import ModelDrafter, NgramDrafter
+from kvdoctor.engine.model.model import load_model, tiny_llama
+from kvdoctor.engine.serving.runner import Runner, SamplingParams
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
+from kvdoctor.engine.serving.speculative import ModelDrafter, NgramDrafter
 
 PASSAGE = (
     "A paged KV cache stores the keys and values of every token in fixed-size blocks. When the device runs "

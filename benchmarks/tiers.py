@@ -22,7 +22,7 @@
    (``/proc/sys/vm/drop_caches``, root only; otherwise the files' pages are advised out
    with ``posix_fadvise``, which the output says).
 5. Checksum kernels: copying a batch in host memory with its checksum taken by each
-   candidate, against a plain memcpy (how ``engine/checksum.py`` was chosen).
+   candidate, against a plain memcpy (how ``engine/kv/checksum.py`` was chosen).
 
     .venv/bin/python benchmarks/tiers.py --disk-dir /work/tmp   # spill files on another filesystem
 """
@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine.checksum import copy_sum, sum64_rows
+from kvdoctor.engine.kv.cache import PagedKVCache
+from kvdoctor.engine.kv.checksum import copy_sum, sum64_rows
 from kvdoctor.engine.config import EngineConfig
-from kvdoctor.engine.storage import DiskArena
+from kvdoctor.engine.kv.storage import DiskArena
 
 # SmolLM2-135M's cache shape: 30 layers, 3 KV heads of 64, fp16 -> 360 KiB per 16-token block
 SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float16")

@@ -32,11 +32,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # This file is named vllm.py: without its folder on the path, `import vllm` finds vLLM, not itself.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-_spec = importlib.util.spec_from_file_location("_decode_bench", os.path.join(_HERE, "decode.py"))
-_decode = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_decode)
+_spec = importlib.util.spec_from_file_location("_pairing", os.path.join(_HERE, "pairing.py"))
+_pairing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_pairing)
 _clocks, _prompts, _rates, paired, runner_decode = (
-    _decode._clocks, _decode._prompts, _decode._rates, _decode.paired, _decode.runner_decode)
+    _pairing.clocks, _pairing.prompts_of, _pairing.rates, _pairing.paired, _pairing.runner_decode)
 
 
 def vllm_decode(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -109,8 +109,8 @@ class RunnerProcess:
 
 def serve_runner(directory: str, dtype: str) -> int:
     """The child side of ``RunnerProcess``: one JSON request per line in, one (wall, CPU) pair out."""
-    from kvdoctor.engine.model import load_model
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.model.model import load_model
+    from kvdoctor.engine.serving.runner import Runner
 
     lm = load_model(directory, dtype=dtype)
     runner = Runner.create(lm.model, tokenizer=lm.tokenizer, device_blocks=512, host_blocks=0)
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from kvdoctor.engine.model import convert_embedded
+    from kvdoctor.engine.model.model import convert_embedded
     from kvdoctor.integrations.vllm import VllmTracer
 
     directory = str(convert_embedded())
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = paired(lambda p=prompts: vllm_decode(llm, p, N),
                          lambda p=prompts: runner.decode(p, N), args.pairs)
         shares = sorted(traced(prompts, share=True) for _ in range(args.share_runs))
-        results[name] = {"plugin_share": round(_decode._median(shares), 5),
+        results[name] = {"plugin_share": round(_pairing.median(shares), 5),
                          "plugin_share_range": [round(shares[0], 5), round(shares[-1], 5)]}
         results[name] |= {
             clock: {"vllm": plugin[clock]["a"], "vllm_traced": plugin[clock]["b"],

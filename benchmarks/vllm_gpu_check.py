@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm_gpu_check: no CUDA device here; this check needs a GPU", file=sys.stderr)
         return 2
     if args.model is None:
-        from kvdoctor.engine.model import convert_embedded
+        from kvdoctor.engine.model.model import convert_embedded
 
         args.model = str(convert_embedded())
     import vllm

@@ -13,7 +13,7 @@ reads must match.
 The check judges only digests a producer gave: an event without one says nothing, and
 a ``write`` without one leaves the block's content unknown until the next write that
 has one. What a digest is, is the producer's business (kvdoctor's engine: see
-``engine/digest.py``); the check only compares.
+``engine/kv/digest.py``); the check only compares.
 """
 
 from __future__ import annotations

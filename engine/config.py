@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..knobs import VERIFY_MODES  # content digests: see engine.digest
+from ..knobs import VERIFY_MODES  # content digests: see engine.kv.digest
 from .faults import FAULTS
 
-DISK_IO_MODES = ("auto", "direct", "buffered")  # disk arena I/O: see engine.storage.DiskArena
+DISK_IO_MODES = ("auto", "direct", "buffered")  # disk arena I/O: see engine.kv.storage.DiskArena
 
 __all__ = ["EngineConfig", "Layout", "Tier", "TIER_NAMES", "DTYPES", "ROW_ALIGN_BYTES", "MIXED", "VERIFY_MODES",
            "DISK_IO_MODES"]
@@ -96,11 +96,11 @@ class EngineConfig:
     prefetch_depth: int = 4  # blocks brought up ahead per prefetch request; 0 switches prefetch off
     disk_dir: str | None = None  # parent of the private spill directory; None -> the system temp dir
     # Disk arena I/O: "direct" (O_DIRECT, bypassing the page cache), "buffered", or "auto": direct where the
-    # spill directory's filesystem takes it, else buffered (engine.storage.DiskArena; the trace header says which)
+    # spill directory's filesystem takes it, else buffered (engine.kv.storage.DiskArena; the trace header says which)
     disk_io: str = "auto"
     checksums: bool = True
     fault: str | None = None
-    # Content digests (engine.digest): verify "full" (every read), "sample" (one block of every
+    # Content digests (engine.kv.digest): verify "full" (every read), "sample" (one block of every
     # ``verify_every``-th read) or "off"; None: $KVDOCTOR_VERIFY, else "sample". Swaps are always verified.
     verify: str | None = None
     verify_every: int = 16
@@ -120,10 +120,10 @@ class EngineConfig:
     # the first this many layers attend densely under top-k (Quest leaves its first two layers dense: their attention
     # is spread too evenly for a few pages to hold it)
     dense_layers: int = 0
-    # Long context (engine.readplan, engine.staging): a running sequence's blocks may live in any tier, and attention
+    # Long context (engine.kv.readplan, engine.kv.staging): a running sequence's blocks may live in any tier, and attention
     # reads slower tiers' blocks through a device staging area of this many blocks; 0: every block read is resident
     staging_blocks: int = 0
-    # Token merging (engine.merge): in old, full blocks, adjacent tokens whose keys have at least this cosine
+    # Token merging (engine.kv.merge): in old, full blocks, adjacent tokens whose keys have at least this cosine
     # similarity (per layer and KV head) share one slot with a count; 0: off
     merge: float = 0.0
     importance: str | None = None  # importance eviction: "h2o" or "streaming" (None: off)
@@ -132,7 +132,7 @@ class EngineConfig:
     mixed_window: int = 4  # mixed: a sequence's newest blocks stay high (the recent window)
     mixed_high_blocks: int = 0  # mixed: at least this many of a sequence's older blocks stay high, by attention mass
     mixed_high_fraction: float = 0.25  # mixed: ... or this fraction of its blocks, whichever is more
-    # Automatic prefix caching (engine.prefix): full blocks found again by a chain of content keys. ``prefix_salt``
+    # Automatic prefix caching (engine.kv.prefix): full blocks found again by a chain of content keys. ``prefix_salt``
     # names what decides a token's K/V besides the tokens (model, weights digest, rope scaling; the runner fills
     # it from the model); the cache adds its KV codec, and each request its adapter.
     prefix_cache: bool = False
@@ -192,7 +192,7 @@ class EngineConfig:
             raise _bad("merge", m, "0 with staging_blocks (streamed reads do not weigh merged slots yet)")
 
     def _check_compression(self) -> None:
-        from .codecs import CODECS, NEEDS_CALIBRATION, PRECISION, codec_of_dtype
+        from .kv.codecs import CODECS, NEEDS_CALIBRATION, PRECISION, codec_of_dtype
 
         raw = self.codec
         self.codec = self._codec_setting(raw)
@@ -261,7 +261,7 @@ class EngineConfig:
 
     def _codec_setting(self, value: Any) -> str | dict[str, str]:
         """``codec`` normalized: one name for every tier, or a dict naming every tier's codec."""
-        from .codecs import codec_of_dtype
+        from .kv.codecs import codec_of_dtype
 
         if value is None:
             return codec_of_dtype(self.dtype)
@@ -324,7 +324,7 @@ class EngineConfig:
 
     def arena_codecs(self, tier: str) -> tuple[str, ...]:
         """The codecs ``tier`` keeps arenas for: its own first, then the lossier ones a block can arrive in."""
-        from .codecs import PRECISION
+        from .kv.codecs import PRECISION
 
         own = self._tier_codecs[tier]
         return (own, *(c for c in self._block_codecs if PRECISION[c] > PRECISION[own]))
@@ -336,7 +336,7 @@ class EngineConfig:
         if got is None:
             import torch
 
-            from .codecs import NATIVE, row_payload_bytes
+            from .kv.codecs import NATIVE, row_payload_bytes
 
             dtype = getattr(torch, NATIVE.get(codec, "uint8"))
             payload = row_payload_bytes(codec, self.block_size, self.head_dim)

@@ -37,14 +37,14 @@ FAULTS: dict[str, str] = {
     "layer (an exponent bit for fp16/bf16/fp32, a code bit for int8/nf4)",
     "row-off-by-one": "once, from step 2 on: a step's first token is written one row further into its block "
     "(every layer), leaving its own row as it was",
-    # Prefix-cache faults (engine.prefix): the cache hands a request K/V that is not its prefix's.
+    # Prefix-cache faults (engine.kv.prefix): the cache hands a request K/V that is not its prefix's.
     "prefix-unsalted": "the prefix cache keys blocks by their tokens alone, leaving out the salt (model, weights, "
     "KV codec, rope scaling, adapter): a request under another adapter hits blocks computed under the first",
     "prefix-overwritten": "a block that only the prefix cache holds is handed to a request as its next new block "
     "without leaving the cache; the request writes over it, and a later hit is served that request's K/V",
     "prefix-freed-in-use": "when the request that computed a cached block ends, the cache evicts the block at once, "
     "though requests that hit it still hold it and read it (its slot goes to the next block allocated)",
-    # Speculative decoding (engine.speculative)
+    # Speculative decoding (engine.serving.speculative)
     "spec-rollback-uncut": "a rollback that keeps part of a sequence (rejected draft tokens) is recorded and advances "
     "the version, but the sequence's length is not cut: the rejected tokens' K/V stay in it, attention reads them, "
     "and the next token is written after them",
@@ -123,7 +123,7 @@ class Faults:
         return scores
 
     def score_hook(self, layer: int, step: int) -> Callable[[Any], Any] | None:
-        """The ``corrupt`` callable for ``engine.attention`` at ``layer`` this step, or None when
+        """The ``corrupt`` callable for ``engine.model.attention`` at ``layer`` this step, or None when
         nothing would change (so the runner keeps the fused attention path)."""
         if not self.attention_nan or layer != self.nan_layer or step < _NAN_FROM_STEP:
             return None

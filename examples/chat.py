@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", help="write the engine's events to this trace file")
     args = ap.parse_args(argv)
 
-    from kvdoctor.engine.model import load_model
-    from kvdoctor.engine.runner import Runner, SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.model.model import load_model
+    from kvdoctor.engine.serving.runner import Runner, SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
     from kvdoctor.trace import TraceWriter
 
     loaded = load_model(args.model)

@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from kvdoctor import knobs
     from kvdoctor.demo import SYSTEM_PROMPT
-    from kvdoctor.engine.model import load_model, tiny_llama
-    from kvdoctor.engine.runner import Runner, SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.model.model import load_model, tiny_llama
+    from kvdoctor.engine.serving.runner import Runner, SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
     from kvdoctor.trace import TraceWriter
 
     rng = random.Random(args.seed)

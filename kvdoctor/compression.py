@@ -2,7 +2,7 @@
 
 ``kvdoctor run``, the demo and ``kvdoctor watch --demo`` read them the same way. The
 names are listed here so ``--help`` needs no engine import (a test keeps them equal to
-``engine.codecs.CODECS``); the engine's config judges the rest (the order of the tiers'
+``engine.kv.codecs.CODECS``); the engine's config judges the rest (the order of the tiers'
 codecs, the calibration's shape).
 """
 
@@ -16,7 +16,7 @@ __all__ = ["CODEC_NAMES", "CODEC_METAVAR", "CODEC_HELP", "MERGE_HELP", "codec_se
 
 CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
 _TIER_NAMES = ("device", "host", "disk")
-_CALIBRATED = ("int8",)  # codecs whose key scales come from a calibration (engine.codecs.NEEDS_CALIBRATION)
+_CALIBRATED = ("int8",)  # codecs whose key scales come from a calibration (engine.kv.codecs.NEEDS_CALIBRATION)
 CODEC_METAVAR = "{" + ",".join((*CODEC_NAMES, "mixed")) + "}|TIER=CODEC,..."
 CODEC_HELP = ("store KV blocks in this codec (default: the model's dtype), or one per tier "
               "(device=fp16,host=int8,disk=nf4: blocks are re-encoded as they go down), or 'mixed' "
@@ -68,7 +68,7 @@ def engine_settings(codec: str | None, topk: int, loaded: Any) -> dict[str, Any]
     if codec:
         out["codec"] = codec
         if calibrated(codec):
-            from .engine.codecs import default_calibration
+            from .engine.kv.codecs import default_calibration
             from .errors import UsageError
 
             if loaded.tokenizer is None:

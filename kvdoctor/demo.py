@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from . import knobs
 from .compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, codec_setting, merge_threshold
-from .engine.model import DTYPES
+from .engine.model.model import DTYPES
 from .errors import UsageError
 from .stop_signals import interrupt_on_stop_signals, reraise
 
@@ -81,19 +81,19 @@ class DemoConfig:
     seed: int = 0
     codec: str | None = None        # how blocks are stored (see kvdoctor.compression); None: the model's dtype
     prefix_cache: bool = False      # cache full blocks by content; every request opens with SYSTEM_PROMPT
-    speculative: bool = False       # prompt-lookup drafts verified each decode step (engine.speculative)
+    speculative: bool = False       # prompt-lookup drafts verified each decode step (engine.serving.speculative)
     parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
     dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
-    merge: float = 0.0              # token merging's key cosine threshold (engine.merge); 0: off
+    merge: float = 0.0              # token merging's key cosine threshold (engine.kv.merge); 0: off
 
 
 def run_demo(cfg: DemoConfig) -> int:
     """Serve requests until time or steps run out (or Ctrl-C); returns the number of steps run."""
-    from .engine.model import load_model, tiny_llama
-    from .engine.runner import Runner, SamplingParams
+    from .engine.model.model import load_model, tiny_llama
+    from .engine.serving.runner import Runner, SamplingParams
     from .compression import calibrated, engine_settings
-    from .engine.scheduler import Request, Scheduler
-    from .engine.speculative import NgramDrafter
+    from .engine.serving.scheduler import Request, Scheduler
+    from .engine.serving.speculative import NgramDrafter
     from .probes import attach_to_cache
 
     parent = os.getppid() if cfg.parent is None else cfg.parent

@@ -80,7 +80,7 @@ def _text_knob(name: str, kind: str, meaning: str, accepted: str, **extra: Any) 
     return Knob(name, kind, None, meaning, accepted, str, **extra)
 
 
-VERIFY_MODES = ("off", "sample", "full")  # content digests (engine.digest); EngineConfig.verify takes the same
+VERIFY_MODES = ("off", "sample", "full")  # content digests (engine.kv.digest); EngineConfig.verify takes the same
 
 TRACE = _text_knob(
     "KVDOCTOR_TRACE", "path", "the trace file every producer in the process writes: each engine cache (a second "

@@ -1,6 +1,6 @@
 """The reference for the attention statistics of the ``attn`` event (docs/trace-format.md), written for
 clarity, head by head in float64, to hold every fast implementation to: the engine's torch passes
-(``engine/attention.py``), its compiled kernel (``engine/attn_stats.c``) and the transformers
+(``engine/model/attention.py``), its compiled kernel (``engine/kernels/attn_stats.c``) and the transformers
 observer's pass (``kvdoctor/integrations/transformers_attention.py``).
 
 For a row's newest query at one layer, over the keys it sees, head by head:

@@ -28,8 +28,8 @@ def serve(lm, seed: int, *, trace: str | None = None, report_fd: int | None = No
     ``report_fd``: forever in a child that writes ``trace``; for ``steps`` steps in the parent, untraced,
     to warm it (a process's first steps and first swaps pay one-time costs, up to ~0.4 s on a busy machine,
     which every forked child would otherwise pay again, leaving few cuts while the engine swaps)."""
-    from kvdoctor.engine.runner import Runner, SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.serving.runner import Runner, SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
 
     if trace is not None:
         os.environ.update(KVDOCTOR_TRACE=trace, KVDOCTOR_PROBES="1", KVDOCTOR_PROBES_INTERVAL="0.01")
@@ -94,7 +94,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # a forked child must not inherit a thread pool it cannot use
-    from kvdoctor.engine.model import load_model, tiny_llama
+    from kvdoctor.engine.model.model import load_model, tiny_llama
 
     lm = tiny_llama(num_layers=2, max_position_embeddings=2048) if a.model == "tiny" else load_model(None)
     serve(lm, a.seed, steps=40)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_reference import newest_query_stats as reference, nonfinite_scores
-from kvdoctor.engine.attention import Newest, _stats_kernel, attention_stats, layer_stats
+from kvdoctor.engine.model.attention import Newest, _stats_kernel, attention_stats, layer_stats
 from kvdoctor.integrations.transformers_attention import AttentionTap, newest_query_stats as observer_stats
 
 SINK = 4  # tokens in the first block

@@ -29,7 +29,7 @@ def test_doctor_reports_every_capability_and_exits_0(capsys, tmp_path):
 
 def test_a_machine_without_a_compiler_is_told_why_decode_is_slower(capsys, monkeypatch, tmp_path):
     # GIVEN no C compiler and no kernel built yet
-    from kvdoctor.engine import matvec
+    from kvdoctor.engine.model import matvec
 
     monkeypatch.setenv("CC", str(tmp_path / "no-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -45,7 +45,7 @@ def test_a_machine_without_a_compiler_is_told_why_decode_is_slower(capsys, monke
 
 def test_huge_pages_switched_off_are_reported_with_the_fix(capsys, monkeypatch, tmp_path):
     # GIVEN transparent huge pages switched off in the kernel, then by kvdoctor's own switch
-    from kvdoctor.engine import hugepages
+    from kvdoctor.engine.model import hugepages
 
     setting = tmp_path / "enabled"
     setting.write_text("always madvise [never]\n")

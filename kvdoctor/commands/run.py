@@ -15,8 +15,8 @@ import time
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, calibrated, codec_setting, engine_settings, merge_threshold
 from ..engine.faults import FAULTS
-from ..engine.model import DTYPES
-from ..knobs import VERIFY_MODES  # content digest verification of reads (engine.digest)
+from ..engine.model.model import DTYPES
+from ..knobs import VERIFY_MODES  # content digest verification of reads (engine.kv.digest)
 
 NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
@@ -123,13 +123,13 @@ def run(args: argparse.Namespace) -> int:
     if args.num_draft < 1:
         raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
     from ..engine.errors import EngineError
-    from ..engine.model import ModelLoadError, load_model
-    from ..engine.runner import Runner, SamplingParams, UnsupportedModel
-    from ..engine.scheduler import Request, Scheduler
+    from ..engine.model.model import ModelLoadError, load_model
+    from ..engine.serving.runner import Runner, SamplingParams, UnsupportedModel
+    from ..engine.serving.scheduler import Request, Scheduler
     from ..trace import TraceWriter
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype, light=not calibrated(args.codec))  # light: see engine/llama.py
+        loaded = load_model(args.model, dtype=args.dtype, light=not calibrated(args.codec))  # light: see engine/model/llama.py
         runner = Runner.create(
             loaded.model, tokenizer=loaded.tokenizer, stats_every=args.stats_every,
             block_size=args.block_size, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
@@ -243,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _drafter(args: argparse.Namespace, runner):
     """The drafter ``--speculative`` names (None without it); a bad one is a usage error."""
-    from ..engine.model import ModelLoadError, load_model
-    from ..engine.runner import Runner, UnsupportedModel
-    from ..engine.speculative import ModelDrafter, NgramDrafter
+    from ..engine.model.model import ModelLoadError, load_model
+    from ..engine.serving.runner import Runner, UnsupportedModel
+    from ..engine.serving.speculative import ModelDrafter, NgramDrafter
     from ..errors import UsageError
 
     if not args.speculative:

@@ -144,7 +144,7 @@ def disk_item(disk_dir: str | None = None) -> Item:
 
 def model_item() -> Item:
     try:
-        from ..engine import model
+        from ..engine.model import model
     except ImportError as exc:  # the engine needs torch; torch_item says more
         return Item("model", False, f"engine not importable: {exc}", fix="reinstall with ./kvd")
     try:
@@ -157,13 +157,13 @@ def model_item() -> Item:
     if problem is None:
         return Item("model", True, f"{model.EMBEDDED_NAME} installed and converted ({target})", data=data)
     return Item("model", True, f"{model.EMBEDDED_NAME} installed ({gguf.name}); safetensors copy: {problem}",
-                fix="it is converted on first use (about 20 s), or now with engine.model.convert_embedded()",
+                fix="it is converted on first use (about 20 s), or now with engine.model.model.convert_embedded()",
                 data=data)
 
 
 def decode_kernel_item() -> Item:
-    """Whether the runner's CPU decode kernel builds here and shares torch's threads (engine/matvec.py)."""
-    from ..engine import matvec
+    """Whether the runner's CPU decode kernel builds here and shares torch's threads (engine/model/matvec.py)."""
+    from ..engine.model import matvec
 
     kernel = matvec.probe()
     if isinstance(kernel, str):
@@ -174,8 +174,8 @@ def decode_kernel_item() -> Item:
 
 
 def huge_pages_item() -> Item:
-    """Whether the runner's weights go on 2 MB pages here (engine/hugepages.py)."""
-    from ..engine import hugepages
+    """Whether the runner's weights go on 2 MB pages here (engine/model/hugepages.py)."""
+    from ..engine.model import hugepages
 
     why = hugepages.unavailable()
     if why is None:

@@ -15,15 +15,15 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.model import load_model
 
     return load_model()
 
 
 def serve(lm, fault, steps: int):
     from kvdoctor.demo import PROMPTS
-    from kvdoctor.engine.runner import Runner, SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.serving.runner import Runner, SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
     from kvdoctor.events import SwapOut
     from kvdoctor.session import Session
 
@@ -61,8 +61,8 @@ def test_four_greedy_chat_requests_of_48_tokens_raise_nothing(smollm2, profile):
     # GIVEN the run issue 14 measured (4 sink-shift warnings on the first version of the attention check)
     from kvdoctor.config import Config
     from kvdoctor.demo import PROMPTS
-    from kvdoctor.engine.runner import Runner, SamplingParams
-    from kvdoctor.engine.scheduler import Request, Scheduler
+    from kvdoctor.engine.serving.runner import Runner, SamplingParams
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
     from kvdoctor.session import Session
 
     runner = Runner.create(smollm2.model, tokenizer=smollm2.tokenizer, extra={"model": smollm2.name})

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 from test_engine_soak import append, tiny_cache  # noqa: E402
 
 from kvdoctor.checks import make_suite  # noqa: E402
-from kvdoctor.engine.model import tiny_llama  # noqa: E402
-from kvdoctor.engine.runner import Runner, SamplingParams  # noqa: E402
-from kvdoctor.engine.scheduler import Request, Scheduler  # noqa: E402
+from kvdoctor.engine.model.model import tiny_llama  # noqa: E402
+from kvdoctor.engine.serving.runner import Runner, SamplingParams  # noqa: E402
+from kvdoctor.engine.serving.scheduler import Request, Scheduler  # noqa: E402
 from kvdoctor.session import Session  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvdoctor.checks import make_suite  # noqa: E402
-from kvdoctor.engine.cache import PagedKVCache  # noqa: E402
+from kvdoctor.engine.kv.cache import PagedKVCache  # noqa: E402
 from kvdoctor.engine.config import EngineConfig  # noqa: E402
 from kvdoctor.engine.errors import OutOfBlocks  # noqa: E402
 

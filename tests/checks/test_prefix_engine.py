@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvdoctor.engine.model import tiny_llama  # noqa: E402
-from kvdoctor.engine.runner import Runner  # noqa: E402
-from kvdoctor.engine.scheduler import Request, Scheduler  # noqa: E402
+from kvdoctor.engine.model.model import tiny_llama  # noqa: E402
+from kvdoctor.engine.serving.runner import Runner  # noqa: E402
+from kvdoctor.engine.serving.scheduler import Request, Scheduler  # noqa: E402
 from kvdoctor.session import Session  # noqa: E402
 
 _rng = random.Random(7)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.kv.cache import PagedKVCache
 
 from engine_support import Recorder, tiny_config
 
@@ -16,7 +16,7 @@ from engine_support import Recorder, tiny_config
 @pytest.fixture(scope="module")
 def smol():
     """The embedded SmolLM2, loaded once per module that asks for it (the slow modules)."""
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.model import load_model
 
     return load_model()
 

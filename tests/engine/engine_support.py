@@ -11,9 +11,9 @@ from typing import Any, Callable
 import torch
 
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.kv.cache import PagedKVCache
 from kvdoctor.engine.config import EngineConfig
-from kvdoctor.engine.hf import EngineCache
+from kvdoctor.engine.model.hf import EngineCache
 from kvdoctor.trace import TraceReader
 
 

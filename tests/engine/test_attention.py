@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine import attention
-from kvdoctor.engine.attention import AttnLayout, Newest, attend, attention_stats, layer_stats
+from kvdoctor.engine.model import attention
+from kvdoctor.engine.model.attention import AttnLayout, Newest, attend, attention_stats, layer_stats
 
 needs_kernel = pytest.mark.skipif(attention._stats_kernel() is None, reason="the statistics kernel does not build here")
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.kv.cache import PagedKVCache
 from kvdoctor.engine.errors import OutOfBlocks, UnknownSequence
 
 
@@ -266,7 +266,7 @@ def test_header_names_the_calibration_an_int8_cache_used():
     import torch
 
     from engine_support import tiny_config
-    from kvdoctor.engine.codecs import Calibration
+    from kvdoctor.engine.kv.codecs import Calibration
 
     cal = Calibration(torch.ones(2, 2, 8), 4, 64, "four windows of test text")
     with PagedKVCache(tiny_config(codec="int8", calibration=cal)) as cache:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.codecs import (
+from kvdoctor.engine.kv.codecs import (
     NF4_LEVELS,
     Calibration,
     calibrate,
@@ -149,7 +149,7 @@ def test_quantized_codecs_need_a_matching_calibration():
 
 
 def test_calibration_is_deterministic_and_survives_a_round_trip(tmp_path):
-    from kvdoctor.engine.model import tiny_llama
+    from kvdoctor.engine.model.model import tiny_llama
 
     # GIVEN the same model and text
     model = tiny_llama().model

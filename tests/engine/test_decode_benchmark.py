@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
 
 
 @pytest.fixture(scope="module")

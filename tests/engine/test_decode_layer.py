@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvdoctor.engine.attention import Newest, layer_stats
-from kvdoctor.engine.decode_layer import DecodeLayers
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.model.attention import Newest, layer_stats
+from kvdoctor.engine.model.decode_layer import DecodeLayers
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
 from kvdoctor.events import Read, attn_rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]  # different lengths: hidden keys

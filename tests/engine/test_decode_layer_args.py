@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdoctor.engine import decode_layer, native
-from kvdoctor.engine.decode_layer import KernelMismatch, _Args, check_layout
+from kvdoctor.engine.kernels import native
+
+from kvdoctor.engine.model import decode_layer
+from kvdoctor.engine.model.decode_layer import KernelMismatch, _Args, check_layout
 
 ENGINE = Path(decode_layer.__file__).resolve().parent
 _SIGNATURES = {"kvdoctor_decode_layers": [ctypes.POINTER(_Args)], "kvdoctor_decode_args_layout": [],

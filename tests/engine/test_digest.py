@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from engine_support import Recorder, tiny_config
 from kvdoctor.checks import make_suite
-from kvdoctor.engine import digest
-from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine.codecs import Calibration, calibrate, calibration_windows
+from kvdoctor.engine.kv import digest
+from kvdoctor.engine.kv.cache import PagedKVCache
+from kvdoctor.engine.kv.codecs import Calibration, calibrate, calibration_windows
 from kvdoctor.engine.faults import CONTENT_FAULTS
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner, SamplingParams
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner, SamplingParams
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 from kvdoctor.events import Read, Write
 
 CAL = Calibration(torch.full((2, 2, 8), 5.0), 1, 1, "constant 5")

@@ -11,8 +11,8 @@ import pytest
 
 from kvdoctor.checks import make_suite
 from kvdoctor.engine.faults import CONTENT_FAULTS
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

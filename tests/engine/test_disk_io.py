@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine import checksum
-from kvdoctor.engine.checksum import copy_sum, sum64, sum64_rows
+from kvdoctor.engine.kv import checksum
+from kvdoctor.engine.kv.checksum import copy_sum, sum64, sum64_rows
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.errors import StorageError
-from kvdoctor.engine.storage import DISK_ALIGN, IO_PIECE, DiskArena, TensorArena
-from kvdoctor.engine.blockcopy import copy_slots
+from kvdoctor.engine.kv.storage import DISK_ALIGN, IO_PIECE, DiskArena, TensorArena
+from kvdoctor.engine.kv.blockcopy import copy_slots
 
 
 def cfg(tmp_path, **kw):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.kv.cache import PagedKVCache
 from kvdoctor.engine.faults import FAULTS
 
 from engine_support import tiny_config

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from engine_support import contrastive_search, kinds_of, traced
-from kvdoctor.engine.hf import ATTN_IMPLEMENTATION, EngineCache, use_kvdoctor_attention
-from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.model.hf import ATTN_IMPLEMENTATION, EngineCache, use_kvdoctor_attention
+from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import (Alloc, Batch, Free, Read, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn,
                              SwapOut, Write, attn_rows)
 

@@ -25,8 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from engine_support import Recorder, tiny_config
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine.hf import EngineCache
+from kvdoctor.engine.kv.cache import PagedKVCache
+from kvdoctor.engine.model.hf import EngineCache
 
 MAX_ROWS = 6
 MAX_LEN = 16  # tokens per row: 4 blocks of 4, so the rows always fit the device

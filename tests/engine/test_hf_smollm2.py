@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 
 from engine_support import contrastive_search, kinds_of, traced
-from kvdoctor.engine.hf import use_kvdoctor_attention
-from kvdoctor.engine.model import load_model, tiny_llama
+from kvdoctor.engine.model.hf import use_kvdoctor_attention
+from kvdoctor.engine.model.model import load_model, tiny_llama
 from kvdoctor.events import AttnStep, Rollback, SeqStart, Share
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ import weakref
 import pytest
 import torch
 
-from kvdoctor.engine import hugepages
-from kvdoctor.engine.hugepages import HUGE_PAGE, Arena, holds
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.model import hugepages
+from kvdoctor.engine.model.hugepages import HUGE_PAGE, Arena, holds
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40))]
 needs_huge_pages = pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off here")
@@ -89,7 +89,7 @@ def test_a_runner_moves_every_weight_into_one_arena_and_computes_the_same(tie, m
 @needs_huge_pages
 def test_each_layers_old_weights_are_freed_before_the_next_layer_is_copied(monkeypatch):
     # GIVEN a model's weights as they were loaded, and a look at them each time a layer's copies are made
-    from kvdoctor.engine import weights
+    from kvdoctor.engine.model import weights
 
     model = _model(None)
     old = [[weakref.ref(m.weight) for m in _linears_of(layer)] for layer in model.model.layers]

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.importance import ImportanceEviction, choose_victims, protected_blocks
+from kvdoctor.engine.features.importance import ImportanceEviction, choose_victims, protected_blocks
 
 
 @settings(deadline=None, max_examples=200)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 from kvdoctor.events import Prefetch, SwapOut
 
 
@@ -96,7 +96,7 @@ def test_scheduler_prefetches_a_preempted_request_before_it_resumes(model):
 
 
 def test_several_traced_caches_in_one_process_write_numbered_files(tmp_path, monkeypatch):
-    from kvdoctor.engine.cache import PagedKVCache
+    from kvdoctor.engine.kv.cache import PagedKVCache
     from kvdoctor.trace import TraceReader
 
     from engine_support import tiny_config
@@ -132,7 +132,7 @@ def test_package_names_its_public_api_and_imports_without_torch():
         "assert set(e.__all__) <= set(dir(e))\n"
         "for name in e.__all__:\n"
         "    assert getattr(e, name) is not None, name\n"
-        "assert e.Runner is importlib.import_module('kvdoctor.engine.runner').Runner\n"
+        "assert e.Runner is importlib.import_module('kvdoctor.engine.serving.runner').Runner\n"
         "assert e.errors.OutOfBlocks is e.OutOfBlocks\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

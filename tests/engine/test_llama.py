@@ -1,4 +1,4 @@
-"""engine.llama: a plain Llama checkpoint as modules without transformers gives the runner the same
+"""engine.model.llama: a plain Llama checkpoint as modules without transformers gives the runner the same
 tokens and logits as transformers' model, and the tokenizer the same ids; anything else falls back."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from kvdoctor.engine.llama import ChatTokenizer, unsupported
-from kvdoctor.engine.model import ModelLoadError, load_model, tiny_llama
-from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.model.llama import ChatTokenizer, unsupported
+from kvdoctor.engine.model.model import ModelLoadError, load_model, tiny_llama
+from kvdoctor.engine.serving.runner import Runner
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
@@ -31,7 +31,7 @@ def test_the_runner_computes_the_same_logits_from_light_modules(checkpoint, dtyp
     # GIVEN one checkpoint loaded by transformers and as light modules
     hf = load_model(checkpoint, dtype=dtype)
     light = load_model(checkpoint, dtype=dtype, light=True)
-    assert type(light.model).__module__ == "kvdoctor.engine.llama" and light.model.lm_head.weight.dtype == getattr(torch, dtype)
+    assert type(light.model).__module__ == "kvdoctor.engine.model.llama" and light.model.lm_head.weight.dtype == getattr(torch, dtype)
     # WHEN the runner generates greedily from each
     outs = []
     for lm in (hf, light):
@@ -94,9 +94,9 @@ def test_a_truncated_checkpoint_is_a_clear_error(checkpoint, tmp_path):
 
 
 def test_the_light_path_never_imports_transformers(checkpoint):
-    script = (f"import sys; from kvdoctor.engine.model import load_model; "
+    script = (f"import sys; from kvdoctor.engine.model.model import load_model; "
               f"lm = load_model({str(checkpoint)!r}, light=True); "
-              f"assert type(lm.model).__module__ == 'kvdoctor.engine.llama'; "
+              f"assert type(lm.model).__module__ == 'kvdoctor.engine.model.llama'; "
               f"print(sorted(m for m in sys.modules if m.startswith(('transformers', 'torch._dynamo'))))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

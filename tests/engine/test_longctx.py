@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from kvdoctor.checks import make_suite
 from kvdoctor.engine.config import EngineConfig
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.readplan import BlockLoc, plan_reads
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.streaming import merge, partial_attention
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.kv.readplan import BlockLoc, plan_reads
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.features.streaming import merge, partial_attention
 from kvdoctor.events import attn_rows
 from kvdoctor.trace import TraceReader
 
@@ -168,8 +168,8 @@ def test_a_sequence_larger_than_every_tier_is_aborted(model):
 
 @pytest.mark.parametrize("by_id", [False, True])
 def test_staging_serves_a_copy_until_its_block_changes_unless_found_by_id(tmp_path, by_id):
-    from kvdoctor.engine.cache import PagedKVCache
-    from kvdoctor.engine.staging import StagingArea
+    from kvdoctor.engine.kv.cache import PagedKVCache
+    from kvdoctor.engine.kv.staging import StagingArea
 
     from engine_support import Recorder, tiny_config
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.codecs import calibration_text
-from kvdoctor.engine.model import load_model
-from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.kv.codecs import calibration_text
+from kvdoctor.engine.model.model import load_model
+from kvdoctor.engine.serving.runner import Runner
 from kvdoctor.trace import TraceReader
 
 pytestmark = pytest.mark.slow

@@ -15,13 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.attention import AttnLayout, attend
+from kvdoctor.engine.model.attention import AttnLayout, attend
 from kvdoctor.engine.config import EngineConfig
-from kvdoctor.engine.features import Step
-from kvdoctor.engine.merge import DEAD_BIAS, SlotCounts, key_bias, merge_rows
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.sparse import BlockSparse
+from kvdoctor.engine.features.protocol import Step
+from kvdoctor.engine.features.merging import key_bias
+from kvdoctor.engine.kv.merge import DEAD_BIAS, SlotCounts, merge_rows
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.features.sparse import BlockSparse
 
 from engine_support import findings_of
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdoctor.engine import model as model_mod
-from kvdoctor.engine.model import ModelLoadError, converted_dir, embedded_gguf, load_model, tiny_llama, verify_copy
+from kvdoctor.engine.model import model as model_mod
+from kvdoctor.engine.model.model import ModelLoadError, converted_dir, embedded_gguf, load_model, tiny_llama, verify_copy
 
 
 def test_tiny_llama_is_deterministic_for_a_seed():

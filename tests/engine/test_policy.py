@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvdoctor.engine.config import EngineConfig
-from kvdoctor.engine.policy import HybridPolicy, LRUPolicy, make_policy
-from kvdoctor.engine.pool import Block
+from kvdoctor.engine.kv.policy import HybridPolicy, LRUPolicy, make_policy
+from kvdoctor.engine.kv.pool import Block
 
 
 def blk(id, last_access=0, index=0, importance=0.0):

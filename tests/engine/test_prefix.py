@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.prefix import content_key
+from kvdoctor.engine.kv.prefix import content_key
 from kvdoctor.events import PREFIX_CACHE
 
 P = list(range(10, 20))  # a 10-token prompt: two full blocks of 4 and a partial one

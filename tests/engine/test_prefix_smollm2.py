@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor.demo import PROMPTS, SYSTEM_PROMPT
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 from kvdoctor.session import Session
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -25,10 +25,10 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kvdoctor.engine.errors import ChecksumMismatch, StorageError
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
-from kvdoctor.engine.storage import DISK_ALIGN, DiskArena
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
+from kvdoctor.engine.kv.storage import DISK_ALIGN, DiskArena
 from kvdoctor.events import IoError, Prefetch, Rollback, SeqEnd, SwapIn, SwapOut, Usage
 
 from engine_support import findings_of

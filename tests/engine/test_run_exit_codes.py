@@ -7,7 +7,7 @@ import errno
 from test_runner_cli import _run, checkpoint  # noqa: F401  (checkpoint: the tiny local checkpoint, a fixture)
 
 from kvdoctor.engine.errors import StorageError
-from kvdoctor.engine.scheduler import Scheduler
+from kvdoctor.engine.serving.scheduler import Scheduler
 from kvdoctor.errors import EXIT_ENGINE, EXIT_USAGE
 
 

@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
-from kvdoctor.engine.features import Step, StepFeature
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner, SamplingParams, UnsupportedModel, sample
+from kvdoctor.engine.features.protocol import Step, StepFeature
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner, SamplingParams, UnsupportedModel, sample
 from kvdoctor.events import Batch, Read, Write, attn_rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]

@@ -9,7 +9,7 @@ import pytest
 from kvdoctor.cli import main
 from kvdoctor.commands import run as run_cmd
 from kvdoctor.engine.faults import FAULTS
-from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import Batch, Mem, Write
 from kvdoctor.session import Session, TraceSource
 from kvdoctor.trace import TraceReader

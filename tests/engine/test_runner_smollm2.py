@@ -15,10 +15,10 @@ from collections import Counter
 import pytest
 import torch
 
-from kvdoctor.engine.hf import EngineCache, use_kvdoctor_attention
-from kvdoctor.engine.model import convert_embedded, converted_dir, verify_copy
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.model.hf import EngineCache, use_kvdoctor_attention
+from kvdoctor.engine.model.model import convert_embedded, converted_dir, verify_copy
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 from kvdoctor.events import SwapIn, SwapOut, attn_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
 from kvdoctor.events import Batch, Rollback, SeqEnd, SwapIn, SwapOut
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
@@ -169,7 +169,7 @@ def test_aborting_a_swapped_out_request_frees_its_host_blocks(model):
 
 def test_greedy_rows_take_the_first_largest_logit_a_nan_counting_as_largest():
     # GIVEN logits with ties, NaNs, infinities and a row of all -inf
-    from kvdoctor.engine.scheduler import _row_argmax
+    from kvdoctor.engine.serving.scheduler import _row_argmax
 
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[1.0, nan, 3.0, nan], [5.0, 5.0, 1.0, 2.0], [-inf] * 4, [inf, 1.0, inf, 0.0],

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine.attention import AttnLayout
-from kvdoctor.engine.features import Step
-from kvdoctor.engine.runner import Runner
+from kvdoctor.engine.model.attention import AttnLayout
+from kvdoctor.engine.features.protocol import Step
+from kvdoctor.engine.serving.runner import Runner
 from kvdoctor.events import attn_rows
-from kvdoctor.engine.sparse import BlockSparse, block_upper_bound, chunk_block_mask, select_blocks
+from kvdoctor.engine.features.sparse import BlockSparse, block_upper_bound, chunk_block_mask, select_blocks
 
 from engine_support import Recorder
 
@@ -115,7 +115,7 @@ def _dense_by_torch(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model():
-    from kvdoctor.engine.model import tiny_llama
+    from kvdoctor.engine.model.model import tiny_llama
 
     return tiny_llama().model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvdoctor.compression import CODEC_NAMES
-from kvdoctor.engine.codecs import CODECS
+from kvdoctor.engine.kv.codecs import CODECS
 from kvdoctor.events import Read
 from kvdoctor.trace import TraceReader
 

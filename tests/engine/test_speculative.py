@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner, SamplingParams, sampling_probs
-from kvdoctor.engine.scheduler import Request, Scheduler
-from kvdoctor.engine.speculative import Draft, DraftRequest, ModelDrafter, NgramDrafter, verify
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner, SamplingParams, sampling_probs
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
+from kvdoctor.engine.serving.speculative import Draft, DraftRequest, ModelDrafter, NgramDrafter, verify
 from kvdoctor.events import Rollback
 from kvdoctor.session import Session
 

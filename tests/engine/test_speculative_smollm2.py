@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.scheduler import Request, Scheduler
-from kvdoctor.engine.speculative import NgramDrafter
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving.scheduler import Request, Scheduler
+from kvdoctor.engine.serving.speculative import NgramDrafter
 from kvdoctor.session import Session
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -28,8 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from engine_support import Recorder, tiny_config
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine.codecs import Calibration
+from kvdoctor.engine.kv.cache import PagedKVCache
+from kvdoctor.engine.kv.codecs import Calibration
 from kvdoctor.engine.errors import OutOfBlocks
 from kvdoctor.events import Alloc, Evict, Free, Recode, SwapIn, SwapOut
 

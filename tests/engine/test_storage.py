@@ -11,10 +11,10 @@ import torch
 
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.errors import StorageError
-from kvdoctor.engine.codecs import Calibration
+from kvdoctor.engine.kv.codecs import Calibration
 from kvdoctor.engine.errors import OutOfBlocks
-from kvdoctor.engine.pool import TierSlots
-from kvdoctor.engine.storage import DiskArena, TensorArena, TierArenas, runs
+from kvdoctor.engine.kv.pool import TierSlots
+from kvdoctor.engine.kv.storage import DiskArena, TensorArena, TierArenas, runs
 
 
 def cfg(**kw):

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from engine_support import Recorder, tiny_config
 from test_runner_cli import checkpoint  # noqa: F401  (the tiny checkpoint fixture)
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.cache import PagedKVCache
-from kvdoctor.engine.codecs import Calibration
+from kvdoctor.engine.kv.cache import PagedKVCache
+from kvdoctor.engine.kv.codecs import Calibration
 from kvdoctor.engine.config import EngineConfig
 
 KEY_SCALE = 5.0
@@ -500,8 +500,8 @@ def test_run_refuses_bad_codecs_in_one_line(checkpoint, capsys, setting, message
 def test_runner_feeds_mixed_resolution_the_attention_mass(listening):
     # GIVEN a tiny model served with mixed resolution (window 2, one old block kept high by attention mass),
     # traced or not: the ranking must not depend on someone watching
-    from kvdoctor.engine.model import tiny_llama
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.model.model import tiny_llama
+    from kvdoctor.engine.serving.runner import Runner
 
     model = tiny_llama().model
     cfg = model.config
@@ -525,7 +525,7 @@ def test_runner_feeds_mixed_resolution_the_attention_mass(listening):
         if listening:
             runner.bus.subscribe(lambda events: None)
         # WHEN it generates past several blocks, taking attention statistics every step
-        from kvdoctor.engine.scheduler import Request, Scheduler
+        from kvdoctor.engine.serving.scheduler import Request, Scheduler
 
         sched = Scheduler(runner)
         seq = sched.submit(Request([3 + i % 50 for i in range(30)], max_new_tokens=10, ignore_eos=True))

@@ -35,7 +35,7 @@ def test_without_root_the_page_cache_is_advised_out_and_the_output_says_so(bench
     import os
 
     from kvdoctor.engine.config import EngineConfig
-    from kvdoctor.engine.storage import DiskArena
+    from kvdoctor.engine.kv.storage import DiskArena
 
     a = DiskArena("disk", EngineConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, disk_blocks=4,
                                        disk_dir=str(tmp_path), disk_io="buffered"))

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from kvdoctor.engine.cache import PagedKVCache
+from kvdoctor.engine.kv.cache import PagedKVCache
 from kvdoctor.engine.errors import OutOfBlocks
 
 from engine_support import Recorder, findings_of, tiny_config

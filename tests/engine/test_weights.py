@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.engine import attention, decode_layer, digest
-from kvdoctor.engine.matvec import MAX_ROWS, load, probe
-from kvdoctor.engine.native import library_of
-from kvdoctor.engine.model import tiny_llama
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.hugepages import holds
-from kvdoctor.engine.weights import PageOut, Projection, model_weights
+from kvdoctor.engine.kv import digest
+
+from kvdoctor.engine.model import attention, decode_layer
+from kvdoctor.engine.model.matvec import MAX_ROWS, load, probe
+from kvdoctor.engine.kernels.native import library_of
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.model.hugepages import holds
+from kvdoctor.engine.model.weights import PageOut, Projection, model_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(3, 40)), [9] * 13]
 needs_kernel = pytest.mark.skipif(load() is None, reason="no C compiler or not torch's OpenMP runtime")
@@ -79,7 +81,7 @@ def _pages_in_memory(t: torch.Tensor) -> int:
 def test_fusing_drops_the_file_pages_of_mapped_weights_and_keeps_written_ones(tmp_path):
     # GIVEN a model saved as safetensors and loaded back (its weights are views of the mapped file),
     # every weight read once, and one weight written in place (that page is now the process's own)
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.model import load_model
 
     tiny_llama(hidden_size=256, intermediate_size=1024).model.save_pretrained(str(tmp_path))
     model = load_model(tmp_path).model

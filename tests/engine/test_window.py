@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.attention import AttnLayout
-from kvdoctor.engine.runner import Runner
-from kvdoctor.engine.window import SlidingWindow
+from kvdoctor.engine.model.attention import AttnLayout
+from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.features.window import SlidingWindow
 from kvdoctor.events import Evict
 
 WINDOW = 8
@@ -108,7 +108,7 @@ def test_a_long_windowed_generation_holds_about_a_window_of_blocks():
 @pytest.mark.parametrize("make", [_mistral, _qwen2], ids=["mistral", "qwen2-mixed-layers"])
 def test_engine_cache_under_generate_keeps_transformers_window_mask(make):
     # GIVEN a windowed model generating through kvdoctor's Cache (transformers builds the window mask itself)
-    from kvdoctor.engine.hf import EngineCache
+    from kvdoctor.engine.model.hf import EngineCache
 
     model = make()
     prompt = PROMPTS[0]

@@ -23,7 +23,7 @@ CACHE_INTERNALS = {"pool", "mover", "tiers", "seqs", "step", "tier_arenas", "dev
 # a bare name ``cache`` may be transformers' cache (``EngineCache``), whose ``seqs`` are its own rows
 NAMED_CACHE_INTERNALS = CACHE_INTERNALS - {"seqs"}
 POOL_INTERNALS = {"blocks", "slots", "tiers"}  # ``<x>.pool.<table>``
-INTERNAL_MODULES = {"kvdoctor.engine.pool", "kvdoctor.engine.tiers", "kvdoctor.engine.sequences"}
+INTERNAL_MODULES = {"kvdoctor.engine.kv.pool", "kvdoctor.engine.kv.mover", "kvdoctor.engine.kv.sequences"}
 
 
 def _name(node: ast.expr) -> str | None:
@@ -73,7 +73,7 @@ def test_no_consumer_reaches_into_pool_tiers_or_sequences():
     ("cache.mover.move(blocks, 'host')", "cache.mover"),
     ("s = self.cache.seqs[seq]", ".cache.seqs"),
     ("n = eng.pool.blocks[3].tier", "pool.blocks"),
-    ("from kvdoctor.engine.tiers import TierMover", "from kvdoctor.engine.tiers import"),
+    ("from kvdoctor.engine.kv.mover import TierMover", "from kvdoctor.engine.kv.mover import"),
 ])
 def test_the_scan_catches_each_way_in(source, what):
     # GIVEN a line that reaches into the engine WHEN it is scanned THEN the scan names it

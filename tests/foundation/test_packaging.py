@@ -148,7 +148,7 @@ def test_layering(rule):
 
 def test_a_layering_rule_catches_a_crossing_import():
     # GIVEN the checks importing the engine, and the TUI importing the demo THEN both break a rule
-    assert _rule_of("kvdoctor.checks.leak") == "kvdoctor.checks" and not _under("kvdoctor.engine.pool",
+    assert _rule_of("kvdoctor.checks.leak") == "kvdoctor.checks" and not _under("kvdoctor.engine.kv.pool",
                                                                               RULES["kvdoctor.checks"].allowed)
     assert _rule_of("kvdoctor.tui.app") == "kvdoctor.tui" and _under("kvdoctor.demo", RULES["kvdoctor.tui"].forbidden)
     assert _rule_of("kvdoctor.session") == "kvdoctor" and _under("kvdoctor.engine.bus", RULES["kvdoctor"].forbidden)
@@ -179,4 +179,41 @@ def test_wheel_holds_only_kvdoctor(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"kvdoctor"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvdoctor/engine/bus.py" in names and "kvdoctor/checks/__init__.py" in names
-    assert "kvdoctor/engine/matvec.c" in names  # the decode kernel's source, compiled on first use
+    assert "kvdoctor/engine/kernels/matvec.c" in names  # the decode kernel's source, compiled on first use
+
+
+# Inside the engine, its folders are layers: the native kernels under the KV core, model execution over the
+# core, attention features over the model, serving over everything. A module at the engine's top
+# (config, errors, bus, faults, paths) is vocabulary every layer shares.
+ENGINE_LAYERS = ("kernels", "kv", "model", "features", "serving")
+
+
+def _engine_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["kvdoctor", "engine"] or len(parts) < 4 or parts[2] not in ENGINE_LAYERS:
+        return None
+    return ENGINE_LAYERS.index(parts[2])
+
+
+def test_engine_folders_are_layers():
+    # GIVEN every module under engine/<layer>/ THEN it imports no engine module of a layer above its own
+    bad = []
+    for path in (ROOT / "engine").rglob("*.py"):
+        own = _engine_layer(_module_of(path))
+        if own is None:
+            continue
+        for name in _imports(path):
+            layer = _engine_layer(name)
+            if layer is not None and layer > own:
+                bad.append(f"{path.relative_to(ROOT)} imports {name} ({ENGINE_LAYERS[layer]} is above "
+                           f"{ENGINE_LAYERS[own]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_engines_top_modules_import_no_layer():
+    # GIVEN the engine's shared vocabulary (config, errors, bus, faults, paths) THEN it imports none of the
+    # layers, except config naming the codecs it validates
+    bad = [f"{path.name} imports {name}" for path in (ROOT / "engine").glob("*.py") if path.stem != "__init__"
+           for name in _imports(path) if _engine_layer(name) is not None and not (
+               path.stem == "config" and name == "kvdoctor.engine.kv.codecs")]
+    assert not bad, "\n".join(bad)

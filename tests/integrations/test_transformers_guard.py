@@ -9,7 +9,7 @@ import torch
 
 import kvdoctor
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import ObserverError
 from kvdoctor.integrations.transformers import Observer
 from kvdoctor.integrations.transformers_attention import AttentionTap

@@ -12,7 +12,7 @@ from transformers import DynamicCache, StaticCache
 
 import kvdoctor
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import Attn, Batch, Read, Rollback, SeqStart, Write
 from kvdoctor.findings import split_frame
 from kvdoctor.trace import TraceReader
@@ -378,7 +378,7 @@ def test_without_a_trace_path_the_observer_follows_KVDOCTOR_TRACE(tiny, tmp_path
 
 @pytest.mark.slow
 def test_smollm2_clean_batched_generate_is_silent_and_a_reused_cache_is_found(tmp_path):
-    from kvdoctor.engine.model import load_model
+    from kvdoctor.engine.model.model import load_model
 
     loaded = load_model()
     model, tok = loaded.model, loaded.tokenizer

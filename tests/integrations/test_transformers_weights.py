@@ -8,7 +8,7 @@ import torch
 
 import kvdoctor
 from kvdoctor.checks import make_suite
-from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import Weights
 from kvdoctor.trace import TraceReader
 

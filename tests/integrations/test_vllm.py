@@ -40,7 +40,7 @@ QUESTIONS = ["What is a KV cache?", "Why do long prompts use more memory?", "Wha
 
 @pytest.fixture(scope="module")
 def llm():
-    from kvdoctor.engine.model import convert_embedded
+    from kvdoctor.engine.model.model import convert_embedded
 
     engine = LLM(model=str(convert_embedded()), dtype="float32", enforce_eager=True, max_model_len=512,
                  block_size=32, num_gpu_blocks_override=24, enable_prefix_caching=True, max_num_seqs=8, seed=0,
@@ -282,7 +282,7 @@ def test_vllms_own_kv_events_through_the_bridge_give_no_finding_on_a_clean_run(t
 
     from vllm.config import KVEventsConfig
 
-    from kvdoctor.engine.model import convert_embedded
+    from kvdoctor.engine.model.model import convert_embedded
 
     endpoint = f"ipc://{tmp_path}/kv-events"  # vLLM binds an ipc:// (or tcp://*:PORT) endpoint and kvdoctor connects
     check = subprocess.Popen([sys.executable, "-m", "kvdoctor.cli", "check", "--vllm-events", endpoint,

@@ -68,7 +68,7 @@ def _wait_ready(port: int, check: subprocess.Popen, deadline: float) -> None:
 
 
 def test_the_openai_server_under_kvdoctor_check_serves_clients_and_gives_no_finding(tmp_path):
-    from kvdoctor.engine.model import convert_embedded
+    from kvdoctor.engine.model.model import convert_embedded
 
     # GIVEN vLLM's OpenAI server started under the CI gate
     model, port = str(convert_embedded()), _free_port()

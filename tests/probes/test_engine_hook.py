@@ -9,8 +9,8 @@ from kvdoctor.events import Mem, StepEnd
 from kvdoctor.trace import TraceReader
 
 WORKLOAD = textwrap.dedent("""
-    from kvdoctor.engine.model import tiny_llama
-    from kvdoctor.engine.runner import Runner
+    from kvdoctor.engine.model.model import tiny_llama
+    from kvdoctor.engine.serving.runner import Runner
 
     runner = Runner.create(tiny_llama().model, device_blocks=32, host_blocks=32, block_size=4)
     runner.generate([[1, 5, 6, 7, 8, 9], [1, 10, 11]], max_new_tokens=12)

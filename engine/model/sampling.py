@@ -1,0 +1,78 @@
+"""How the next token is chosen, and what a finished request hands back.
+
+Its own module so the runner (which computes logits), the scheduler (which samples from them) and
+speculative decoding (which accepts draft tokens against the same distribution) share these types
+without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...events import SeqId
+
+__all__ = ["SamplingParams", "sample", "sampling_probs", "Generation"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. ``greedy`` takes the argmax and ignores the rest."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be > 0")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token id from ``logits`` (V,) under ``params``."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = sampling_probs(logits, params)
+    if probs is None:
+        return int(logits.float().nan_to_num(nan=float("-inf")).argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The distribution ``sample`` draws from for ``logits`` (V,) under non-greedy ``params`` (temperature,
+    top-k, top-p applied), as fp32 probabilities; None when no token is possible (every score non-finite).
+    Speculative sampling accepts draft tokens against it."""
+    # NaN logits (corrupted attention, e.g. the attention-nan fault) must not stop the engine:
+    # they are treated as impossible tokens, as a serving engine would keep going and emit garbage.
+    scores = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max) / params.temperature
+    if not torch.isfinite(scores).any():
+        return None
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cum = torch.softmax(sorted_scores, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_scores, -1) >= params.top_p  # keep the smallest prefix reaching top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    return torch.softmax(scores, -1)
+
+
+@dataclass
+class Generation:
+    """What one request produced."""
+
+    seq: SeqId
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens), "aborted" or "error"
+    text: str | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, when kept
+    error: Exception | None = None  # with "error": the engine's typed error (a StorageError, ChecksumMismatch)

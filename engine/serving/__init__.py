@@ -1,0 +1,1 @@
+"""Serving: continuous batching, preemption and speculative decoding over the runner."""
