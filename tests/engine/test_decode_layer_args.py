@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvdoctor.engine.kernels import native
-
 from kvdoctor.engine.model import decode_layer
 from kvdoctor.engine.model.decode_layer import KernelMismatch, _Args, check_layout
 
-ENGINE = Path(decode_layer.__file__).resolve().parent
+KERNELS = native.source("decode_layer.c").parent
 _SIGNATURES = {"kvdoctor_decode_layers": [ctypes.POINTER(_Args)], "kvdoctor_decode_args_layout": [],
                "kvdoctor_decode_args_names": []}
 
@@ -28,14 +27,14 @@ def _library(source: Path):
 
 
 def _copy_sources(tmp_path: Path) -> Path:
-    for path in [*ENGINE.glob("*.c"), *ENGINE.glob("*.h")]:
+    for path in [*KERNELS.glob("*.c"), *KERNELS.glob("*.h")]:
         shutil.copy(path, tmp_path / path.name)
     return tmp_path / "decode_layer.c"
 
 
 def test_the_kernel_is_loaded_with_the_layout_python_mirrors():
     # GIVEN the kernel built from the sources in engine/
-    lib = _library(ENGINE / "decode_layer.c")
+    lib = _library(KERNELS / "decode_layer.c")
     # WHEN its struct's layout is compared with _Args
     check_layout(lib)  # THEN it raises nothing
     # AND the kernel the runner calls takes exactly a pointer to that struct: nothing else gets through ctypes
@@ -68,12 +67,12 @@ def test_editing_a_header_changes_the_build_key_of_every_kernel_that_includes_it
     after = {name: native.build_key("cc", tmp_path / name) for name in before}
     # THEN both rebuild (neither key is the old one), and the unrelated digest kernel does not
     assert all(after[name] != before[name] for name in before)
-    assert source.exists() and native.build_key("cc", tmp_path / "digest.c") == native.build_key("cc", ENGINE / "digest.c")
+    assert source.exists() and native.build_key("cc", tmp_path / "digest.c") == native.build_key("cc", KERNELS / "digest.c")
 
 
 def test_no_kernel_includes_another_kernels_c_file():
     # GIVEN every C source and header in engine/
-    sources = [*ENGINE.glob("*.c"), *ENGINE.glob("*.h")]
+    sources = [*KERNELS.glob("*.c"), *KERNELS.glob("*.h")]
     # WHEN their local includes are read
     included = {p.name: re.findall(r'^#include "([^"]+)"', p.read_text(), flags=re.M) for p in sources}
     # THEN each names a header
