@@ -29,7 +29,7 @@ import torch
 import kvdoctor
 import kvdoctor.integrations.transformers as observer_module
 from kvdoctor.callsite import user_stack
-from kvdoctor.engine.model import load_model, tiny_llama
+from kvdoctor.engine.model.model import load_model, tiny_llama
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain gravity to a child in one sentence.", "Translate 'good morning' into Spanish.",

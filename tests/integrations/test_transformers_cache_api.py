@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import kvdoctor
-from kvdoctor.engine.model import tiny_llama
+from kvdoctor.engine.model.model import tiny_llama
 
 from test_transformers_observer import PAD, _events, _findings
 

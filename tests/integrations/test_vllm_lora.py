@@ -40,7 +40,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from kvdoctor.engine.model import convert_embedded
+    from kvdoctor.engine.model.model import convert_embedded
 
     return str(convert_embedded())
 
