@@ -4,12 +4,17 @@ The writer flushes at every step boundary, so a killed workload loses at most th
 The reader decodes whole chunks with one msgspec call (the fast path) and only walks line by line
 when a chunk holds something unusual: a kind this version does not know, or a corrupt line, whose
 number it then reports. ``follow`` tails a trace that another process is still writing.
+A non-seekable input (a FIFO, a pipe such as ``/dev/stdin``, ``-`` or ``<(cat run.kvtrace)``) is read
+as a stream: see ``_Stream``.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import re
+import select
+import stat
 import threading
 import time
 import zlib
@@ -22,7 +27,7 @@ from . import binary_trace
 from .errors import IncompatibleTraceError, TraceError, TraceFormatError
 from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
 
-__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header"]
+__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "input_path", "STDIN"]
 
 _CHUNK = 1 << 20
 _BATCH_BYTES = 64 << 10  # lines decoded per msgspec call (a few hundred events)
@@ -31,6 +36,10 @@ _MAX_FRAME_EVENTS = 8192  # bounds a binary writer's memory when one step is ver
 _GZIP_MAGIC = b"\x1f\x8b"
 _PID_LIMIT = 1 << 22  # Linux's largest pid_max: a header's pid at or above it is no process
 _header_decoder = msgspec.json.Decoder(Header)
+_KEEP = 1 << 20  # what a stream keeps of its start, so the reader can open it again after reading the header
+STREAM_WAIT_S = 10.0  # how long a stream nothing arrives on (a FIFO no writer opened) is waited for
+STDIN = "-"  # a trace path that means standard input
+_VERSION = re.compile(r"\d+(\.\d+)*")
 
 
 class TraceWriter:
@@ -123,20 +132,116 @@ class TraceWriter:
             raise TraceError(f"cannot write trace {self.path}: {exc.strerror}") from None
 
 
+def input_path(path: str | os.PathLike[str]) -> Path:
+    """The file a trace argument names: ``-`` is standard input."""
+    return Path("/dev/stdin") if str(path) == STDIN else Path(path)
+
+
 def _open_binary(path: Path) -> IO[bytes]:
     try:
-        f = open(path, "rb")
+        info = os.stat(path)
+        f = _open_stream(path, info) if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode) else open(path, "rb")
     except FileNotFoundError:
         raise TraceError(f"no such trace file: {path}") from None
     except IsADirectoryError:
         raise TraceError(f"{path} is a directory, not a trace file") from None
     except OSError as exc:
         raise TraceError(f"cannot open trace {path}: {exc.strerror}") from None
+    if isinstance(f, _StreamCursor):
+        return _GzipStream(f) if f.peek(2) == _GZIP_MAGIC else f  # type: ignore[return-value]
     if f.read(2) == _GZIP_MAGIC:
         f.seek(0)
         return _GzipStream(f)  # type: ignore[return-value]
     f.seek(0)
     return f
+
+
+class _Stream:
+    """A non-seekable input read once, from its writer, as it arrives.
+
+    The reader opens a trace more than once (its header, then its events; a format error's line number
+    once more), so a stream stays open for the life of the process and keeps its first ``_KEEP`` bytes
+    for each new opener; a later opener that needs bytes no longer kept gets a ``TraceError``.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._f = open(fd, "rb", buffering=0)  # unbuffered: a read returns what the writer has sent so far
+        self.kept = bytearray()
+        self.num_read = 0
+        self.keeping = True
+
+    def read_at(self, pos: int, n: int) -> bytes:
+        if pos < len(self.kept):
+            return bytes(self.kept[pos : pos + n])
+        if pos != self.num_read:
+            raise TraceError(f"{self.path} is a stream (a pipe or FIFO) that was read already; save it to a file to read it again")
+        data = self._f.read(n)
+        self.num_read += len(data)
+        if self.keeping and len(self.kept) + len(data) <= _KEEP:
+            self.kept += data
+        else:
+            self.keeping = False
+        return data
+
+
+class _StreamCursor:
+    """One opener's position in a ``_Stream``: a file object as the readers use one."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self._stream = stream
+        self._pos = 0
+
+    def peek(self, n: int) -> bytes:
+        """The next ``n`` bytes (fewer at the end of the stream) without consuming them."""
+        while self._stream.num_read < self._pos + n and self._stream.keeping:
+            if not self._stream.read_at(self._stream.num_read, n):
+                break
+        return self._stream.read_at(self._pos, n) if self._pos < len(self._stream.kept) else b""
+
+    def read(self, n: int = _CHUNK) -> bytes:
+        data = self._stream.read_at(self._pos, n if n > 0 else _CHUNK)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        pass  # the stream stays open: another opener may come
+
+    def __enter__(self) -> "_StreamCursor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+_streams: dict[tuple[str, int, int], _Stream] = {}
+
+
+def _open_stream(path: Path, info: os.stat_result) -> _StreamCursor:
+    """A cursor at the start of the stream ``path`` names, opening it the first time: without blocking on
+    a FIFO no writer has opened yet, and waiting ``STREAM_WAIT_S`` for its first bytes."""
+    key = (str(path), info.st_dev, info.st_ino)
+    stream = _streams.get(key)
+    if stream is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            _wait_readable(path, fd, info)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        stream = _streams[key] = _Stream(path, fd)
+    return _StreamCursor(stream)
+
+
+def _wait_readable(path: Path, fd: int, info: os.stat_result) -> None:
+    if os.isatty(fd):
+        raise TraceError(f"{path} is a terminal: pipe a trace into it (cat run.kvtrace | kvdoctor check --trace -)")
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    if not poll.poll(STREAM_WAIT_S * 1000):  # data, or a writer that came and went (end of stream)
+        who = "no writer opened the FIFO" if stat.S_ISFIFO(info.st_mode) else "nothing arrived on"
+        raise TraceError(f"{who} {path} in {STREAM_WAIT_S:g} s: start the program that writes the trace first")
 
 
 class _GzipStream:
@@ -192,6 +297,10 @@ def _parse_header(path: Path, line: bytes) -> Header:
 def _check_version(path: Path, header: Header) -> Header:
     if header.format != FORMAT:
         raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: format is {header.format!r}")
+    if not _VERSION.fullmatch(header.version):
+        raise IncompatibleTraceError(
+            f"{path} has a malformed format version {header.version!r} in its header (a version is MAJOR.MINOR, e.g. 1.0)"
+        )
     major = header.version.split(".", 1)[0]
     if major != "1":
         raise IncompatibleTraceError(
@@ -200,8 +309,9 @@ def _check_version(path: Path, header: Header) -> Header:
     return header
 
 
-def _decode_chunk(path: Path, buf: bytes, offset: int) -> list[Event | Unknown]:
-    """Decode complete lines; ``offset`` is where ``buf`` starts in the (uncompressed) file."""
+def _decode_chunk(path: Path, buf: bytes, offset: int, first_line: int | None = None) -> list[Event | Unknown]:
+    """Decode complete lines; ``offset`` is where ``buf`` starts in the (uncompressed) file, ``first_line`` its
+    first line's number where the reader counted them (a stream, which cannot be read again to count)."""
     try:
         return decode_lines(buf)  # type: ignore[return-value]
     except msgspec.DecodeError:
@@ -213,7 +323,8 @@ def _decode_chunk(path: Path, buf: bytes, offset: int) -> list[Event | Unknown]:
         try:
             out.append(decode(line))
         except msgspec.DecodeError as exc:
-            raise TraceFormatError(str(path), _line_at(path, offset) + i, f"malformed event: {exc}") from None
+            first = first_line if first_line is not None else _line_at(path, offset)
+            raise TraceFormatError(str(path), first + i, f"malformed event: {exc}") from None
     return out
 
 
@@ -246,9 +357,10 @@ class _LineSplitter:
     into one list and freeing it later costs as much again as the parsing.
     """
 
-    def __init__(self, path: Path, offset: int) -> None:
+    def __init__(self, path: Path, offset: int, line: int | None = None) -> None:
         self.path = path
         self.offset = offset  # where in the file the next complete line starts
+        self.line = line  # its number, when counted as the reader goes (a stream)
         self._parts: list[bytes] = []  # an unfinished line, possibly spread over several chunks
 
     def split(self, data: bytes) -> Iterator[list[Event | Unknown]]:
@@ -266,8 +378,10 @@ class _LineSplitter:
             if stop < 0:  # one line longer than a batch
                 stop = data.find(b"\n", pos + _BATCH_BYTES)
             chunk = data if pos == 0 and stop + 1 == len(data) else data[pos : stop + 1]
-            events = _decode_chunk(self.path, chunk, self.offset)
+            events = _decode_chunk(self.path, chunk, self.offset, self.line)
             self.offset += len(chunk)
+            if self.line is not None:
+                self.line += chunk.count(b"\n")
             pos = stop + 1
             if events:
                 yield events
@@ -283,11 +397,16 @@ class _LineSplitter:
             return [], True
 
 
-def _start(path: Path, data: bytes, at_end: bool) -> tuple[Header, _LineSplitter | binary_trace.FrameSplitter, bytes] | None:
+def _start(
+    path: Path, data: bytes, at_end: bool, stream: bool = False
+) -> tuple[Header, _LineSplitter | binary_trace.FrameSplitter, bytes] | None:
     """Parse the header at the start of ``data``: the header, the splitter for the rest, and the rest.
 
     None while ``data`` is too short to hold the whole header and more may come (``at_end`` false).
+    A ``stream`` has its lines counted as they are read, for the line number of a format error.
     """
+    if len(data) > _KEEP and not data.startswith(binary_trace.MAGIC) and b"\n" not in data:
+        raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: no header line in its first {_KEEP >> 20} MiB")
     if data.startswith(binary_trace.MAGIC) or (not at_end and binary_trace.MAGIC.startswith(data)):
         found = binary_trace.split_header(path, data)
         if found is None:
@@ -305,7 +424,7 @@ def _start(path: Path, data: bytes, at_end: bool) -> tuple[Header, _LineSplitter
         return None
     if not line.strip():
         raise IncompatibleTraceError(f"{path} is empty, not a kvdoctor trace")
-    return _parse_header(path, line), _LineSplitter(path, offset=len(line) + 1), rest
+    return _parse_header(path, line), _LineSplitter(path, offset=len(line) + 1, line=2 if stream else None), rest
 
 
 def _read_start(f: IO[bytes], path: Path) -> tuple[Header, _LineSplitter | binary_trace.FrameSplitter, bytes]:
@@ -316,13 +435,17 @@ def _read_start(f: IO[bytes], path: Path) -> tuple[Header, _LineSplitter | binar
         except (OSError, EOFError, zlib.error) as exc:
             raise TraceError(f"cannot read trace {path}: {exc}") from None
         data += more
-        started = _start(path, data, at_end=not more)
+        started = _start(path, data, at_end=not more, stream=_is_stream(f))
         if started is not None:
             return started
 
 
+def _is_stream(f: object) -> bool:
+    return isinstance(f, _StreamCursor) or (isinstance(f, _GzipStream) and isinstance(f._raw, _StreamCursor))
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
-    p = Path(path)
+    p = input_path(path)
     with _open_binary(p) as f:
         return _read_start(f, p)[0]
 
@@ -335,7 +458,7 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = input_path(path)
         self.header = read_header(self.path)
         self.truncated = False
         self.closed = False
@@ -407,7 +530,7 @@ class TraceFollower:
         wait_s: float = 10.0,
         pid: int | None = None,
     ) -> None:
-        self.path = Path(path)
+        self.path = input_path(path)
         self.stop = stop or threading.Event()
         self.poll_s = poll_s
         self.wait_s = wait_s
@@ -431,7 +554,7 @@ class TraceFollower:
                     raise TraceError(f"{self.path} is gzip-compressed; follow a plain .kvtrace instead")
             if self._f is not None:
                 pending += self._f.read(_CHUNK)
-                started = _start(self.path, pending, at_end=False) if pending else None
+                started = _start(self.path, pending, at_end=False, stream=_is_stream(self._f)) if pending else None
                 if started is not None:
                     self.header, self._splitter, self._pending = started
                     if self.pid is None:
