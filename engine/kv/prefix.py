@@ -110,6 +110,11 @@ class PrefixCache:
         self.hits = self.misses = 0  # blocks, since the cache started
         self.hit_tokens = self.prompt_tokens = 0  # prompt tokens served from the cache, and looked up
 
+    def resalt(self, **parts: Any) -> None:
+        """Requests that begin from now on key their blocks with ``parts`` too (new weights: their digest), so they
+        never hit blocks computed before; requests already begun keep their keys."""
+        self.salt_parts = {**self.salt_parts, **parts}
+
     def _salt(self, adapter: str | None) -> str:
         return cache_salt(**self.salt_parts, adapter=adapter)
 

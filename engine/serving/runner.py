@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -37,7 +37,9 @@ from ..model.decode_layer import DecodeLayers, DecodeStep
 from ..model.matvec import load as load_matvec
 from ..model.rope import RopeTable, rope
 from ..model.sampling import Generation, SamplingParams, sample, sampling_probs
+from ..model.threads import ThreadPolicy
 from ..model.weights import PageOut, model_weights, rms_norm
+from .weights_watch import WeightsWatch
 
 # the sampling names stay importable from here, where callers have always found them
 __all__ = ["Runner", "SamplingParams", "UnsupportedModel", "sample", "sampling_probs", "Generation"]
@@ -101,6 +103,7 @@ class Runner:
             raise ValueError(f"stats_every={stats_every}: must be >= 0")
         self.model = model
         self.cache = cache
+        self.threads = ThreadPolicy()  # the team of every step follows the load of other processes
         self.tokenizer = tokenizer
         self.stats_every = stats_every
         self.per_head = per_head
@@ -154,6 +157,7 @@ class Runner:
                                                          self._window) if f is not None]
         # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
         self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
+        self.weights_watch = WeightsWatch(model, cache, cache.bus)  # a weights event when the parameters change
 
     @classmethod
     def create(cls, model: Any, *, tokenizer: Any = None, bus: Bus | None = None, stats_every: int = 1,
@@ -233,6 +237,7 @@ class Runner:
         """
         if not rows:
             raise ValueError("forward needs at least one row")
+        self.weights_watch.check()
         cache, bus = self.cache, self.bus
         seqs = [seq for seq, _ in rows]
         if len(set(seqs)) != len(seqs):
@@ -242,6 +247,7 @@ class Runner:
             raise ValueError(f"every row needs at least one token, got {n}")
         if tail_logits is not None and (len(tail_logits) != len(n) or any(not 1 <= m <= k for m, k in zip(tail_logits, n))):
             raise ValueError(f"tail_logits={list(tail_logits)}: one count per row, each in [1, its tokens {n}]")
+        self.threads.before_step()
         positions = [cache.seq_len(seq) for seq in seqs]
         reserved = [cache.reserve(seq, k) for seq, k in zip(seqs, n)]
         slots = torch.cat(reserved) if len(reserved) > 1 else reserved[0]
@@ -510,7 +516,15 @@ class Runner:
         return generate(self, prompts, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat,
                         stop_token_ids=stop_token_ids, keep_logits=keep_logits, max_batch=max_batch)
 
+    @torch.no_grad()
+    def update_weights(self, update: Callable[[Any], Any], *, detail: str | None = None) -> None:
+        """Change the model's weights in place, ``update(model)`` (copy a trainer's weights in, load a state
+        dict): a ``weights`` event, and requests from now on never hit K/V the old weights computed."""
+        update(self.model)
+        self.weights_watch.changed(detail or f"update_weights({getattr(update, '__qualname__', type(update).__name__)})")
+
     def close(self) -> None:
+        self.threads.restore()
         self.cache.close()
 
     def __enter__(self) -> Runner:

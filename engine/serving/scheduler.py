@@ -196,6 +196,7 @@ class Scheduler:
         budget = self.max_step_tokens
         for live in chosen:
             if live.state == "waiting":
+                self.runner.weights_watch.check()  # weights edited since the last step: salted anew before admission
                 cache.add_sequence(live.seq, prompt_len=len(live.request.prompt_ids), priority=live.request.priority,
                                    adapter=live.request.adapter)
             if live.state in ("waiting", "dropped") and not cache.seq_len(live.seq):
