@@ -11,7 +11,8 @@ connector. ``WorkloadSession`` reads them all:
   trace whose header has no ``t0`` counts from the earliest ``t0`` of the workload, or 0), ties by the
   trace's place in the workload, then by the order within the trace.
 
-Memory stays bounded: a reader thread per trace decodes ahead by at most ``_AHEAD`` batches, the driver
+Memory stays bounded: a finished trace is decoded a batch at a time when the merge needs its next one
+(a trace still being written, by a thread of its own ahead by at most ``_AHEAD`` batches), the driver
 feeds the batch that starts earliest (a heap merge of per-trace batches, exact for finished traces), and
 the cross-trace events wait in a heap only until every trace has read past them. A trace still being
 written that has nothing new holds the merge back for at most ``LIVE_GRACE_S`` of wall-clock time.
@@ -99,6 +100,7 @@ class _Member:
     suite: CheckSuite
     live: bool
     wants: list[tuple[Any, frozenset]] = field(default_factory=list)  # cross-trace checks and the kinds they read
+    wanted: frozenset = frozenset()  # every kind some cross-trace check reads of this trace
     t0: int = 0
     queue: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=_AHEAD))
     head: list | None = None
@@ -108,8 +110,14 @@ class _Member:
     idle_since: float = 0.0
     error: Exception | None = None
     thread: threading.Thread | None = None
+    _batches: Iterator[list] | None = None  # a finished trace's batches, read in the driver's thread
 
     def start(self) -> None:
+        """A followed trace is read on a thread of its own (its follower waits for the writer); a finished one
+        is read when the merge asks for its next batch (threads would only contend for the interpreter)."""
+        if not self.live:
+            self._batches = self.source.batches()
+            return
         self.thread = threading.Thread(target=self._read, name=f"kvdoctor-read-{self.tag.index}", daemon=True)
         self.thread.start()
 
@@ -128,6 +136,14 @@ class _Member:
     def pull(self, block: bool) -> bool:
         """Take the next batch into ``head`` (waiting for it when ``block``); False when there is none now."""
         if self.head is not None or self.ended:
+            return self.head is not None
+        if self._batches is not None:
+            try:
+                self.head = next(b for b in self._batches if b)
+            except StopIteration:
+                self.ended = True
+            except Exception as exc:  # a malformed line, a vanished file: the driver names the trace
+                self.error, self.ended = exc, True
             return self.head is not None
         try:
             item = self.queue.get(block=block, timeout=0.05 if block else None)
@@ -378,6 +394,7 @@ class WorkloadSession:
             kinds = check.wants(tag)
             if kinds:
                 m.wants.append((check, frozenset(kinds)))
+        m.wanted = frozenset().union(*(kinds for _, kinds in m.wants))
         self.members.append(m)
         self._accept(None, [f for check in self.across.checks for f in check.trace_added(tag)])
         m.start()
@@ -446,15 +463,13 @@ class WorkloadSession:
             if found:
                 self._accept(index, found)
         m.last_t = m.t0 + batch[-1].t
-        if m.wants:
-            t0 = m.t0
-            for event in batch:
-                kind = type(event)
-                for check, kinds in m.wants:
-                    if kind in kinds:
-                        self._order += 1
-                        heapq.heappush(self._cross, (t0 + event.t, index, self._order, event))
-                        break
+        wanted = m.wanted
+        if wanted:
+            t0, cross, order = m.t0, self._cross, self._order
+            for event in [e for e in batch if type(e) in wanted]:
+                order += 1
+                heapq.heappush(cross, (t0 + event.t, index, order, event))
+            self._order = order
 
     def _watermark(self) -> tuple[int, int]:
         """Cross-trace events before this (wall ns, trace index) can no longer be preceded by one unread."""

@@ -1,0 +1,127 @@
+"""Checking a workload of several traces: merged throughput and peak memory of ``kvdoctor check --trace DIR``.
+
+One trace of ``--events`` events is recorded from the real engine driven like a decode server
+(``benchmarks/checks.py``'s ``record``: 16 requests in flight, preemption by swap, forks, rollbacks,
+attention statistics), then copied ``--traces`` times as the tensor-parallel ranks of one instance (a
+header with ``instance``, ``tp_rank``, ``tp_size`` and a wall-clock ``t0`` a millisecond apart), so the
+ranks agree and the rules across traces compare every step's decisions of every rank (the heaviest
+merge: allocation, frees and batches of all ranks go through it). Each measurement runs in a fresh
+process, which reports its wall and CPU time and its peak resident memory (``VmHWM``):
+
+- ``one trace``: the single trace, as ``kvdoctor check --trace FILE`` reads it (the baseline);
+- ``workload``: every copy, as ``kvdoctor check --trace DIR`` reads them (each trace checked on its own,
+  merged by wall-clock time for the rules across traces).
+
+    .venv/bin/python benchmarks/workload.py [--events 2000000] [--traces 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def make_workload(directory: Path, events: int, traces: int) -> list[Path]:
+    """The recorded trace and ``traces`` rank copies of it in ``directory``."""
+    from checks import record
+
+    from kvdoctor.events import Header, encode
+
+    import msgspec
+
+    source = directory / "recorded.kvtrace"
+    record(source, events)
+    paths = []
+    with open(source, "rb") as f:
+        header = msgspec.json.decode(f.readline(), type=Header)
+        body = f.tell()
+    t0 = time.time_ns()
+    for rank in range(traces):
+        path = directory / "ranks" / f"rank{rank}.kvtrace"
+        path.parent.mkdir(exist_ok=True)
+        tagged = msgspec.structs.replace(header, instance="bench", tp_rank=rank, tp_size=traces, t0=t0 + rank * 1_000_000)
+        with open(source, "rb") as src, open(path, "wb") as dst:
+            src.seek(body)
+            dst.write(encode(tagged) + b"\n")
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        paths.append(path)
+    return [source, *paths]
+
+
+def measure(paths: list[str]) -> dict:
+    """Check ``paths`` as one workload in this process: events/s and peak memory."""
+    from kvdoctor.workload import TraceSet, WorkloadSession
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    session = WorkloadSession(TraceSet.open(paths, follow=False)).run()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"traces": len(session.members), "events": session.num_events, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+            "events_per_s": round(session.num_events / wall), "events_per_cpu_s": round(session.num_events / cpu),
+            "peak_rss_mb": _peak_rss_mb(),
+            "findings": len(session.findings)}
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory: VmHWM, which starts afresh at exec (``ru_maxrss`` carries the
+    parent's peak across fork and exec: here the recording engine's)."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return round(kb / 1024, 1)
+
+
+def _in_child(paths: list[Path]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--measure", *map(str, paths)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--events", type=int, default=2_000_000, help="events per trace (default 2M)")
+    ap.add_argument("--traces", type=int, default=8)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--measure", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kvdoctor-bench-workload-") as tmp:
+        t0 = time.perf_counter()
+        source, *ranks = make_workload(Path(tmp), args.events, args.traces)
+        recorded_s = time.perf_counter() - t0
+        result = {"cpu": _cpu(), "load": os.getloadavg()[0], "recorded_s": round(recorded_s, 1),
+                  "trace_mb": round(source.stat().st_size / 1e6, 1),
+                  "one_trace": _in_child([source]), "workload": _in_child([ranks[0].parent])}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"CPU {result['cpu']}, load {result['load']:.1f}; a trace of {result['one_trace']['events']} events "
+          f"({result['trace_mb']} MB) recorded in {result['recorded_s']} s")
+    for name in ("one_trace", "workload"):
+        r = result[name]
+        print(f"{name:10} {r['traces']} trace(s), {r['events']} events: {r['events_per_s'] / 1e3:.0f}k events/s wall, "
+              f"{r['events_per_cpu_s'] / 1e3:.0f}k per CPU-second, peak RSS {r['peak_rss_mb']} MB, "
+              f"{r['findings']} findings")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
