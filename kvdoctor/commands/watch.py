@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..errors import UsageError
-    from ..trace import read_header
+    from ..trace import input_path, wait_header
 
     command = list(args.workload_argv or [])
     if command[:1] == ["--"]:
@@ -80,8 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
         if args.fault not in FAULTS:
             raise UsageError(f"unknown fault {args.fault!r}: choose one of {', '.join(FAULTS)}")
-    if args.trace and os.path.exists(args.trace):
-        read_header(args.trace)  # a file that is not a trace fails here, as one line, before the screen opens
+    if args.trace:
+        # A missing file or one that is not a trace fails here, as one line and exit 3, before the screen opens;
+        # a writer that is about to create it gets --wait seconds.
+        wait = args.wait if args.wait is not None else 10.0
+        if not os.path.exists(input_path(args.trace)):
+            print(f"kvdoctor watch: waiting up to {wait:g} s for {args.trace} to appear", file=sys.stderr)
+        wait_header(args.trace, wait)
 
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         raise UsageError(f"--metrics-port must be 1-65535, got {args.metrics_port}")
