@@ -27,7 +27,7 @@ from . import binary_trace
 from .errors import IncompatibleTraceError, TraceError, TraceFormatError
 from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
 
-__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "input_path", "STDIN"]
+__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "wait_header", "input_path", "STDIN"]
 
 _CHUNK = 1 << 20
 _BATCH_BYTES = 64 << 10  # lines decoded per msgspec call (a few hundred events)
@@ -611,6 +611,16 @@ class TraceFollower:
     def __iter__(self) -> Iterator[Event | Unknown]:
         for batch in self.batches():
             yield from batch
+
+
+def wait_header(path: str | os.PathLike[str], wait_s: float) -> Header:
+    """The header of a trace whose writer may not have created it yet: waited for up to ``wait_s``."""
+    follower = follow(path, wait_s=wait_s)
+    try:
+        return follower.wait_header()
+    finally:
+        if follower._f is not None:
+            follower._f.close()
 
 
 def follow(

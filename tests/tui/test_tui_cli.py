@@ -19,6 +19,7 @@ from kvdoctor.cli import main
     (["watch", "--codec", "mixed", "--trace", "x.kvtrace"], 2, "--codec applies to --demo only"),
     (["replay", "missing.kvtrace"], 3, "no such trace file"),
     (["replay", "--speed", "-1", "missing.kvtrace"], 2, "--speed must be >= 0"),
+    (["replay", "--step", "-3", "missing.kvtrace"], 2, "--step must be >= 0"),
     (["replay", "--config", "nope.toml", "missing.kvtrace"], 3, "no such trace file"),
 ])
 def test_bad_input_is_one_line_and_an_exit_code(argv, code, words, capsys, tmp_path: Path, monkeypatch):
@@ -34,3 +35,13 @@ def test_a_file_that_is_not_a_trace_is_refused_by_both(tmp_path: Path, capsys):
     assert main(["replay", str(bad)]) == 3
     assert main(["watch", "--trace", str(bad)]) == 3
     assert capsys.readouterr().err.count("is not a kvdoctor trace") == 2
+
+
+def test_watch_waits_for_a_trace_that_never_appears_then_exits_3_before_the_screen_opens(tmp_path: Path, capsys):
+    # GIVEN a trace no writer creates, and a short --wait
+    missing = tmp_path / "missing.kvtrace"
+    # WHEN watched THEN it says it waits, then that the file never came, with exit 3 (docs/tui.md)
+    assert main(["watch", "--trace", str(missing), "--wait", "0.2"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"kvdoctor watch: waiting up to 0.2 s for {missing} to appear",
+                   f"kvdoctor watch: no trace at {missing}: waited 0.2 s for the file"]
