@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.speed < 0:
         raise UsageError(f"--speed must be >= 0 steps per second; got {args.speed:g}")
+    if args.step is not None and args.step < 0:
+        raise UsageError(f"--step must be >= 0 (steps count from 0); got {args.step}")
     trace = _pick(args.trace, args.pick)
     read_header(trace)  # missing or not a trace: one line and exit code 3, before the screen opens
 
