@@ -54,8 +54,8 @@ def test_a_workload_py_spy_cannot_profile_is_a_one_line_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["profile"], "give a workload"),
-    (["profile", "--pid", "1", "--", "python"], "give a workload"),
+    (["profile"], "nothing to profile: give a workload after `--`"),
+    (["profile", "--pid", "1", "--", "python"], "not both"),
     (["profile", "-d", "0", "--", "python"], "--duration must be > 0"),
     (["profile", "-r", "0", "--", "python"], "--rate must be"),
 ])

@@ -38,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from ..probes.pyspy import PTRACE_FIX, record_command
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if bool(command) == (args.pid is not None):
-        raise UsageError("give a workload after `--` (kvdoctor profile -- python x.py) or --pid PID, not both")
+    if not command and args.pid is None:
+        raise UsageError("nothing to profile: give a workload after `--` (kvdoctor profile -- python x.py) "
+                         "or a running process with --pid PID")
+    if command and args.pid is not None:
+        raise UsageError("give a workload after `--` or --pid PID, not both")
     if args.duration is not None and args.duration <= 0:
         raise UsageError(f"--duration must be > 0 seconds, got {args.duration:g}")
     if not 1 <= args.rate <= 10_000:
