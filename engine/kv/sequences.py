@@ -84,7 +84,7 @@ class SequenceTable(dict):
             raise ValueError(f"sequence {seq!r} is already in the cache")
         self[seq] = SeqState(seq, prompt_len, priority)
         if c.bus.enabled:
-            c.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len)
+            c.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len, adapter=adapter)  # the adapter is part of its K/V
         if c.prefix is not None:
             c.prefix.begin(seq, adapter)
 

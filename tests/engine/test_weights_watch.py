@@ -1,6 +1,6 @@
 """The runner's weights as part of a block's identity: a change of the model's parameters is a ``weights``
-event, and the prefix cache keys requests after it apart from K/V computed before it (the RL weight-sync bug,
-reproduced on kvdoctor's engine with the ``prefix-unsalted`` fault)."""
+event, and the prefix cache keys requests after it apart from K/V computed before it (the bug itself, a cache
+that ignores the change, is reproduced in tests/field/test_field_bugs.py)."""
 
 from __future__ import annotations
 
@@ -68,13 +68,3 @@ def test_a_weight_change_is_an_event_and_the_next_request_computes_its_own_kv(ti
     first_end = next(i for i, e in enumerate(events) if type(e) is Weights)
     assert not _hits(events[first_end:])
     assert [f.message for f in findings] == []
-
-
-def test_a_prefix_cache_that_ignores_the_weights_serves_stale_kv_and_is_found(tiny):
-    # GIVEN a prefix cache keyed by tokens alone (the prefix-unsalted fault): what RL frameworks had without a reset
-    findings, _ = _serve(tiny, change=lambda runner: runner.update_weights(_scale_keys, detail="trainer step 1"),
-                         fault="prefix-unsalted")
-    # THEN the second request's hit on K/V of the old weights is named, with the change that made it stale
-    (stale,) = [f for f in findings if f.rule == "stale-prefix-hit"]
-    assert "computed under weights v0; weights are v1" in stale.message and "trainer step 1" in stale.message
-    assert isinstance(stale.block, int) and stale.seq is not None
