@@ -32,6 +32,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import knobs
 from .compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, codec_setting, merge_threshold
@@ -39,7 +40,7 @@ from .engine.model.model import DTYPES
 from .errors import UsageError
 from .stop_signals import interrupt_on_stop_signals, reraise
 
-__all__ = ["DemoConfig", "run_demo", "main", "PROMPTS", "SYSTEM_PROMPT", "ADAPTER"]
+__all__ = ["DemoConfig", "run_demo", "main", "model_setting", "PROMPTS", "SYSTEM_PROMPT", "ADAPTER"]
 
 # Every request's opening with --prefix-cache: long enough to fill several blocks of 16 tokens.
 SYSTEM_PROMPT = (
@@ -85,6 +86,17 @@ class DemoConfig:
     parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
     dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
     merge: float = 0.0              # token merging's key cosine threshold (engine.kv.merge); 0: off
+
+
+def model_setting(value: str) -> str:
+    """``--model``'s value (an argparse type), checked before a child process starts: a checkpoint that
+    is not there is a usage error in one line, not the demo's traceback seconds later."""
+    if value == "tiny" or (Path(value).expanduser() / "config.json").is_file():
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value} is not a Hugging Face checkpoint directory (it needs config.json and weights); "
+        "'tiny' is a small random model, and without --model the demo uses the embedded SmolLM2"
+    )
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -142,7 +154,8 @@ def run_demo(cfg: DemoConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvdoctor.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="'tiny' for a small random model, or a local checkpoint (default: embedded SmolLM2)")
+    p.add_argument("--model", type=model_setting,
+                   help="'tiny' for a small random model, or a local checkpoint (default: embedded SmolLM2)")
     p.add_argument("--fault", help="switch on a deliberate engine fault, e.g. leak-swapped")
     p.add_argument("--seconds", type=float, help="stop after this many seconds")
     p.add_argument("--steps", type=int, help="stop after this many steps")
