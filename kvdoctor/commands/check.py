@@ -17,6 +17,7 @@ import os
 import sys
 
 from .. import knobs
+from ..demo import model_setting
 
 NAME = "check"
 HELP = "check a trace, a running workload or the demo for KV-cache bugs (leaks, stale data, misaligned batches, attention anomalies)"
@@ -55,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", choices=knobs.VERIFY_MODES,
                    help="with --demo or a command: check the engine's K/V content digests on every read (full: CI), "
                    "a sample of reads (sample: the default; full with a content fault) or none (off) (KVDOCTOR_VERIFY)")
-    p.add_argument("--model", metavar="tiny|PATH", help="with --demo: 'tiny' random model or a local checkpoint")
+    p.add_argument("--model", metavar="tiny|PATH", type=model_setting,
+                   help="with --demo: 'tiny' random model or a local checkpoint")
     p.add_argument("--prefix-cache", action="store_true",
                    help="with --demo: automatic prefix caching, every request opening with one chat system prompt "
                    "(implied by a prefix-* fault)")
