@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting
+from ..demo import model_setting
 
 NAME = "watch"
 HELP = "live TUI of a workload's KV cache: --demo [--fault NAME], --trace FILE, or -- CMD ARGS"
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", metavar="NAME",
                    help="switch on a deliberate fault in the workload (leak-swapped, stale-version, "
                         "batch-misalign, attention-nan) to see its finding appear")
-    p.add_argument("--model", metavar="PATH",
+    p.add_argument("--model", metavar="PATH", type=model_setting,
                    help="with --demo: a local Hugging Face checkpoint, or 'tiny' for a small random model "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR,
