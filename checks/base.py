@@ -17,6 +17,7 @@ import msgspec
 from ..events import Event, ObserverError, StepEnd, Unknown, to_dict
 from ..findings import Finding, Severity
 
+from .causes import Causes
 from .ledger import Ledger
 
 __all__ = ["Rule", "CheckBase", "CheckSuite", "NO_FINDINGS"]
@@ -117,9 +118,10 @@ class CheckBase:
 class CheckSuite:
     """Runs checks over one stream of events with one shared ledger.
 
-    Also where policy applies: disabled rules are dropped, severities overridden, and each
-    rule reports at most ``max_per_rule`` findings (the rest are counted in ``suppressed``),
-    so a systematic bug cannot flood a report or memory.
+    Also where policy applies: disabled rules are dropped, a finding of a cause already reported
+    is counted in that finding's cascade (``causes``), severities overridden, and each rule
+    reports at most ``max_per_rule`` findings (the rest are counted in ``suppressed``), so a
+    systematic bug cannot flood a report or memory.
     """
 
     def __init__(
@@ -138,7 +140,8 @@ class CheckSuite:
         self.severity = dict(severity or {})
         self.max_per_rule = max_per_rule
         self.findings: list[Finding] = []
-        self.counts: dict[str, int] = {}  # "check/rule" -> findings raised, kept or not
+        self.causes = Causes()
+        self.counts: dict[str, int] = {}  # "check/rule" -> findings raised, kept or not (cascades apart)
         self.num_events = 0
         self._step = 0
         self._step_closed = False
@@ -264,6 +267,8 @@ class CheckSuite:
         for f in found:
             key = f"{f.check}/{f.rule}"
             if key in self.disabled or f.check in self.disabled:
+                continue
+            if self.causes.absorb(f):  # a cascade of a cause already reported: counted there, not capped
                 continue
             count = self.counts.get(key, 0) + 1
             self.counts[key] = count

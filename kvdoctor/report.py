@@ -44,8 +44,12 @@ class Report:
     notes: list[str] = field(default_factory=list)  # one-line remarks (truncation, workload status)
 
     def __post_init__(self) -> None:
+        from .checks.causes import is_symptom
+
+        # Root causes first: by severity, then what names a block or sequence before a count that is off.
         order = {s: i for i, s in enumerate(SEVERITIES)}
-        self.findings = sorted(self.findings, key=lambda f: (order[f.severity], f.step if f.step is not None else -1))
+        self.findings = sorted(self.findings, key=lambda f: (order[f.severity], is_symptom(f),
+                                                             f.step if f.step is not None else -1))
 
     def counts(self) -> dict[str, int]:
         c = Counter(f.severity for f in self.findings)
@@ -109,6 +113,22 @@ def _where(f: Finding) -> str:
 _STACK_LABEL = {"alloc": "allocated", "seq_start": "sequence started", "seq_end": "sequence ended"}
 
 
+def _more(f: Finding) -> list[str]:
+    """What a finding's message line leaves out: its cascade, then its stacks."""
+    from .checks.causes import cascade_line
+
+    cascade = cascade_line(f)
+    return ([cascade] if cascade else []) + stack_lines(f)
+
+
+def _message(f: Finding) -> str:
+    """The message with its cascade, for formats with one message per finding (SARIF, JUnit)."""
+    from .checks.causes import cascade_line
+
+    cascade = cascade_line(f)
+    return f"{f.message} ({cascade})" if cascade else f.message
+
+
 def stack_lines(f: Finding) -> list[str]:
     """One line per recorded stack: ``allocated at app.py:12 in main <- app.py:30 in <module>``."""
     out = []
@@ -148,7 +168,7 @@ def _text(report: Report) -> str:
         lines.append("")
         lines.append(f"{f.severity.upper():7} {f.check}/{f.rule}  {_where(f)}".rstrip())
         lines.append(f"        {f.message}")
-        lines += [f"        {line}" for line in stack_lines(f)]
+        lines += [f"        {line}" for line in _more(f)]
         history = f.evidence.get("history")
         if history:
             lines.append(f"        history: {_story(history)}")
@@ -198,10 +218,10 @@ def _junit(report: Report) -> str:
             case.set("file", where[0])
             case.set("line", str(where[1]))
         num_tests += 1
-        body = "\n".join([f.message, *stack_lines(f), json.dumps(f.evidence, indent=2, default=str)])
+        body = "\n".join([f.message, *_more(f), json.dumps(f.evidence, indent=2, default=str)])
         if id(f) in failing:
             num_failures += 1
-            fail = ET.SubElement(case, "failure", message=f.message, type=f.severity)
+            fail = ET.SubElement(case, "failure", message=_message(f), type=f.severity)
             fail.text = body
         else:
             out = ET.SubElement(case, "system-out")
@@ -235,7 +255,7 @@ def _sarif(report: Report) -> str:
         rid = f"{f.check}/{f.rule}"
         seen[f.key] += 1
         result: dict[str, Any] = {
-            "ruleId": rid, "level": _SARIF_LEVEL[f.severity], "message": {"text": f.message},
+            "ruleId": rid, "level": _SARIF_LEVEL[f.severity], "message": {"text": _message(f)},
             "properties": {"seq": f.seq, "block": f.block, "layer": f.layer, "step": f.step,
                            "trace": f.trace, "stacks": f.stacks, "evidence": f.evidence},
             # the n-th finding of one key is its own alert: code scanning merges equal fingerprints

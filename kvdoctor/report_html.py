@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from .events import StepEnd, SwapIn, SwapOut, Usage
 from .findings import SEVERITIES
-from .report import Report, _story, _where, stack_lines, summary_line
+from .report import Report, _more, _story, _where, summary_line
 
 __all__ = ["StepSeries", "render_html"]
 
@@ -118,7 +118,7 @@ def render_html(report: Report, series: StepSeries | None = None) -> str:
         for i, f in enumerate(report.findings, 1):
             history = f.evidence.get("history")
             story = f"<code>{html.escape(_story(history))}</code>" if history else ""
-            code = "".join(f"<br><code>{html.escape(line)}</code>" for line in stack_lines(f))
+            code = "".join(f"<br><code>{html.escape(line)}</code>" for line in _more(f))
             out.append(f'<tr class="finding"><td>{i}</td><td class="{f.severity}">{f.severity}</td>'
                        f"<td>{html.escape(f.check)}/{html.escape(f.rule)}</td><td>{html.escape(_where(f))}</td>"
                        f"<td>{html.escape(f.message)}{code}</td><td>{story}</td></tr>")

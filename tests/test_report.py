@@ -190,3 +190,26 @@ def test_every_format_names_the_trace_a_finding_came_from():
     related = result["relatedLocations"][0]["physicalLocation"]
     assert related == {"artifactLocation": {"uri": "out/workload.2.kvtrace"}, "region": {"startLine": 43}}
     assert "trace out/workload.2.kvtrace" in render_html(r)
+
+
+def test_a_cascade_is_one_finding_with_a_count_and_symptoms_come_after_causes():
+    # GIVEN a NaN at layer 15 that every later layer of two sequences inherits, and a usage count that is off
+    from kvdoctor.checks import make_suite
+    from kvdoctor.events import Attn, Usage
+
+    suite = make_suite()
+    events = [Usage(t=0, step=0, tier="host", used_blocks=3, capacity_blocks=8)]
+    events += [Attn(t=1, step=2, seq=seq, layer=layer, max_logit=5.2365617752075195, entropy=1.0, sink=0.5,
+                    nonfinite=3) for seq in (3, 4) for layer in range(15, 30)]
+    suite.observe_many(events)
+    r = Report(suite.findings + suite.finish())
+    # THEN one error names the first layer; the other 29 are its cascade; the symptom comes after it
+    assert [f.rule for f in r.findings] == ["nonfinite", "usage-mismatch"]
+    text = render(r, "text")
+    assert "layer 15 of sequence 3: 3 non-finite attention values (max_logit=5.237, entropy=1, sink=0.5)" in text
+    assert ("        and 29 more from the same cause: attention/nonfinite x29, 1 more sequence(s), layers 15-29, "
+            "step 2") in text.splitlines()
+    sarif = json.loads(render(r, "sarif"))["runs"][0]["results"][0]
+    assert sarif["message"]["text"].endswith("(and 29 more from the same cause: attention/nonfinite x29, "
+                                             "1 more sequence(s), layers 15-29, step 2)")
+    assert r.counts() == {"error": 2, "warning": 0, "info": 0}

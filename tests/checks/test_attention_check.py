@@ -62,8 +62,12 @@ def test_nonfinite_scores_are_an_error_at_once(trace):
     trace.attn("A", 3, nonfinite=2)  # the same (sequence, layer): reported once
     trace.attn("B", 5, max_logit=float("nan"))
     findings = trace.run(attention=SETTINGS)
-    assert rules(findings) == ["attention/nonfinite", "attention/nonfinite"]
-    assert {(f.seq, f.layer, f.severity) for f in findings} == {("A", 3, "error"), ("B", 5, "error")}
+    # THEN one error, at the first layer that went non-finite; the other is counted as its cascade
+    assert rules(findings) == ["attention/nonfinite"]
+    (f,) = findings
+    assert (f.seq, f.layer, f.severity) == ("A", 3, "error")
+    assert f.evidence["cascade"] == {"count": 1, "rules": {"attention/nonfinite": 1}, "sequences": ["B"],
+                                     "num_sequences": 1, "layers": [5, 5], "steps": [0, 0]}
 
 
 # ---- near misses: healthy behaviour that the first version of this check reported --------------------

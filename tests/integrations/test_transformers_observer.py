@@ -267,9 +267,9 @@ def test_left_padding_with_position_ids_that_ignore_it_writes_at_the_wrong_posit
         tiny(input_ids=ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(config=tiny.config))
     # THEN the padded row's first real token was written at position 4, not 0
     findings = _findings(tmp_path / "run.kvtrace")
-    found = _only(findings, "batch/write-position")
-    assert found.evidence["expected_pos"] == 0 and "position 4" in found.message and found.step == 0
-    assert _only(findings, "batch/batch-position").evidence["position"] == 4
+    found = _only(findings, "batch/batch-position")
+    assert found.evidence["position"] == 4 and found.step == 0
+    assert found.evidence["cascade"]["rules"] == {"batch/write-position": 1}  # the write that followed: one cause
 
 
 @pytest.mark.parametrize("crop", [-30, 30])
@@ -360,8 +360,10 @@ def test_a_hand_loop_that_swaps_rows_is_a_position_finding_for_each(tiny, tmp_pa
         pos = mask.sum(-1, keepdim=True) - 1
         tiny(input_ids=nxt.flip(0), attention_mask=mask.flip(0), position_ids=pos.flip(0), cache=cache)
     # THEN both rows are written at the position the other sequence had reached
-    findings = [f for f in _findings(tmp_path / "run.kvtrace") if f.rule == "write-position"]
-    assert len({f.seq for f in findings}) == 2 and {f.step for f in findings} == {4}
+    (found,) = [f for f in _findings(tmp_path / "run.kvtrace") if f.rule in ("batch-position", "write-position")]
+    cascade = found.evidence["cascade"]
+    assert found.step == 4 and cascade["steps"] == [4, 4] and cascade["num_sequences"] == 1
+    assert "batch/write-position" in cascade["rules"]
 
 
 def test_without_a_trace_path_the_observer_follows_KVDOCTOR_TRACE(tiny, tmp_path, monkeypatch):
