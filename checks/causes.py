@@ -88,7 +88,8 @@ class Causes:
 
 
 def cascade_line(f: Finding) -> str | None:
-    """``and 337 more from the same cause: attention/nonfinite x337, 22 more sequence(s), layers 15-29, steps 2-146``."""
+    """The cascade on one line, as ``and 337 more from the same cause: attention/nonfinite x337,
+    22 more sequence(s), layers 15-29, steps 2-146``."""
     cascade = f.evidence.get("cascade")
     if not cascade:
         return None
