@@ -24,10 +24,16 @@ _WHO = ("instance", "role", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank
 
 
 def summarize(path: str) -> dict:
+    from pathlib import Path
+
     from ..events import Unknown
-    from ..trace import TraceReader
+    from ..session import _writer_alive
+    from ..trace import TraceReader, input_path
 
     reader = TraceReader(path)
+    pid = reader.header.pid
+    # a writer still at work: a cut last line is the step it is writing, not a kill
+    writing = pid is not None and _writer_alive(input_path(path), pid)
     kinds: Counter[str] = Counter()
     seqs: set = set()
     first_step = last_step = None
@@ -61,8 +67,9 @@ def summarize(path: str) -> dict:
         "steps": [first_step, last_step] if first_step is not None else None,
         "duration_s": last_t / 1e9,
         "num_sequences": len(seqs),
-        "truncated": reader.truncated,
+        "truncated": reader.truncated and not writing,
         "closed": reader.closed,
+        "writing": writing and not reader.closed,
     }
 
 
@@ -84,8 +91,10 @@ def _print(info: dict) -> None:
     tiers = ", ".join(f"{k} {v} blocks" + (f" ({info['codecs'][k]})" if k in info["codecs"] else "")
                       for k, v in info["tiers"].items())
     steps = "none" if info["steps"] is None else f"{info['steps'][0]}..{info['steps'][1]}"
-    ending = "truncated (the writer was killed mid-line; events before the cut are used)" if info["truncated"] else (
-        "closed by the writer" if info["closed"] else "not closed (writer still running, or killed between steps)")
+    ending = (
+        f"still being written (pid {info['pid']}); the events so far are counted" if info["writing"]
+        else "truncated (the writer was killed mid-line; events before the cut are used)" if info["truncated"]
+        else "closed by the writer" if info["closed"] else "not closed (the writer was killed between steps)")
     print(f"trace      {info['path']}")
     print(f"format     {info['format']} {info['version']}")
     for key in ("model", "engine", "created", "pid", "calibration"):
