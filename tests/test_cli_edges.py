@@ -3,8 +3,11 @@ docs/cli.md documents, before anything slow starts (issue 33, items 6 and 8)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from kvdoctor import events as E
 from kvdoctor.cli import main
 from kvdoctor.errors import EXIT_USAGE
 
@@ -21,3 +24,21 @@ def test_a_model_that_is_not_there_is_a_usage_error_before_the_demo_starts(argv,
     err = capsys.readouterr().err
     assert done.value.code == EXIT_USAGE
     assert "/nonexistent is not a Hugging Face checkpoint directory" in err and len(err.splitlines()) == 1
+
+
+def test_info_on_a_trace_still_being_written_says_so_not_that_its_writer_was_killed(tmp_path, capsys):
+    # GIVEN a trace this process is writing, its last line not finished yet
+    path = tmp_path / "live.kvtrace"
+    header = E.Header(block_size=16, num_layers=2, tiers=[E.TierSpec(name="device", capacity_blocks=8)],
+                      pid=os.getpid())
+    with open(path, "wb") as f:
+        f.write(E.encode(header) + b"\n" + E.encode(E.Alloc(t=1, step=0, block=1, tier="device", seq=1)) + b"\n")
+        f.write(b'{"kind":"write","t":2,')
+        f.flush()
+        # WHEN summarized while the writer holds it open
+        assert main(["info", str(path)]) == 0
+        live = capsys.readouterr().out
+    # THEN it is "still being written", and once the writer is gone with the line unfinished, "truncated"
+    assert f"still being written (pid {os.getpid()})" in live and "killed" not in live
+    assert main(["info", str(path)]) == 0
+    assert "truncated (the writer was killed mid-line" in capsys.readouterr().out
