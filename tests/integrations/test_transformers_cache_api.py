@@ -139,3 +139,35 @@ def test_position_ids_shared_by_a_left_padded_batch_are_found_naming_the_padded_
     (f,) = [f for f in findings if f.rule == "batch-position"]
     assert (f.seq, f.step, f.evidence["row"], f.evidence["position"]) == ("c1#2", 0, 1, 4)
     assert {x.check for x in findings} == {"batch"}, findings
+
+
+def _nan_at_padding(original):
+    """``DynamicLayer.update`` as a half-precision overflow leaves it (transformers #46765, flash-attention #1745):
+    the K/V the prefill computes for the padding slots of a left-padded row are NaN."""
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            value_states = value_states.clone()
+            value_states[1, :, :4] = float("nan")  # row 1's four padding slots
+        return original(self, key_states, value_states, *args, **kwargs)
+
+    return update
+
+
+@pytest.mark.parametrize("nan_padding", [True, False])
+def test_nan_in_padding_slots_reaching_a_real_row_is_found_naming_the_row(tiny, tmp_path, monkeypatch, nan_padding):
+    # GIVEN a batch of two prompts, the second left-padded by four, whose padding slots hold NaN
+    ids = _prompt(9, 0).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = PAD, 0
+    if nan_padding:
+        monkeypatch.setattr(DynamicLayer, "update", _nan_at_padding(DynamicLayer.update))
+    path = tmp_path / "run.kvtrace"
+    with kvdoctor.observe(tiny, trace=path):
+        tiny.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    findings = _findings(path)
+    if not nan_padding:
+        assert findings == [], findings
+        return
+    # THEN the padded row's attention turns non-finite (0 x NaN through the masked slots), named with its step
+    (f,) = findings
+    assert (f.check, f.rule, f.seq, f.step) == ("attention", "nonfinite", "c1#2", 0)
