@@ -134,6 +134,8 @@ def _check(args: argparse.Namespace) -> int:
     env = dict(os.environ, **{knobs.VERIFY.name: verify}) if verify else None
     if args.trace:
         source = TraceSet.open(args.trace, follow=True if args.follow else None, wait_s=args.wait)
+        if not args.follow:
+            _say_which_are_live(source.paths)
     elif args.demo:
         argv = [sys.executable, "-m", "kvdoctor.demo", "--steps", str(args.steps)]
         if args.model:
@@ -212,6 +214,18 @@ def _check(args: argparse.Namespace) -> int:
     if args.output or args.format != "text":
         print(summary_line(report), file=sys.stderr)
     return report.exit_code
+
+
+def _say_which_are_live(paths: list[str]) -> None:
+    """A trace whose writer still runs is followed until it closes: say so, or the wait looks like a hang."""
+    from ..session import _writer_alive
+    from ..trace import input_path, read_header
+
+    for path in paths:
+        pid = read_header(path).pid
+        if pid is not None and pid != os.getpid() and _writer_alive(input_path(path), pid):
+            print(f"kvdoctor check: {path} is still being written (pid {pid}); checking it as it grows until "
+                  "its writer closes it or exits (Ctrl-C reports what was checked so far)", file=sys.stderr)
 
 
 def _list_rules() -> int:
