@@ -4,6 +4,8 @@ docs/cli.md documents, before anything slow starts (issue 33, items 6 and 8)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +44,29 @@ def test_info_on_a_trace_still_being_written_says_so_not_that_its_writer_was_kil
     assert f"still being written (pid {os.getpid()})" in live and "killed" not in live
     assert main(["info", str(path)]) == 0
     assert "truncated (the writer was killed mid-line" in capsys.readouterr().out
+
+
+WRITER = """
+import os, sys, time
+import msgspec
+from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.synthetic import SyntheticWorkload
+work = SyntheticWorkload(num_steps=10)
+with TraceWriter(sys.argv[1], msgspec.structs.replace(work.header(), pid=os.getpid())) as w:
+    w.write_many(list(work.events())[:50])
+    print("started", flush=True)
+    time.sleep(1.0)
+"""
+
+
+def test_check_on_a_trace_still_being_written_says_it_waits_for_the_writer(tmp_path, capsys):
+    # GIVEN a process that has written part of a trace and is still at work
+    path = tmp_path / "live.kvtrace"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "started\n"
+    # WHEN checked THEN it says, first, that it follows the trace until the writer is done, then reports
+    code = main(["check", "--trace", str(path)])
+    writer.wait(10)
+    err = capsys.readouterr().err
+    assert code == 0
+    assert err.startswith(f"kvdoctor check: {path} is still being written (pid {writer.pid}); checking it as it grows")
