@@ -27,7 +27,7 @@ from . import binary_trace
 from .errors import IncompatibleTraceError, TraceError, TraceFormatError
 from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
 
-__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "wait_header", "input_path", "STDIN"]
+__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "wait_header", "input_path", "close_streams", "STDIN"]
 
 _CHUNK = 1 << 20
 _BATCH_BYTES = 64 << 10  # lines decoded per msgspec call (a few hundred events)
@@ -171,6 +171,9 @@ class _Stream:
         self.num_read = 0
         self.keeping = True
 
+    def close(self) -> None:
+        self._f.close()
+
     def read_at(self, pos: int, n: int) -> bytes:
         if pos < len(self.kept):
             return bytes(self.kept[pos : pos + n])
@@ -232,6 +235,14 @@ def _open_stream(path: Path, info: os.stat_result) -> _StreamCursor:
             raise
         stream = _streams[key] = _Stream(path, fd)
     return _StreamCursor(stream)
+
+
+def close_streams() -> None:
+    """Close every stream read so far, so their writers see the reader gone (EPIPE): for a long-lived
+    process that reads many FIFOs (the fuzz tests); a command's streams close when it exits."""
+    for stream in _streams.values():
+        stream.close()
+    _streams.clear()
 
 
 def _wait_readable(path: Path, fd: int, info: os.stat_result) -> None:

@@ -15,14 +15,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import signal
+import subprocess
+import sys
+import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 from hypothesis import HealthCheck, settings
 
-from kvdoctor import knobs
+from kvdoctor import knobs, trace
 from kvdoctor.cli import main
 
 CI_EXAMPLES = 40
@@ -105,3 +111,57 @@ class Tally:
         if path:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"test": self.name, **self.counts}) + "\n")
+
+
+@contextlib.contextmanager
+def fifo_fed(path: Path, data: bytes, chunk: int) -> Iterator[Path]:
+    """``path`` made a FIFO that a thread feeds ``data`` into, ``chunk`` bytes a write: a non-seekable input,
+    as ``--trace -`` or ``<(zcat t.gz)`` is."""
+    os.mkfifo(path)
+
+    def feed() -> None:
+        try:
+            with open(path, "wb", buffering=0) as f:
+                for i in range(0, len(data), chunk):
+                    f.write(data[i:i + chunk])
+        except BrokenPipeError:
+            pass  # the reader stopped early (a bad header): the rest is not needed
+
+    writer = threading.Thread(target=feed, name="fuzz-fifo-writer", daemon=True)
+    writer.start()
+    try:
+        yield path
+    finally:
+        trace.close_streams()  # the reader's end closes: a writer blocked on a full pipe gets EPIPE
+        if writer.is_alive():  # a writer still waiting for a reader to open the FIFO: let it in, then out
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(TIME_BOUND_S)
+        path.unlink()
+
+
+# A process that writes a trace a piece at a time, naming itself as the header's writer (its pid).
+_LIVE_WRITER = """
+import os, sys, time
+data = open(sys.argv[2], "rb").read().replace(b'"pid":4194303', b'"pid":%d' % os.getpid(), 1)
+with open(sys.argv[1], "wb", buffering=0) as f:
+    step = max(1, len(data) // 8)
+    for i in range(0, len(data), step):
+        f.write(data[i:i + step])
+        time.sleep(0.02)
+"""
+LIVE_PID = 4194303  # the header pid the live writer replaces with its own (JSON Lines: "pid":4194303)
+
+
+@contextlib.contextmanager
+def written_live(path: Path, data: bytes) -> Iterator[subprocess.Popen]:
+    """A process writing ``data`` to ``path`` in eight pieces over about 0.2 s, holding it open as it does,
+    with its own pid in the header where ``data``'s says ``LIVE_PID``: a trace still being written."""
+    source = path.with_name(path.name + ".src")
+    source.write_bytes(data)
+    path.write_bytes(b"")
+    writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(path), str(source)])
+    try:
+        yield writer
+    finally:
+        writer.kill()
+        writer.wait()

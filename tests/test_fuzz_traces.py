@@ -2,7 +2,8 @@
 `kvdoctor check --format json` and `kvdoctor info`.
 
 Every input keeps the rule in tests/fuzzing.py (exit 0-3, one stderr line at most, no traceback, no
-hang). Where the mutation is known to corrupt the file, it is never reported clean: a malformed
+hang), read from a file, through a FIFO (a non-seekable stream, as ``--trace -`` is) and while a process
+is still writing it. Where the mutation is known to corrupt the file, it is never reported clean: a malformed
 line before the last is exit 3 (the format says so), and a cut inside a line or frame is exit 3 or
 a report that says the trace was cut short.
 """
@@ -10,13 +11,14 @@ a report that says the trace was cut short.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzing import FUZZ, Tally, run_kvdoctor
+from fuzzing import FUZZ, LIVE_PID, Tally, fifo_fed, run_kvdoctor, written_live
 from kvdoctor import binary_trace
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.synthetic import SyntheticWorkload
@@ -48,7 +50,10 @@ def traces(tmp_path_factory):
         with TraceWriter(out / name, work.header()) as writer:
             writer.write_many(events)
         paths[name] = out / name
-    return Corpus(dir=out, json=paths["run.kvtrace"].read_bytes(), msgpack=paths["run.kvtrace.msgpack"].read_bytes())
+    data = paths["run.kvtrace"].read_bytes()
+    header, rest = data.split(b"\n", 1)
+    live = json.dumps(dict(json.loads(header), pid=LIVE_PID), separators=(",", ":")).encode() + b"\n" + rest
+    return Corpus(dir=out, json=data, msgpack=paths["run.kvtrace.msgpack"].read_bytes(), live=live)
 
 
 @st.composite
@@ -126,23 +131,28 @@ def _judge(tally: Tally, path: Path, data: bytes, claim: str | None) -> None:
     """Both commands over one mutated trace, against the rule and the claim."""
     path.write_bytes(data)
     check = run_kvdoctor(["check", "--trace", str(path), "--format", "json"])
-    missed = None
-    if claim and check.code in (0, 1) and not json.loads(check.stdout)["summary"]["truncated"]:
-        missed = f"a corrupt trace ({claim}) reported as whole: exit {check.code}"
-    if claim == "garbage" and check.code != 3:
-        missed = f"a malformed line inside the trace gave exit {check.code}, not 3"
-    tally.judge(check, missed)
+    tally.judge(check, _missed(check, claim))
     tally.judge(run_kvdoctor(["info", str(path)]))
 
 
+def _missed(check, claim: str | None) -> str | None:
+    """What ``check``'s outcome fails to say about a corruption the mutation is known to have made."""
+    if claim and check.code in (0, 1) and not json.loads(check.stdout)["summary"]["truncated"]:
+        return f"a corrupt trace ({claim}) reported as whole: exit {check.code}"
+    if claim == "garbage" and check.code != 3:
+        return f"a malformed line inside the trace gave exit {check.code}, not 3"
+    return None
+
+
 JSON_TALLY, MSGPACK_TALLY = Tally("json trace reader"), Tally("msgpack trace reader")
+FIFO_TALLY, LIVE_TALLY = Tally("trace read through a FIFO"), Tally("trace still being written")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
-    JSON_TALLY.write()
-    MSGPACK_TALLY.write()
+    for tally in (JSON_TALLY, MSGPACK_TALLY, FIFO_TALLY, LIVE_TALLY):
+        tally.write()
 
 
 @FUZZ
@@ -157,6 +167,36 @@ def test_mutated_json_traces_keep_the_rule(traces, data):
 def test_mutated_msgpack_traces_keep_the_rule(traces, data):
     mutated, claim = data.draw(mutated_frames(traces["msgpack"]))
     _judge(MSGPACK_TALLY, traces["dir"] / "mutated.kvtrace.msgpack", mutated, claim)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_traces_through_a_fifo_keep_the_rule(traces, data):
+    # GIVEN a mutated trace, either encoding, that a writer feeds through a FIFO in pieces of any size
+    binary = data.draw(st.booleans())
+    mutated, claim = data.draw(mutated_frames(traces["msgpack"]) if binary else mutated_lines(traces["json"]))
+    command = data.draw(st.sampled_from(["check", "info"]))  # a stream is read once: one command per FIFO
+    with fifo_fed(traces["dir"] / "fuzz.fifo", mutated, data.draw(st.integers(512, 1 << 17))) as fifo:
+        argv = ["check", "--trace", str(fifo), "--format", "json"] if command == "check" else ["info", str(fifo)]
+        outcome = run_kvdoctor(argv)
+    # THEN the rule holds, and check says what a file's check says about the corruption
+    FIFO_TALLY.judge(outcome, _missed(outcome, claim) if command == "check" else None)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_traces_still_being_written_keep_the_rule(traces, data):
+    # GIVEN a mutated trace that another process is writing in pieces, naming itself in the header
+    mutated, claim = data.draw(mutated_lines(traces["live"]))
+    path = traces["dir"] / "live.kvtrace"
+    with written_live(path, mutated) as writer:
+        while path.stat().st_size == 0 and writer.poll() is None:
+            time.sleep(0.005)  # its first piece is written: the header, as a followed trace has it
+        outcome = run_kvdoctor(["check", "--trace", str(path), "--format", "json"])
+    # THEN the rule holds (the note that the trace is followed aside), and the corruption is not missed
+    notes = [line for line in outcome.stderr.splitlines() if "is still being written" in line]
+    outcome.stderr = "".join(f"{line}\n" for line in outcome.stderr.splitlines() if line not in notes)
+    LIVE_TALLY.judge(outcome, _missed(outcome, claim))
 
 
 @pytest.mark.parametrize("pid", [2**70, -1, 0, 2**22], ids=["2**70", "-1", "0", "2**22"])
