@@ -15,6 +15,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from ...callsite import user_stack
 from ...events import Alloc, Free, Share, Release
 from ..bus import Bus
 from ..config import EngineConfig
@@ -130,8 +131,8 @@ class BlockPool:
         codec = codec or self.config.tier_codec(tier)
         blk = Block(self._new_id(), tier, slots.take(self.config.arena_codecs(tier).index(codec)), index, [seq], codec)
         self.blocks[blk.id] = blk
-        if self.bus.enabled:
-            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq, codec=codec)
+        if self.bus.enabled:  # a sequence's first block carries the user's stack: where a leak of it began
+            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq, codec=codec, stack=None if index else user_stack())
         return blk
 
     def share(self, blk: Block, seq: Any, hash: str | None = None) -> None:
