@@ -40,7 +40,7 @@ from .engine.model.model import DTYPES
 from .errors import UsageError
 from .stop_signals import interrupt_on_stop_signals, reraise
 
-__all__ = ["DemoConfig", "run_demo", "main", "model_setting", "PROMPTS", "SYSTEM_PROMPT", "ADAPTER"]
+__all__ = ["DemoConfig", "run_demo", "main", "model_setting", "fault_options", "PROMPTS", "SYSTEM_PROMPT", "ADAPTER"]
 
 # Every request's opening with --prefix-cache: long enough to fill several blocks of 16 tokens.
 SYSTEM_PROMPT = (
@@ -97,6 +97,32 @@ def model_setting(value: str) -> str:
         f"{value} is not a Hugging Face checkpoint directory (it needs config.json and weights); "
         "'tiny' is a small random model, and without --model the demo uses the embedded SmolLM2"
     )
+
+
+def fault_options(fault: str | None, codec: str | None = None) -> list[str]:
+    """The demo's options ``fault`` needs to have something to break, for ``check --demo`` and ``watch --demo``.
+
+    A fault the demo cannot show is a ``UsageError`` saying why and where it can be seen: started anyway,
+    it would run clean and exit 0 without a word, which reads as "the checks missed it".
+    """
+    if fault is None:
+        return []
+    if fault == "stale-staging":
+        raise UsageError("--fault stale-staging cannot fire in the demo: it breaks the long-context staging area, "
+                         "which the demo's short requests never use; see it with kvdoctor run --staging-blocks N "
+                         "--fault stale-staging (docs/long-context.md)")
+    if fault == "wrong-scale":  # it corrupts a dequantisation scale: the device tier must store int8 or nf4 codes
+        if codec is None:
+            return ["--codec", "nf4"]
+        device = dict(part.split("=", 1) for part in codec.split(",")).get("device") if "=" in codec else codec
+        if device not in ("int8", "nf4"):
+            raise UsageError(f"--fault wrong-scale cannot fire with --codec {codec}: it corrupts the scale of an "
+                             "int8 or nf4 device block (--codec int8 or nf4; without --codec the demo uses nf4)")
+    if fault.startswith("prefix-"):
+        return ["--prefix-cache"]  # a prefix-cache fault needs the cache it breaks
+    if fault.startswith("spec-"):
+        return ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
+    return []
 
 
 def run_demo(cfg: DemoConfig) -> int:

@@ -70,3 +70,26 @@ def test_check_on_a_trace_still_being_written_says_it_waits_for_the_writer(tmp_p
     err = capsys.readouterr().err
     assert code == 0
     assert err.startswith(f"kvdoctor check: {path} is still being written (pid {writer.pid}); checking it as it grows")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["check", "--demo", "--fault", "stale-staging"], "--fault stale-staging cannot fire in the demo"),
+    (["watch", "--demo", "--fault", "stale-staging"], "--fault stale-staging cannot fire in the demo"),
+    (["watch", "--demo", "--fault", "wrong-scale", "--codec", "fp16"], "--fault wrong-scale cannot fire with --codec fp16"),
+])
+def test_a_fault_the_demo_cannot_show_is_refused_with_its_reason(argv, words, capsys):
+    # WHEN the demo is asked for a fault its configuration never reaches THEN one line and exit 2, before it starts
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert words in err and len(err.splitlines()) == 1
+
+
+def test_the_demo_is_set_up_for_each_fault_it_can_show():
+    from kvdoctor.demo import fault_options
+    from kvdoctor.engine.faults import FAULTS
+
+    # GIVEN every fault but the one the demo cannot reach THEN each gets the options it needs (or none)
+    shown = {name: fault_options(name) for name in FAULTS if name != "stale-staging"}
+    assert shown["wrong-scale"] == ["--codec", "nf4"] and fault_options("wrong-scale", "device=int8,host=nf4") == []
+    assert shown["prefix-unsalted"] == ["--prefix-cache"] and shown["spec-rollback-uncut"] == ["--speculative"]
+    assert shown["leak-swapped"] == []
