@@ -17,7 +17,7 @@ import os
 import sys
 
 from .. import knobs
-from ..demo import model_setting
+from ..demo import fault_options, model_setting
 
 NAME = "check"
 HELP = "check a trace, a running workload or the demo for KV-cache bugs (leaks, stale data, misaligned batches, attention anomalies)"
@@ -140,12 +140,9 @@ def _check(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "kvdoctor.demo", "--steps", str(args.steps)]
         if args.model:
             argv += ["--model", args.model]
-        if args.fault == "wrong-scale":
-            argv += ["--codec", "nf4"]  # the fault corrupts a dequantisation scale: the demo must store codes
-        if args.prefix_cache or (args.fault or "").startswith("prefix-"):
-            argv += ["--prefix-cache"]  # a prefix-cache fault needs the cache it breaks
-        if (args.fault or "").startswith("spec-"):
-            argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
+        argv += fault_options(args.fault)  # what the fault needs to fire; one that cannot is refused
+        if args.prefix_cache and "--prefix-cache" not in argv:
+            argv += ["--prefix-cache"]
         source = TraceSet.command(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
     elif args.vllm_events:
