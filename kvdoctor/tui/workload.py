@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ..child import TracedChild
+from ..demo import fault_options
 from ..errors import UsageError
 
 __all__ = ["Workload"]
@@ -55,10 +56,9 @@ class Workload(TracedChild):
             argv += ["--seconds", str(seconds)]
         if codec:
             argv += ["--codec", codec]
-        if prefix_cache:
+        argv += fault_options(fault, codec)  # what the fault needs to fire; one that cannot is refused
+        if prefix_cache and "--prefix-cache" not in argv:
             argv += ["--prefix-cache"]
-        if (fault or "").startswith("spec-"):
-            argv += ["--speculative"]  # a speculative-decoding fault needs rollbacks of rejected drafts
         what = "a tiny random model" if model == "tiny" else model or "SmolLM2-135M (the first run converts it, ~20 s)"
         return cls(argv, fault=fault, probes=False, workdir=workdir, title=f"the demo: {what} serving chat requests")
 
