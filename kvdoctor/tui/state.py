@@ -116,6 +116,7 @@ class Snapshot:
     status: str = ""                       # a line from the feed: following, replaying step …, crashed …
     prefix_hits: int = 0                   # a prefix cache's lookups so far (step_end), in prompt blocks: served
     prefix_lookups: int = 0                # ... and served or computed; 0: no prefix cache seen
+    steps_done: int = 0                    # step_end events so far: 0 while a workload loads its model
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -175,6 +176,7 @@ class Monitor:
         self._step_events = 0
         self._step_tokens = 0
         self._prefix_hits = self._prefix_lookups = 0
+        self.steps_done = 0
         self._ids_cache: tuple[int, tuple[int, ...]] = (-1, ())
         self._handlers: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._owners_change,
@@ -268,7 +270,7 @@ class Monitor:
             cells=bytes(table.cells), cell_ids=self._ids_cache[1], findings=tuple(self.findings),
             num_findings=dict(self.num_findings), layers=layers, memory=memory, log=tuple(self.log),
             ended=ended or self.ended, status=status, prefix_hits=self._prefix_hits,
-            prefix_lookups=self._prefix_lookups,
+            prefix_lookups=self._prefix_lookups, steps_done=self.steps_done,
         )
 
     def _rates(self) -> tuple[float, float]:
@@ -456,6 +458,7 @@ class Monitor:
                 self._mem_seen.add(name)
 
     def _step_end(self, ev: StepEnd) -> None:
+        self.steps_done += 1
         if ev.prefix_hits is not None:
             self._prefix_hits += ev.prefix_hits
             self._prefix_lookups += ev.prefix_hits + (ev.prefix_misses or 0)

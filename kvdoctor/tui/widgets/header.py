@@ -43,8 +43,13 @@ class StatusHeader(Widget):
             parts.append((f"pid {h.pid}", ""))
         if h is not None and h.model:
             parts.append((h.model.rsplit("/", 1)[-1], "bold cyan"))
-        parts += [(f"step {s.step}", ""), (f"{human_rate(s.tokens_per_s)} tok/s", ""),
-                  (f"{human_rate(s.events_per_s)} ev/s", ""), (f"{s.active_seqs}/{s.num_seqs} seqs", "")]
+        if not s.steps_done and not s.step and not s.ended:
+            # No step yet: a workload loading its model (no header) or running its first step. Rates of 0
+            # for 10-20 s would read as a hung engine.
+            parts.append(("loading model…" if h is None else "running the first step…", "bold yellow"))
+        else:
+            parts += [(f"step {s.step}", ""), (f"{human_rate(s.tokens_per_s)} tok/s", ""),
+                      (f"{human_rate(s.events_per_s)} ev/s", ""), (f"{s.active_seqs}/{s.num_seqs} seqs", "")]
         rate = s.prefix_hit_rate
         if rate is not None:  # prompt blocks served from a prefix cache, of those looked up
             parts.append((f"prefix hit {rate:.0%}", "bold green" if rate >= 0.5 else ""))

@@ -1,0 +1,34 @@
+"""The first minute of `kvdoctor watch`: what a newcomer sees while the workload loads its model and runs its
+first step, the workload's own output, and findings read in full from the overview (issue 33, item 7)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.synthetic import SyntheticWorkload
+from tui_helpers import live_app, screen_text, sync, wait_for
+
+
+@sync
+async def test_the_header_says_the_model_loads_until_the_first_step_ends(tmp_path: Path):
+    # GIVEN the TUI following a trace its workload has not written yet (a model still loading)
+    path = tmp_path / "workload.kvtrace"
+    w = SyntheticWorkload(num_steps=5)
+    events = list(w.events())
+    app = live_app(path, wait_s=30)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None)
+        # THEN no step and no rate of 0 tok/s: the model is loading
+        assert "loading model…" in screen_text(app) and "tok/s" not in screen_text(app)
+        # WHEN the header is written (the model is loaded) THEN the first step is running
+        writer = TraceWriter(path, w.header())
+        await wait_for(pilot, lambda: app.snapshot.header is not None)
+        assert "running the first step…" in screen_text(app) and "tok/s" not in screen_text(app)
+        # WHEN the first step ends THEN the step and the rates replace it
+        first = next(i for i, ev in enumerate(events) if type(ev).__name__ == "StepEnd")
+        writer.write_many(events[:first + 1])
+        await wait_for(pilot, lambda: app.snapshot.steps_done == 1)
+        await pilot.pause()
+        assert "tok/s" in screen_text(app) and "first step" not in screen_text(app)
+        writer.close()
