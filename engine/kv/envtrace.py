@@ -1,6 +1,6 @@
 """A cache's trace switched on from the environment: with ``KVDOCTOR_TRACE=/path/run.kvtrace`` set, every cache
-writes a trace of its own, the process's first to that path, the 2nd, 3rd … to ``run.2.kvtrace``,
-``run.3.kvtrace`` … beside it, and the ``kvdoctor.engine_hooks`` entry points (kvdoctor's memory probes)
+writes a trace of its own, the run's first to that path, the 2nd, 3rd … (of this process or another of the run)
+to ``run.2.kvtrace``, ``run.3.kvtrace`` … beside it, and the ``kvdoctor.engine_hooks`` entry points (kvdoctor's memory probes)
 attach to it, since the engine may not import them.
 """
 
@@ -11,10 +11,12 @@ import datetime
 import importlib.metadata
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from ... import knobs
 from ...events import Header, TierSpec
+from ...trace_names import claim
 from ..config import Tier
 
 if TYPE_CHECKING:
@@ -26,23 +28,20 @@ __all__ = ["HOOKS_GROUP", "trace_path", "header", "EnvTrace"]
 # must run inside the workload (kvdoctor's memory probes) attach so, as the engine may not import them.
 HOOKS_GROUP = "kvdoctor.engine_hooks"
 
-_traced: dict[str, int] = {}  # absolute trace path -> caches of this process that traced to it
+_traced: dict[str, int] = {}  # absolute trace path -> the number of the last trace this process took there
 _traced_lock = threading.Lock()
 
 
 def trace_path(path: str) -> str:
-    """The file a cache switched on by ``KVDOCTOR_TRACE=path`` writes: ``path`` itself for the
-    process's first cache, then ``<stem>.2.kvtrace``, ``<stem>.3.kvtrace`` … beside it for the
-    2nd, 3rd … (closed or not), so several caches in one process never clobber each other's trace."""
+    """The file a cache switched on by ``KVDOCTOR_TRACE=path`` writes: ``path`` itself for the run's first
+    cache, then ``<stem>.2.kvtrace``, ``<stem>.3.kvtrace`` … beside it for the next ones, of this process or
+    of another process of the run (closed or not), so no cache clobbers another's trace
+    (``kvdoctor.trace_names``)."""
+    key = os.path.abspath(path)
     with _traced_lock:
-        n = _traced[os.path.abspath(path)] = _traced.get(os.path.abspath(path), 0) + 1
-    if n == 1:
-        return path
-    head, name = os.path.split(path)
-    stem, dot, rest = name.partition(".kvtrace")
-    if not dot:
-        stem, rest = os.path.splitext(name)
-    return os.path.join(head, f"{stem}.{n}{dot}{rest}")
+        found, n = claim(path, _traced.get(key, 0) + 1)
+        _traced[key] = n
+    return found
 
 
 def header(cache: PagedKVCache) -> Header:
@@ -58,6 +57,7 @@ def header(cache: PagedKVCache) -> Header:
         engine="kvdoctor.engine",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         pid=os.getpid(),
+        t0=time.time_ns() - cache.bus.now(),  # wall clock at the bus's t = 0: orders this trace among others
         calibration=f"{c.calibration.source} (digest {c.calibration.digest})" if c.calibration else None,
     )
 

@@ -50,6 +50,7 @@ from ..events import (
     TierSpec, TransferDone, TransferFailed, TransferStart, Usage, Weights, Write,
 )
 from ..trace import TraceWriter
+from ..trace_names import claim
 from . import vllm_connector
 from .guard import Call, Guard
 from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
@@ -99,7 +100,7 @@ def _patch_scheduler(path: str) -> None:
         _warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
               f"{', '.join(SUPPORTED.values())}: {POLICY}); tracing what still matches")
     try:  # a worker in this process (any process vLLM starts) records its connector's saves and loads
-        vllm_connector.patch_example_connector(path, f"vllm {version}", _trace_file)
+        vllm_connector.patch_example_connector(path, f"vllm {version}", lambda p: claim(p)[0])
     except Exception as exc:
         _warn(f"not tracing vLLM's KV connector ({type(exc).__name__}: {exc})")
     if getattr(Scheduler, "_kvdoctor_patched", False):
@@ -152,46 +153,6 @@ _HEADER_FACTS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _trace_file(path: str) -> str:
-    """The file this process writes: ``path``, or ``<stem>.2.kvtrace``, ``.3`` … beside it (the numbering of
-    kvdoctor's own writers) when another process of this run wrote it already: a second engine core (another
-    instance, a data-parallel engine) must not clobber the first's trace. A file older than this run (the
-    start of this process group's leader: the command that was started) is a previous run's, replaced."""
-    started = _run_started_ns()
-    head, name = os.path.split(path)
-    stem, dot, rest = name.partition(".kvtrace")
-    if not dot:
-        stem, rest = os.path.splitext(name)
-    n = 1
-    while True:
-        candidate = path if n == 1 else os.path.join(head, f"{stem}.{n}{dot}{rest}")
-        try:
-            if os.stat(candidate).st_mtime_ns < started:
-                return candidate
-        except OSError:
-            return candidate
-        n += 1
-
-
-def _run_started_ns() -> int:
-    """Wall-clock ns when this run began: its process group leader's start (this process's, where /proc says
-    nothing of it)."""
-    try:
-        ticks = os.sysconf("SC_CLK_TCK")
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        for pid in (os.getpgrp(), os.getpid()):
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    start = int(f.read().rsplit(b")", 1)[1].split()[19])
-                return (boot * ticks + start) * 1_000_000_000 // ticks
-            except OSError:
-                continue
-    except (OSError, ValueError, StopIteration):
-        pass
-    return time.time_ns()
-
-
 class VllmTracer:
     """Writes one scheduler's KV-cache story; every method runs on vLLM's scheduler thread."""
 
@@ -204,7 +165,7 @@ class VllmTracer:
         self.writer: TraceWriter | None = None
         self.guard = Guard("vllm", self._record_error, self._stop)
         self.header = self._header(scheduler, engine)
-        self.writer = TraceWriter(_trace_file(path), self.header)
+        self.writer = TraceWriter(claim(path)[0], self.header)
         atexit.register(self.close)
         self.guard.attempt("start-up", self._start, scheduler, methods)
         if self.guard.live:

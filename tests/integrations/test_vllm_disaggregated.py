@@ -14,23 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvdoctor.integrations.vllm import _trace_file
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_a_second_engine_core_of_the_run_writes_a_numbered_trace(tmp_path):
-    # GIVEN a trace a previous run left, older than this process
-    old = tmp_path / "run.kvtrace"
-    old.write_text("")
-    os.utime(old, (1, 1))
-    # THEN this run takes its place (a re-run replaces its own trace)
-    assert _trace_file(str(old)) == str(old)
-    # AND once this run wrote it, the next engine core of the run writes beside it, in kvdoctor's numbering
-    old.write_text("")
-    (tmp_path / "run.2.kvtrace").write_text("")
-    assert _trace_file(str(old)) == str(tmp_path / "run.3.kvtrace")
 
 
 def _check(*example_args: str) -> subprocess.CompletedProcess:
