@@ -26,6 +26,7 @@ __all__ = [
     "ChecksumMismatch",
     "StorageError",
     "UnknownSequence",
+    "CacheMisuse",
     "FAULTS",
     "Faults",
 ]
@@ -45,6 +46,7 @@ _HOME = {
     "ChecksumMismatch": "errors",
     "StorageError": "errors",
     "UnknownSequence": "errors",
+    "CacheMisuse": "errors",
     "FAULTS": "faults",
     "Faults": "faults",
 }

@@ -8,7 +8,7 @@ when they reach the caller.
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "OutOfBlocks", "ChecksumMismatch", "StorageError", "UnknownSequence"]
+__all__ = ["EngineError", "OutOfBlocks", "ChecksumMismatch", "StorageError", "UnknownSequence", "CacheMisuse"]
 
 
 class EngineError(Exception):
@@ -66,3 +66,13 @@ class UnknownSequence(EngineError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return self.args[0]
+
+
+class CacheMisuse(EngineError, ValueError):
+    """``EngineCache`` used in a way that would compute wrong K/V or fail deep inside the model: another
+    model's shapes, or a batch of another size on rows an earlier ``generate`` call left. ``what`` names
+    the misuse (``"shapes"``, ``"batch"``); the message says what the cache holds, what came and what to do."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what

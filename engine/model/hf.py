@@ -37,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ...events import AttnStep, Batch, SeqId
 from ..config import EngineConfig
+from ..errors import CacheMisuse
 from ..kv.cache import PagedKVCache
 from .attention import AttnLayout, Newest, attend, layer_stats
 
@@ -96,8 +97,14 @@ class EngineCache(Cache):
     ``EngineCache(model, device_blocks=…, host_blocks=…, …)`` builds an engine shaped for
     ``model`` (further keywords are ``EngineConfig`` fields); ``EngineCache(cache=engine)``
     wraps an existing one. ``seqs`` names the engine sequences of the batch rows (default:
-    ``"hf0"``, ``"hf1"``, … created on first use, new ones after each ``finish()``); rows that
-    forks add take fresh ``"hfN"`` ids, and ``finish()`` puts the given names back.
+    ``"gen1.row0"``, ``"gen1.row1"``, … for the rows of the first generate call, ``"gen2.row0"`` …
+    after a ``finish()``); rows that forks add take fresh ``"genN.forkK"`` ids, and ``finish()`` puts
+    the given names back.
+
+    Misuse raises ``CacheMisuse`` before the model fails somewhere deep, with a finding in the trace
+    where one applies: a model whose layers, KV heads or head size differ from the engine's; a batch
+    of another size on the rows an earlier generate call left (a ``batch`` event whose shape does not
+    fit them: ``batch/batch-shape``). ``finish()`` between unrelated generate calls.
     """
 
     def __init__(self, model: Any = None, *, cache: PagedKVCache | None = None, seqs: Sequence[SeqId] | None = None,
@@ -124,6 +131,8 @@ class EngineCache(Cache):
         self.seqs: list[SeqId] = list(seqs) if seqs is not None else []
         self._names = list(seqs) if seqs is not None else None  # what finish() puts back: forks take new ids
         self._ids = itertools.count()
+        self._calls = 0  # generate calls (sets of rows) so far: the N of "genN.rowB"
+        self._last_layer = -1  # the last layer the current pass updated
         self._slots: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
         self._kv_len = 0
@@ -148,7 +157,22 @@ class EngineCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx >= len(self.layers):
+            self._check_shapes(layer_idx, key_states)
         return self._update(layer_idx, key_states, value_states)
+
+    def _check_shapes(self, layer: int, k: torch.Tensor) -> None:
+        """The model must be one the engine was shaped for: its layers, KV heads and head size."""
+        c = self.engine.config
+        _, heads, _, dim = k.shape  # (B, H_kv, S, D)
+        short = self._in_step and self._last_layer != len(self.layers) - 1  # the last pass stopped early
+        if layer < len(self.layers) and heads == c.num_kv_heads and dim == c.head_dim and not short:
+            return
+        came = (f"a pass that ended at layer {self._last_layer}" if short else
+                f"layer {layer} with {heads} KV heads of {dim} dims")
+        raise CacheMisuse("shapes", f"this EngineCache was built for a model of {len(self.layers)} layers with "
+                                    f"{c.num_kv_heads} KV heads of {c.head_dim} dims, but the model passed {came}: "
+                                    f"build one EngineCache per model (EngineCache(model, ...))")
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens of every row (assisted decoding's rejected
@@ -238,7 +262,7 @@ class EngineCache(Cache):
     def _fresh_id(self) -> SeqId:
         """A sequence id not yet used by this cache's engine (ids are unique within a trace)."""
         while True:
-            seq = f"hf{next(self._ids)}"
+            seq = f"gen{self._calls}.fork{next(self._ids)}"
             if seq not in self.engine.seqs and seq not in self.seqs:
                 return seq
 
@@ -248,10 +272,12 @@ class EngineCache(Cache):
         self._end_step()
         eng = self.engine
         if not self.seqs:
-            # Fresh ids after every finish(): a sequence id names one sequence for the whole trace.
-            self.seqs = [f"hf{next(self._ids)}" for _ in range(batch)]
+            # Fresh ids after every finish(), named by generate call and row, so a finding's "gen2.row1"
+            # reads as "the second row of the second generate call"; unique within the trace.
+            self._calls += 1
+            self.seqs = [self._row_name(b) for b in range(batch)]
         if len(self.seqs) != batch:
-            raise ValueError(f"EngineCache holds {len(self.seqs)} rows but the model passed a batch of {batch}")
+            self._wrong_batch(batch, new)
         for seq in self.seqs:
             if seq not in eng.seqs:
                 eng.add_sequence(seq, prompt_len=new)
@@ -271,10 +297,32 @@ class EngineCache(Cache):
             eng.bus.emit(Batch, rows=list(self.seqs), positions=positions, n=[new] * batch,
                          shape=[batch, c.num_kv_heads, self._kv_len, c.head_dim])
 
+    def _row_name(self, row: int) -> SeqId:
+        seq = f"gen{self._calls}.row{row}"
+        while seq in self.engine.seqs:  # an engine shared with another EngineCache
+            seq = f"{seq}'"
+        return seq
+
+    def _wrong_batch(self, batch: int, new: int) -> None:
+        """A pass of ``batch`` rows on the rows an earlier call left: the ``batch`` event the engine would
+        compute (its shape does not fit the rows it holds: ``batch/batch-shape``), then ``CacheMisuse``."""
+        eng = self.engine
+        held = len(self.seqs)
+        if eng.bus.enabled:
+            c = eng.config
+            eng.bus.emit(Batch, rows=list(self.seqs), positions=[eng.seq_len(s) for s in self.seqs], n=[new] * held,
+                         shape=[batch, c.num_kv_heads, eng.seq_len(self.seqs[0]) + new, c.head_dim])
+            eng.bus.flush()
+        raise CacheMisuse("batch", f"this EngineCache holds {held} row(s) ({', '.join(map(str, self.seqs))}) from an "
+                                   f"earlier generate call, but the model passed a batch of {batch}: call "
+                                   f"cache.finish() between generate calls, or use one EngineCache per batch")
+
     def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, H_kv, S, D = k.shape
         if layer == 0:
+            self._check_shapes(layer, k)
             self._begin(B, S)
+        self._last_layer = layer
         eng = self.engine
         _active.cache = self
         eng.store(layer, self._slots, k.transpose(1, 2).reshape(B * S, H_kv, D), v.transpose(1, 2).reshape(B * S, H_kv, D))

@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from engine_support import contrastive_search, kinds_of, traced
+from kvdoctor.checks import make_suite
+from kvdoctor.engine import CacheMisuse
 from kvdoctor.engine.model.hf import ATTN_IMPLEMENTATION, EngineCache, use_kvdoctor_attention
 from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import (Alloc, Batch, Free, Read, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn,
@@ -59,7 +61,7 @@ def test_swaps_between_generate_calls_keep_the_tokens(model):
     cache.bus.subscribe(seen.extend)
     first = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, cache=cache)
     eng = cache.engine
-    blocks = eng.block_table("hf0")
+    blocks = eng.block_table("gen1.row0")
     eng.swap_out(blocks[:2], dst="host")
     eng.swap_out(blocks[2:], dst="disk")
     # WHEN generation continues from the first call's output
@@ -87,6 +89,49 @@ def test_crop_rolls_the_engine_back(model):
 def test_engine_cache_needs_a_model_or_an_engine():
     with pytest.raises(ValueError, match="exactly one"):
         EngineCache()
+
+
+@pytest.mark.parametrize("other", [dict(num_layers=3), dict(num_kv_heads=4), dict(hidden_size=128)],
+                         ids=["more layers", "more KV heads", "larger heads"])
+@pytest.mark.parametrize("used_first", [False, True], ids=["fresh", "used"])
+def test_another_models_shapes_are_a_clear_error(model, other, used_first):
+    # GIVEN a cache built for one model, fresh or already used by it
+    cache = EngineCache(model, device_blocks=32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    if used_first:
+        _generate(model, ids, cache=cache, n=2)
+        cache.finish()
+    # WHEN another model generates on it THEN the error names both shapes and what to do, before the model fails
+    with pytest.raises(CacheMisuse, match=r"built for a model of 2 layers with 2 KV heads of 16 dims, but the "
+                                          r"model passed .*: build one EngineCache per model") as err:
+        _generate(tiny_llama(seed=1, **other).model, ids, cache=cache, n=2)
+    assert err.value.what == "shapes"
+
+
+def test_a_batch_of_another_size_on_live_rows_is_a_clear_error_and_a_finding(model):
+    # GIVEN a cache whose rows a first generate call left (no finish())
+    cache = EngineCache(model, device_blocks=32)
+    suite = make_suite()
+    cache.bus.subscribe(suite.observe_many)
+    _generate(model, torch.tensor([[5, 6, 7, 8]]), cache=cache, n=2)
+    # WHEN a batch of two generates on it
+    with pytest.raises(CacheMisuse, match=r"holds 1 row\(s\) \(gen1\.row0\) from an earlier generate call, but the "
+                                          r"model passed a batch of 2: call cache.finish\(\)") as err:
+        _generate(model, torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), cache=cache, n=2)
+    assert err.value.what == "batch"
+    # THEN the trace holds the batch the engine was asked for, and the checks name it
+    cache.close()
+    assert [f"{f.check}/{f.rule}" for f in suite.findings + suite.finish()] == ["batch/batch-shape"]
+
+
+def test_sequences_are_named_by_generate_call_and_row(model):
+    cache = EngineCache(model, device_blocks=32)
+    _generate(model, torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), cache=cache, n=2)
+    assert cache.seqs == ["gen1.row0", "gen1.row1"]
+    cache.finish()
+    _generate(model, torch.tensor([[5, 6, 7, 8]]), cache=cache, n=2)
+    assert cache.seqs == ["gen2.row0"]
+    cache.close()
 
 
 def test_crop_takes_transformers_negative_count(model):
