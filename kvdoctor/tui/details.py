@@ -27,7 +27,8 @@ def describe_finding(f: Finding, block_story: list[Any] | None = None, seq_story
     out.append(f"{f.severity.upper()} ", style)
     out.append(f"{f.check}/{f.rule}\n", "bold")
     out.append(f"{f.message}\n")
-    where = [(k, v) for k, v in (("step", f.step), ("seq", f.seq), ("block", f.block), ("layer", f.layer)) if v is not None]
+    where = [(k, v) for k, v in (("step", f.step), ("seq", f.seq), ("block", f.block), ("layer", f.layer),
+                                 ("trace", f.trace)) if v is not None]
     if where:
         out.append("  ".join(f"{k} {v}" for k, v in where) + "\n", "cyan")
     if f.evidence:
