@@ -28,7 +28,7 @@ from .state import Monitor, Snapshot
 from .widgets.attention import AttentionView
 from .widgets.blockmap import LEGEND, BlockMap
 from .widgets.eventlog import EventLog
-from .widgets.findings import FindingDetail, FindingsList
+from .widgets.findings import FindingDetail, FindingsList, RecentFindings
 from .widgets.gauges import TierGauges
 from .widgets.header import StatusHeader
 from .widgets.memory import MemoryView
@@ -96,9 +96,10 @@ class KvdoctorApp(App[int]):
                     blocks.border_title = "blocks"
                     blocks.border_subtitle = LEGEND
                     yield blocks
-                    recent = FindingsList(id="recent", classes="panel").data_bind(KvdoctorApp.snapshot)
-                    recent.border_title = "findings (newest first)"
-                    yield recent
+                    with VerticalScroll(id="recent", classes="panel") as recent:
+                        recent.border_title = "findings (newest first)"
+                        recent.border_subtitle = "2: all, with details"
+                        yield RecentFindings().data_bind(KvdoctorApp.snapshot)
             with TabPane("2 Findings", id="findings"):
                 with Vertical():
                     flist = FindingsList(id="findings-list", classes="panel").data_bind(KvdoctorApp.snapshot)

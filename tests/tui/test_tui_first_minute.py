@@ -7,7 +7,8 @@ from pathlib import Path
 
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.synthetic import SyntheticWorkload
-from tui_helpers import live_app, screen_text, sync, wait_for
+from kvdoctor.tui.widgets.findings import RecentFindings
+from tui_helpers import live_app, replayed, screen_text, sync, wait_for
 
 
 @sync
@@ -32,3 +33,15 @@ async def test_the_header_says_the_model_loads_until_the_first_step_ends(tmp_pat
         await pilot.pause()
         assert "tok/s" in screen_text(app) and "first step" not in screen_text(app)
         writer.close()
+
+
+@sync
+async def test_the_overview_shows_each_newest_finding_whole_not_cut_at_the_pane_edge(leak_trace: Path):
+    # GIVEN the smallest screen, its findings pane a third of the width, after a replay that found leaks
+    async with replayed(leak_trace, size=(80, 24)) as (app, pilot):
+        newest = app.snapshot.findings[-1]
+        assert len(newest.message) > 40  # longer than the pane is wide
+        # THEN the pane holds the newest message in full, wrapped: its last words are on screen
+        pane = app.query_one(RecentFindings)
+        assert newest.message in str(pane.render())
+        assert " ".join(newest.message.split()[-4:]) in screen_text(app)  # "the end of step 283"

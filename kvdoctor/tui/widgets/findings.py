@@ -13,9 +13,10 @@ from ..render import SEVERITY_STYLE
 from ..state import Snapshot
 from .lines import LineList
 
-__all__ = ["FindingsList", "FindingDetail"]
+__all__ = ["FindingsList", "FindingDetail", "RecentFindings"]
 
 _TAG = {"error": "E", "warning": "W", "info": "I"}
+_RECENT = 40  # findings the overview draws: more than its pane can show, newest first
 
 
 class FindingsList(LineList):
@@ -54,13 +55,42 @@ class FindingsList(LineList):
     def row_text(self, row: int, width: int) -> Text:
         f = self.finding(row)
         assert f is not None
-        style = SEVERITY_STYLE.get(f.severity, "")
-        line = Text(no_wrap=True, overflow="ellipsis")
-        line.append(f"{_TAG.get(f.severity, '?')} ", style)
-        line.append(f"{'-' if f.step is None else f.step:>5} ", "dim")
-        line.append(f"{f.check}/{f.rule} ", style)
-        line.append(f.message)
+        line = _line(f)
+        line.no_wrap, line.overflow = True, "ellipsis"
         return line
+
+
+def _line(f: Finding) -> Text:
+    """One finding as the lists show it: severity, step, check/rule, message."""
+    style = SEVERITY_STYLE.get(f.severity, "")
+    line = Text()
+    line.append(f"{_TAG.get(f.severity, '?')} ", style)
+    line.append(f"{'-' if f.step is None else f.step:>5} ", "dim")
+    line.append(f"{f.check}/{f.rule} ", style)
+    line.append(f.message)
+    return line
+
+
+class RecentFindings(Static):
+    """The overview's newest findings, each message in full (wrapped): the pane is half the screen wide, and a
+    message cut at its edge hid what the finding says. The findings screen (2) lists them all with details."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__("", **kwargs)
+        self._findings: tuple[Finding, ...] = ()
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        new = snapshot.findings if snapshot is not None else ()
+        if new is self._findings:
+            return
+        self._findings = new
+        if not new:
+            self.update(Text("no findings yet", "dim"))
+            return
+        text = Text("\n").join(_line(f) for f in reversed(new[-_RECENT:]))
+        self.update(text)
 
 
 class FindingDetail(Static):
