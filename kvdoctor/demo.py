@@ -32,6 +32,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from . import knobs
@@ -166,7 +167,9 @@ def run_demo(cfg: DemoConfig) -> int:
                 sched.submit(Request(ids, max_new_tokens=rng.randint(16, cfg.max_new_tokens), sampling=sampling,
                                      adapter=adapter))
             sched.step()
-            sched.done.clear()  # nobody reads the demo's answers: keeping them would grow with every request
+            for gen in sched.done.values():  # the answers, to the workload's output (watch: its Output screen)
+                print(_answer(gen), flush=True)
+            sched.done.clear()  # printed: keeping them would grow with every request
             steps += 1
             swapped = [seq for seq, live in sched.live.items() if live.state == "swapped"]
             if swapped and rng.random() < cfg.abort_rate * len(swapped):
@@ -176,6 +179,12 @@ def run_demo(cfg: DemoConfig) -> int:
     finally:
         runner.close()
     return steps
+
+
+def _answer(gen: Any) -> str:
+    """One finished request as the demo prints it: its sequence, how it ended, and its text on one line."""
+    text = " ".join(gen.text.split()) if gen.text is not None else f"{len(gen.token_ids)} tokens (a random model: no text)"
+    return f"[{gen.seq}] ({gen.finish_reason}) {text}"
 
 
 def main(argv: list[str] | None = None) -> int:

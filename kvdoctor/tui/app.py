@@ -32,13 +32,14 @@ from .widgets.findings import FindingDetail, FindingsList, RecentFindings
 from .widgets.gauges import TierGauges
 from .widgets.header import StatusHeader
 from .widgets.memory import MemoryView
+from .widgets.output import OutputView
 from .workload import Workload
 
 __all__ = ["KvdoctorApp", "SnapshotReady", "bus_app", "watch_bus"]
 
-TABS = ("overview", "findings", "attention", "memory", "events")
+TABS = ("overview", "findings", "attention", "memory", "events", "output")
 _MAIN_WIDGET = {"overview": "blocks", "findings": "findings-list", "attention-tab": "attention",
-                "memory-tab": "memory", "events": "log"}
+                "memory-tab": "memory", "events": "log", "output": "output-pane"}
 
 
 class SnapshotReady(Message):
@@ -123,6 +124,10 @@ class KvdoctorApp(App[int]):
                 log = EventLog(id="log", classes="panel").data_bind(KvdoctorApp.snapshot)
                 log.border_title = "event log (newest last)"
                 yield log
+            with TabPane("6 Output", id="output"):
+                with VerticalScroll(id="output-pane", classes="panel") as out:
+                    out.border_title = "the workload's output (newest last): the demo's answers"
+                    yield OutputView().data_bind(KvdoctorApp.snapshot)
         yield Footer()
 
     def on_mount(self) -> None:

@@ -16,6 +16,7 @@ finished trace with pause, step and seek, so it holds the whole trace in memory.
 from __future__ import annotations
 
 import bisect
+import os
 import queue
 import threading
 import time
@@ -84,6 +85,7 @@ class Feed(threading.Thread):
         # Adds to each finding what the workload's Python was doing (py-spy) and the memory curve.
         self._attributor: Any = None
         self.status = ""
+        self.output = ""  # what the workload printed last (SourceFeed with a workload)
         self.failed: str | None = None  # set when the source could not be read at all
         # Set while the feed has nothing to do until it is told (a replay waiting for a key, a
         # finished live source): what tests and scripts wait for before reading the screen.
@@ -176,7 +178,7 @@ class Feed(threading.Thread):
         if not self._dirty or (not force and now - self._last_publish < self._interval):
             return
         with self.lock:
-            snap = self.monitor.snapshot(status=self.status, ended=self.failed)
+            snap = self.monitor.snapshot(status=self.status, ended=self.failed, output=self.output)
         self._last_publish = now
         self._dirty = False
         self.last_serial = snap.serial
@@ -205,6 +207,7 @@ class SourceFeed(Feed):
         self._waiting = (f"starting {workload.title}" if workload is not None
                          else waiting or f"waiting for {source.name}")
         self._running = running or f"following {source.name}"
+        self._log_size = -1
 
     def stop(self) -> None:
         super().stop()
@@ -227,6 +230,7 @@ class SourceFeed(Feed):
         self._set_status(self._running)
         try:
             for batch in source.batches():
+                self._read_output()
                 if batch:
                     self._consume(batch)
                 else:
@@ -236,7 +240,21 @@ class SourceFeed(Feed):
             self._fail(self._explain(str(exc)))
             return
         self._finish_checks(self._end_reason())
+        self._read_output()
         self._set_status(self.monitor.ended or "")
+
+    def _read_output(self) -> None:
+        """The end of the workload's output (the demo's answers), read again whenever its log grew."""
+        if self.workload is None:
+            return
+        try:
+            size = os.stat(self.workload.log).st_size
+        except OSError:
+            return
+        if size != self._log_size:
+            self._log_size = size
+            self.output = self.workload.log_tail()
+            self._dirty = True
 
     def _end_reason(self) -> str:
         stopped = self._stop_event.is_set()

@@ -14,7 +14,8 @@ __all__ = ["HelpScreen", "PromptScreen", "DetailScreen", "HELP"]
 HELP = """\
 [b]kvdoctor[/b] — a live view of an LLM's KV cache
 
-[b]1[/b] overview  [b]2[/b] findings  [b]3[/b] attention  [b]4[/b] memory  [b]5[/b] events (or click)
+[b]1[/b] overview  [b]2[/b] findings  [b]3[/b] attention  [b]4[/b] memory  [b]5[/b] events  [b]6[/b] output
+(or click a tab)
 
 [b]p[/b] space  pause the display (checks keep running); replay: play/pause
 [b]/[/b]        filter the log: swap  -attn  seq=3  block=17

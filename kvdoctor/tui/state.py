@@ -117,6 +117,7 @@ class Snapshot:
     prefix_hits: int = 0                   # a prefix cache's lookups so far (step_end), in prompt blocks: served
     prefix_lookups: int = 0                # ... and served or computed; 0: no prefix cache seen
     steps_done: int = 0                    # step_end events so far: 0 while a workload loads its model
+    output: str = ""                       # the end of the output of a workload kvdoctor started (the demo's answers)
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -240,7 +241,7 @@ class Monitor:
 
     # ---- snapshot -----------------------------------------------------------------------
 
-    def snapshot(self, *, status: str = "", ended: str | None = None) -> Snapshot:
+    def snapshot(self, *, status: str = "", ended: str | None = None, output: str = "") -> Snapshot:
         table = self.blocks
         counts = table.tier_counts()
         tiers = []
@@ -270,7 +271,7 @@ class Monitor:
             cells=bytes(table.cells), cell_ids=self._ids_cache[1], findings=tuple(self.findings),
             num_findings=dict(self.num_findings), layers=layers, memory=memory, log=tuple(self.log),
             ended=ended or self.ended, status=status, prefix_hits=self._prefix_hits,
-            prefix_lookups=self._prefix_lookups, steps_done=self.steps_done,
+            prefix_lookups=self._prefix_lookups, steps_done=self.steps_done, output=output,
         )
 
     def _rates(self) -> tuple[float, float]:

@@ -3,12 +3,16 @@ first step, the workload's own output, and findings read in full from the overvi
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.app import KvdoctorApp
+from kvdoctor.tui.feed import LiveFeed
 from kvdoctor.tui.synthetic import SyntheticWorkload
 from kvdoctor.tui.widgets.findings import RecentFindings
-from tui_helpers import live_app, replayed, screen_text, sync, wait_for
+from kvdoctor.tui.workload import Workload
+from tui_helpers import live_app, replayed, screen_text, sync, wait_ended, wait_for
 
 
 @sync
@@ -45,3 +49,28 @@ async def test_the_overview_shows_each_newest_finding_whole_not_cut_at_the_pane_
         pane = app.query_one(RecentFindings)
         assert newest.message in str(pane.render())
         assert " ".join(newest.message.split()[-4:]) in screen_text(app)  # "the end of step 283"
+
+
+ANSWERING = """
+import os
+from kvdoctor.trace import TraceWriter
+from kvdoctor.tui.synthetic import SyntheticWorkload
+w = SyntheticWorkload(num_steps=20)
+with TraceWriter(os.environ["KVDOCTOR_TRACE"], w.header()) as writer:
+    writer.write_many(list(w.events()))
+    print("[3] (stop) Paged attention stores the KV cache in fixed-size blocks.", flush=True)
+"""
+
+
+@sync
+async def test_the_output_screen_shows_what_the_workload_printed(tmp_path: Path):
+    # GIVEN a workload kvdoctor started that prints an answer as it serves (as the demo does)
+    workload = Workload([sys.executable, "-c", ANSWERING], workdir=str(tmp_path))
+    app = KvdoctorApp(lambda publish: LiveFeed(str(workload.trace), publish, workload=workload, wait_s=60),
+                      workload=workload, show_pid=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ended(pilot)
+        # WHEN the Output screen is opened THEN the answer is on it
+        await pilot.press("6")
+        await pilot.pause()
+        assert "Paged attention stores the KV cache in fixed-size blocks." in screen_text(app)
