@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +33,7 @@ class Workload(TracedChild):
             raise UsageError("no workload command given: use `kvdoctor watch -- python my_script.py`")
         self.title = title or shlex.join(argv)  # what the screen calls it while it starts
         self._dir = Path(workdir or tempfile.mkdtemp(prefix="kvdoctor-watch-"))
+        self._own_dir = workdir is None  # a directory we made is ours to remove (``remove``)
         self.trace = self._dir / "workload.kvtrace"
         self.log = self._dir / "workload.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -68,6 +70,12 @@ class Workload(TracedChild):
             lines = self.log_tail().strip().splitlines()
             last_line = lines[-1] if lines else ""
         return super().exit_message(last_line)
+
+    def remove(self) -> None:
+        """Delete the directory kvdoctor made for the trace and log (about 1 MB a minute of the demo), once
+        the workload is stopped; a ``workdir`` the caller gave stays."""
+        if self._own_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def log_tail(self) -> str:
         try:

@@ -4,8 +4,12 @@ first step, the workload's own output, and findings read in full from the overvi
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
+
+from kvdoctor.cli import main
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.app import KvdoctorApp
 from kvdoctor.tui.feed import LiveFeed
@@ -53,6 +57,7 @@ async def test_the_overview_shows_each_newest_finding_whole_not_cut_at_the_pane_
 
 ANSWERING = """
 import os
+from kvdoctor.cli import main
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.synthetic import SyntheticWorkload
 w = SyntheticWorkload(num_steps=20)
@@ -74,3 +79,22 @@ async def test_the_output_screen_shows_what_the_workload_printed(tmp_path: Path)
         await pilot.press("6")
         await pilot.pause()
         assert "Paged attention stores the KV cache in fixed-size blocks." in screen_text(app)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-trace"])
+def test_watch_leaves_no_directory_in_the_temp_folder_unless_asked(tmp_path: Path, monkeypatch, capsys, keep):
+    # GIVEN watch over a workload, its screen replaced by waiting for the workload to end
+    from kvdoctor.commands import watch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(watch, "_run_screen", lambda args, config, metrics, workload: workload.wait(60))
+    argv = ["watch", *(["--keep-trace"] if keep else []), "--", sys.executable, "-c", ANSWERING]
+    # WHEN it runs and ends
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    left = list(tmp_path.glob("kvdoctor-watch-*"))
+    # THEN by default its directory is gone and the last line says how to keep it; with --keep-trace it stays
+    if keep:
+        assert len(left) == 1 and (left[0] / "workload.kvtrace").is_file() and "its trace:" in err
+    else:
+        assert left == [] and "--keep-trace keeps its trace" in err
