@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="how long to wait for the trace to appear (default 10 s; 300 s for a workload we start, "
                         "which stops waiting as soon as the workload exits)")
+    p.add_argument("--keep-trace", action="store_true",
+                   help="with --demo or -- CMD: keep the workload's trace and log after the screen closes, to replay "
+                        "or check later (default: removed from the temp folder)")
     p.add_argument("--metrics-port", type=int, metavar="N",
                    help="also serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N")
     p.add_argument("workload_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--codec applies to --demo only (a workload of your own sets its engine's codec itself)")
     if args.prefix_cache and not args.demo:
         raise UsageError("--prefix-cache applies to --demo only (a workload of your own switches it on in its engine)")
+    if args.keep_trace and args.trace:
+        raise UsageError("--keep-trace applies to a workload kvdoctor starts (--demo or -- CMD); --trace FILE is yours")
     if args.fault:
         from ..engine.faults import FAULTS
 
@@ -113,10 +118,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if workload is not None:
             workload.stop()
-    if workload is not None:
+            ending = workload.exit_message()  # before its log goes: a crash quotes the log's last line
+            if not args.keep_trace:
+                workload.remove()  # nothing left behind in the temp folder
+    if workload is not None and args.keep_trace:
         # The trace outlives the screen: the same session can be replayed or checked later.
-        print(f"{workload.exit_message()}; its trace: {workload.trace} "
+        print(f"{ending}; its trace: {workload.trace} "
               f"(kvdoctor replay {workload.trace}, kvdoctor check --trace {workload.trace})", file=sys.stderr)
+    elif workload is not None:
+        print(f"{ending} (--keep-trace keeps its trace to replay or check)", file=sys.stderr)
     return 0
 
 
