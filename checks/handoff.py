@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..events import Header, TransferDone, TransferFailed, TransferStart
+from ..events import TIERS, Header, TransferDone, TransferFailed, TransferStart
 from ..findings import Finding
 
 from .across import AcrossCheck, TraceTag
@@ -71,6 +71,7 @@ class HandoffCheck(AcrossCheck):
         # (instance, key) -> the request a load was for, where one trace of the instance names it (a scheduler)
         # and another has the bytes (its worker)
         self.requests: OrderedDict[tuple, Any] = OrderedDict()
+        self.stores: dict[str, TraceTag] = {}  # a store transfers go through (not a tier) -> the first trace using it
 
     def wants(self, tag: TraceTag) -> tuple[type, ...]:
         return (TransferStart, TransferDone, TransferFailed)
@@ -93,7 +94,7 @@ class HandoffCheck(AcrossCheck):
         return self._compare(load, digests)
 
     def _start(self, tag: TraceTag, ev: TransferStart) -> list[Finding]:
-        out = self._block_map(tag, ev)
+        out = self._block_map(tag, ev) + self._store(tag, ev)
         if ev.key is None or ev.op not in ("save", "load"):
             return out
         if ev.op == "save":
@@ -134,6 +135,24 @@ class HandoffCheck(AcrossCheck):
         else:
             load.save = save
         return out
+
+    def _store(self, tag: TraceTag, ev: TransferStart) -> list[Finding]:
+        """Instances that save to or load from one store must lay K/V out alike, whether or not a key pairs
+        (a block size that differs changes the keys: every lookup misses, and nothing is handed over)."""
+        store = ev.dst if ev.op == "save" else ev.src
+        if store is None or store in TIERS or tag.header.instance is None:
+            return []
+        first = self.stores.setdefault(store, tag)
+        if first.header.instance in (None, tag.header.instance):
+            return []
+        facts = _differ(tag.header, first.header)
+        pair = (min(tag.index, first.index), max(tag.index, first.index))
+        if not facts or not self.once("layout-mismatch", *pair):
+            return []
+        return [self.found(
+            tag, "layout-mismatch", f"{tag.who} and {first.who} share the store {store}, but differ in "
+            + ", ".join(f"{f} ({getattr(tag.header, f)} here, {getattr(first.header, f)} there)" for f in facts),
+            seq=ev.seq, step=ev.step, store=store, other_trace=first.name, facts=facts)]
 
     def _block_map(self, tag: TraceTag, ev: TransferStart) -> list[Finding]:
         size = tag.header.block_size

@@ -12,7 +12,9 @@ digest per block of the K/V on each side, and ``kvdoctor check`` pairs them (``h
 
 ``--fault foreign-kv`` overwrites, between the two instances, one prompt's files in the store with another
 prompt's K/V of the same length: the decode instance loads K/V that is not its prompt's, and the check names
-the instance, the request and the block (``handoff/digest-mismatch``).
+the instance, the request and the block (``handoff/digest-mismatch``). ``--fault block-size`` starts the
+decode instance with blocks of 64 tokens where the prefill used 32: the same K/V lands in blocks of another
+size (``handoff/layout-mismatch``, vLLM #30358).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from vllm_offline import QUESTIONS, SYSTEM, _default_model
 _BLOCK = 32
 
 
-def instance(name: str, model: str, storage: str):
+def instance(name: str, model: str, storage: str, block_size: int = _BLOCK):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, block_size=_BLOCK,
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, block_size=block_size,
                num_gpu_blocks_override=64, enable_prefix_caching=False, max_num_seqs=4, seed=0,
                gpu_memory_utilization=0.2,
                kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", engine_id=name,
@@ -67,7 +69,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--fault", choices=["foreign-kv"], help="overwrite a prompt's K/V in the store with another's")
+    ap.add_argument("--fault", choices=["foreign-kv", "block-size"],
+                    help="foreign-kv: overwrite a prompt's K/V in the store with another's; block-size: the decode "
+                    "instance pages its cache in blocks of 64 tokens where the prefill used 32")
     args = ap.parse_args()
 
     from vllm import SamplingParams
@@ -85,11 +89,11 @@ def main() -> None:
     prefill.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     del prefill
     gc.collect()  # its engine core exits and closes its trace
-    if args.fault:
+    if args.fault == "foreign-kv":
         print(f"vllm_disaggregated: fault foreign-kv: store entry {overwrite_one(storage, set())[:12]}… now holds "
               "another prompt's K/V")
     # the decode instance finds each prompt's K/V in the store, loads it and decodes
-    decode = instance("decode", model, storage)
+    decode = instance("decode", model, storage, block_size=2 * _BLOCK if args.fault == "block-size" else _BLOCK)
     out = decode.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
                           use_tqdm=False)
     print(f"vllm_disaggregated: {len(out)} requests prefilled by one instance, decoded by another through {storage}")

@@ -157,3 +157,18 @@ def test_instances_that_disagree_on_block_size_or_token_count(tmp_path):
     bad = [TransferStart(t=1, transfer="s", op="save", blocks=[0, 1, 2], seq="a", num_tokens=8)]
     found = check(tmp_path, (header(instance="prefill"), bad))
     assert rules(found) == ["handoff/block-map"] and found[0].evidence["blocks"] == [0, 1, 2]
+
+
+def test_instances_sharing_a_store_must_agree_on_block_size_even_when_no_key_pairs(tmp_path):
+    # GIVEN a prefill instance with blocks of 4 and a decode instance with blocks of 8 saving to the same store
+    # (the block size changes the keys, so no load pairs with a save: every lookup just misses)
+    store = dict(dst="connector:/shared")
+    prefill = [TransferStart(t=1, transfer="s", op="save", blocks=[0, 1], seq="a", key="k4", num_tokens=8, **store)]
+    decode = [TransferStart(t=2, transfer="s", op="save", blocks=[0], seq="b", key="k8", num_tokens=8, **store)]
+    found = check(tmp_path, (header(instance="prefill"), prefill), (header(block_size=8, instance="decode"), decode))
+    # THEN the mismatch is named once, on the later instance
+    assert rules(found) == ["handoff/layout-mismatch"] and found[0].evidence["store"] == "connector:/shared"
+    assert found[0].trace.endswith("w1.kvtrace") and "block_size (8 here, 4 there)" in found[0].message
+    # AND the same store used by instances that agree is silent
+    alike = [TransferStart(t=2, transfer="s", op="save", blocks=[3, 4], seq="b", key="k9", num_tokens=8, **store)]
+    assert check(tmp_path, (header(instance="prefill"), prefill), (header(instance="decode"), alike)) == []

@@ -3,7 +3,8 @@
 ``examples/vllm_disaggregated.py`` prefills on one vLLM instance and decodes on another through the
 ``ExampleConnector``; each engine core and each worker writes its own trace. Checked as one workload by
 ``kvdoctor check -- CMD``, a clean run is silent and a store entry overwritten with another prompt's K/V is
-named with the loading instance, request and block (about 2 minutes a run on 2 cores).
+named with the loading instance, request and block, and a decode instance with another block size than the
+prefill's is named too (about 2 minutes a run on 2 cores).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _check(*example_args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_prefill_then_decode_is_one_clean_workload_and_a_foreign_entry_is_named():
+def test_prefill_then_decode_is_one_clean_workload_and_its_faults_are_named():
     pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
     # GIVEN a prefill instance and a decode instance handing K/V over through the connector's store
     clean = _check()
@@ -42,3 +43,8 @@ def test_prefill_then_decode_is_one_clean_workload_and_a_foreign_entry_is_named(
     line = next(x for x in fault.stdout.splitlines() if "handoff/digest-mismatch" in x)
     assert " seq '" in line and " block " in line
     assert "instance decode" in fault.stdout and "saved" in fault.stdout
+    # WHEN the decode instance pages its cache in blocks of 64 where the prefill used 32 (every lookup misses)
+    sizes = _check("--fault", "block-size")
+    # THEN the two instances sharing the store are named with the block sizes they disagree on
+    assert sizes.returncode == 1, sizes.stdout + sizes.stderr[-3000:]
+    assert "handoff/layout-mismatch" in sizes.stdout and "block_size (64 here, 32 there)" in sizes.stdout
