@@ -171,3 +171,18 @@ def test_nan_in_padding_slots_reaching_a_real_row_is_found_naming_the_row(tiny, 
     # THEN the padded row's attention turns non-finite (0 x NaN through the masked slots), named with its step
     (f,) = findings
     assert (f.check, f.rule, f.seq, f.step) == ("attention", "nonfinite", "c1#2", 0)
+
+
+def test_a_right_padded_batch_in_generate_computes_the_short_row_at_wrong_positions(tiny, tmp_path):
+    # GIVEN a decoder-only generate with the second prompt right-padded by four (transformers #48161: position ids
+    # kept and incremented per step, so the short row's new tokens never get its real length; transformers warns)
+    ids = _prompt(9, 0).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    ids[1, 5:], mask[1, 5:] = PAD, 0
+    path = tmp_path / "run.kvtrace"
+    with kvdoctor.observe(tiny, trace=path):
+        tiny.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    # THEN the short row's first new token is named: it holds 5 tokens and computes elsewhere (the left-padded
+    # twin is test_position_ids_shared_by_a_left_padded_batch_are_found_naming_the_padded_row[False])
+    (f,) = [f for f in _findings(path) if f.rule == "batch-position"]
+    assert (f.seq, f.step, f.evidence["row"], f.evidence["expected"]) == ("c1#2", 1, 1, 5)
