@@ -345,6 +345,9 @@ class WorkloadSession:
             paths = self._first_traces()
         for path in paths:
             self._add(path, strict=len(paths) == 1 and self.traces.watch is None)
+        for m in self.members:  # a trace that says no t0 counts from the earliest the others say
+            if m.tag.header.t0 is None:
+                m.t0 = self._t0_base or 0
         if not self.members and not self.traces.unusable and self.traces.watch is None:
             raise TraceError(f"no trace to check in {self.traces.name}")
 

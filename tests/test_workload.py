@@ -169,3 +169,16 @@ def test_watch_checks_the_other_traces_of_its_workload(tmp_path):
     # THEN the leak of the second trace reaches the screen's findings, naming its trace, its block kept aside
     assert found and {f.trace.rsplit("/", 1)[1] for f in found} == {"workload.2.kvtrace"}
     assert all(f.block is None for f in found) and any(f.evidence.get("block") == 0 for f in found)
+
+
+def test_a_trace_without_t0_counts_from_the_earliest_t0_of_the_workload(tmp_path):
+    # GIVEN an old trace with no t0 that saves at t=100 and a newer one (t0 set) that loads at t=500
+    save = [TransferStart(t=100, transfer="s", op="save", blocks=[0], seq="p", key="k", digests=[1]),
+            TransferDone(t=200, transfer="s")]
+    load = [TransferStart(t=500, transfer="l", op="load", blocks=[3], seq="d", key="k"),
+            TransferDone(t=510, transfer="l", digests=[2])]
+    paths = [write(tmp_path / "a.kvtrace", save, instance="prefill"),
+             write(tmp_path / "b.kvtrace", load, instance="decode", t0=10**18)]
+    # THEN the save comes first (both count from 10**18), and the load's other content is named
+    found = WorkloadSession(TraceSet.open(paths)).run().findings
+    assert [f.rule for f in found] == ["digest-mismatch"]
