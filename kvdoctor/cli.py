@@ -28,6 +28,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Wraps descriptions and epilogs paragraph by paragraph (blank-line separated), but keeps a paragraph
+    with indented lines as written: a list, such as the faults with what each breaks."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            if any(line[:1].isspace() for line in lines[1:]):
+                out.append("\n".join(indent + line for line in lines))
+            else:
+                out.append(super()._fill_text(para, width, indent))
+        return "\n\n".join(out)
+
+
 def one_line(message: str) -> str:
     """``message`` as one printable line: a line break or control character from the user's input
     (a file name, an option's value) is shown escaped, so an error never spans lines."""
@@ -58,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvdoctor check --trace x` starts without torch.
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, formatter_class=_Formatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

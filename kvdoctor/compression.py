@@ -18,10 +18,11 @@ CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "nf4")
 _TIER_NAMES = ("device", "host", "disk")
 _CALIBRATED = ("int8",)  # codecs whose key scales come from a calibration (engine.kv.codecs.NEEDS_CALIBRATION)
 CODEC_METAVAR = "{" + ",".join((*CODEC_NAMES, "mixed")) + "}|TIER=CODEC,..."
-CODEC_HELP = ("store KV blocks in this codec (default: the model's dtype), or one per tier "
-              "(device=fp16,host=int8,disk=nf4: blocks are re-encoded as they go down), or 'mixed' "
-              "(blocks attention finds unimportant are demoted to nf4 on the device); int8 "
-              "calibrates key scales once on Python's own documentation and keeps them in ~/.cache/kvdoctor")
+CODEC_HELP = ("how K/V blocks are stored: fp32, fp16 or bf16 numbers, or int8 or nf4 codes (8 or 4 bits a "
+              "value: smaller, a little less exact); default: the model's dtype. One per tier: "
+              "device=fp16,host=int8,disk=nf4 (a block is re-encoded as it moves down); mixed: blocks attention "
+              "finds unimportant shrink to nf4 on the device. int8 measures the keys' ranges once, on a sample "
+              "text, and keeps them in ~/.cache/kvdoctor")
 
 
 def codec_setting(text: str) -> str:

@@ -3,6 +3,7 @@ docs/cli.md documents, before anything slow starts (issue 33, items 6 and 8)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -93,3 +94,42 @@ def test_the_demo_is_set_up_for_each_fault_it_can_show():
     assert shown["wrong-scale"] == ["--codec", "nf4"] and fault_options("wrong-scale", "device=int8,host=nf4") == []
     assert shown["prefix-unsalted"] == ["--prefix-cache"] and shown["spec-rollback-uncut"] == ["--speculative"]
     assert shown["leak-swapped"] == []
+
+
+def _help(command: str) -> str:
+    from kvdoctor.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command].format_help()
+
+
+def test_run_help_is_grouped_and_explains_every_option_in_plain_words():
+    from kvdoctor.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    run = action.choices["run"]
+    # THEN its options come in groups a newcomer can scan, each with its own explanation
+    titles = [g.title for g in run._action_groups if g._group_actions]
+    assert titles[1:] == ["what to generate", "the KV cache", "long context and sparse attention",
+                          "reuse and speculation", "recording and checking"]
+    assert all(a.help and len(a.help) > 10 for a in run._actions)
+    text = _help("run")
+    for jargon in ("as Quest does", "Python's own documentation", "calibrat"):
+        assert jargon not in text
+
+
+def test_run_watch_and_check_list_the_same_faults_with_what_each_breaks():
+    from kvdoctor.engine.faults import FAULTS
+    from kvdoctor.faults import fault_list
+
+    listed = fault_list()
+    assert all(name in listed for name in FAULTS)
+    # THEN every command that takes --fault shows that one list, word for word
+    for command in ("run", "watch", "check"):
+        text = _help(command)
+        assert " ".join(listed.split()) in " ".join(text.split()), command
+
+
+def test_check_help_names_its_sources_once():
+    text = _help("check")
+    assert "source (exactly one)" in text and "sources:" not in text

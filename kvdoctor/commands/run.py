@@ -14,14 +14,12 @@ import sys
 import time
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, MERGE_HELP, calibrated, codec_setting, engine_settings, merge_threshold
-from ..engine.faults import FAULTS
 from ..engine.model.model import DTYPES
+from ..faults import FAULT_NAMES, add_fault_argument
 from ..knobs import VERIFY_MODES  # content digest verification of reads (engine.kv.digest)
 
 NAME = "run"
 HELP = "generate with a model on kvdoctor's tiered KV cache (default: the embedded SmolLM2-135M-Instruct)"
-
-FAULT_NAMES = tuple(FAULTS)  # engine.faults is light (no torch), so --help stays fast
 
 
 def _int_at_least(lo: int):
@@ -43,61 +41,93 @@ _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+    gen = p.add_argument_group("what to generate")
+    src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input), for long inputs")
-    p.add_argument("--model", metavar="PATH", help="a local Hugging Face Llama-family checkpoint directory "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights, activations and KV cache in this dtype (default float32)")
-    p.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="tokens to generate (default 64)")
-    p.add_argument("--greedy", action="store_true", help="take the most likely token (default: sample)")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling cut (default 0.9)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--block-size", type=_positive, default=16, metavar="N", help="tokens per KV block (default 16)")
-    p.add_argument("--device-blocks", type=_positive, default=256, metavar="N", help="device tier capacity in blocks (default 256)")
-    p.add_argument("--host-blocks", type=_non_negative, default=1024, metavar="N", help="host tier capacity in blocks (default 1024)")
-    p.add_argument("--disk-blocks", type=_non_negative, default=0, metavar="N", help="disk tier capacity in blocks (default 0: none)")
-    p.add_argument("--stats-every", type=_non_negative, default=1, metavar="N",
-                   help="attention statistics every N steps (default 1; 0 never)")
-    p.add_argument("--trace", metavar="FILE", help="write the engine's events to FILE (.kvtrace or .kvtrace.gz)")
-    p.add_argument("--no-probes", dest="probes", action="store_false",
-                   help="with --trace: record no memory readings (mem events; on by default, as KVDOCTOR_PROBES=0)")
-    p.add_argument("--fault", choices=FAULT_NAMES, help="switch on one of the engine's deliberate faults")
-    p.add_argument("--verify", choices=VERIFY_MODES, help="content digests of K/V blocks checked on every read (full), "
-                   "a sample of reads (sample) or none (off); default $KVDOCTOR_VERIFY, else sample")
-    p.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
-    p.add_argument("--topk", type=_non_negative, default=0, metavar="K",
-                   help="block-sparse attention: read the K blocks whose keys can score highest, plus the first "
-                   "block and the newest (default 0: dense); use with --block-size 64 or 128, or with "
-                   "--sparse-block-size")
-    p.add_argument("--sparse-block-size", type=_non_negative, default=0, metavar="N",
-                   help="with --topk: choose pages of N tokens (a multiple of --block-size, e.g. 64 over blocks of "
-                   "16) instead of single blocks (default 0: one block)")
-    p.add_argument("--dense-prefill", action="store_true",
-                   help="with --topk: the prompt is prefilled densely and only decoding reads the top-k pages, as "
-                   "Quest does (perplexity +5.7%% instead of +16%% at k=16 on 1k tokens: docs/long-context.md)")
-    p.add_argument("--prefix-cache", action="store_true",
-                   help="automatic prefix caching: a request reuses the cached K/V blocks of its longest cached "
-                   "prefix and computes only the rest (see --repeat)")
-    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
-                   help="run the prompt N times, one request after another (default 1); with --prefix-cache the "
-                   "later ones are served the first one's blocks")
-    p.add_argument("--speculative", metavar="ngram|PATH",
-                   help="speculative decoding: draft tokens by prompt lookup (ngram) or with a smaller local checkpoint "
-                   "sharing the tokenizer (PATH), verified by the model in one forward pass")
-    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="with --speculative: draft tokens per step (default 4)")
-    p.add_argument("--staging-blocks", type=_non_negative, default=0, metavar="N",
-                   help="long context: a sequence may outgrow the device tier, its host and disk blocks read through a "
-                        "device staging area of N blocks (dense: streamed and merged exactly; with --topk: only the "
-                        "chosen pages); 0 (default): the sequence must fit the device")
-    p.add_argument("--eviction", choices=("lru", "hybrid"), default="lru",
-                   help="which blocks leave a full tier first (long context: which stay on the device): lru (default), "
-                        "or hybrid (recency, position distance and attention importance)")
-    p.add_argument("--merge", type=merge_threshold, default=0.0, metavar="THRESHOLD", help=MERGE_HELP)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    gen.add_argument("--model", metavar="PATH", help="a local Hugging Face Llama-family checkpoint directory "
+                     "(default: the embedded SmolLM2-135M-Instruct, which needs no download)")
+    gen.add_argument("--dtype", choices=DTYPES, default="float32",
+                     help="number format of the weights, the activations and the KV cache (default float32)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template, as a chat assistant would receive it")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="tokens to generate (default 64)")
+    gen.add_argument("--greedy", action="store_true", help="always take the most likely next token (default: sample)")
+    gen.add_argument("--temperature", type=float, default=0.7,
+                     help="sampling: below 1 favours likely tokens, above 1 flattens the choice (default 0.7)")
+    gen.add_argument("--top-p", type=float, default=0.9,
+                     help="sampling: draw only from the most likely tokens that together hold this probability "
+                     "(default 0.9)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
+    gen.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                     help="run the prompt N times, one request after another (default 1); with --prefix-cache the "
+                     "later ones reuse the first one's cached blocks")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, tokens, timings, swaps, cache statistics) instead of the text")
+
+    tiers = p.add_argument_group(
+        "the KV cache", "The cache holds the keys and values (K/V) of every token so far, in blocks of "
+        "--block-size tokens, on three tiers: device (where attention reads them), host memory and disk. "
+        "Small tiers force blocks to move between them, which is what the checks watch.")
+    tiers.add_argument("--block-size", type=_positive, default=16, metavar="N", help="tokens per KV block (default 16)")
+    tiers.add_argument("--device-blocks", type=_positive, default=256, metavar="N",
+                       help="device tier capacity in blocks (default 256)")
+    tiers.add_argument("--host-blocks", type=_non_negative, default=1024, metavar="N",
+                       help="host tier capacity in blocks: where blocks go when the device is full (default 1024)")
+    tiers.add_argument("--disk-blocks", type=_non_negative, default=0, metavar="N",
+                       help="disk tier capacity in blocks, below host (default 0: no disk tier)")
+    tiers.add_argument("--eviction", choices=("lru", "hybrid"), default="lru",
+                       help="which blocks leave a full tier first: lru, the least recently used (default), or hybrid, "
+                       "which weighs how recently a block was used, how far its tokens are from the newest one and "
+                       "how much attention they got")
+    tiers.add_argument("--codec", type=codec_setting, metavar=CODEC_METAVAR, help=CODEC_HELP)
+    tiers.add_argument("--merge", type=merge_threshold, default=0.0, metavar="THRESHOLD", help=MERGE_HELP)
+
+    longctx = p.add_argument_group(
+        "long context and sparse attention", "For prompts longer than the device tier holds, and for "
+        "attention that reads only part of the cache (docs/long-context.md).")
+    longctx.add_argument("--staging-blocks", type=_non_negative, default=0, metavar="N",
+                         help="let a sequence outgrow the device tier: its blocks on host and disk are copied "
+                         "through a device staging area of N blocks as attention needs them (0, the default: the "
+                         "sequence must fit on the device)")
+    longctx.add_argument("--topk", type=_non_negative, default=0, metavar="K",
+                         help="block-sparse attention: each new token reads only the K blocks whose keys can score "
+                         "highest, plus the first block and the newest (default 0: every block); use with "
+                         "--block-size 64 or 128, or with --sparse-block-size")
+    longctx.add_argument("--sparse-block-size", type=_non_negative, default=0, metavar="N",
+                         help="with --topk: choose pages of N tokens (a multiple of --block-size, e.g. 64 over blocks "
+                         "of 16) instead of single blocks (default 0: one block)")
+    longctx.add_argument("--dense-prefill", action="store_true",
+                         help="with --topk: read every block while computing the prompt and only the top-k pages "
+                         "while generating; slower prompt, better text (perplexity +5.7%% instead of +16%% at k=16 "
+                         "on 1k tokens)")
+
+    reuse = p.add_argument_group("reuse and speculation")
+    reuse.add_argument("--prefix-cache", action="store_true",
+                       help="automatic prefix caching: a request reuses the cached K/V blocks of the longest prompt "
+                       "start it shares with an earlier one and computes only the rest (see --repeat)")
+    reuse.add_argument("--speculative", metavar="ngram|PATH",
+                       help="speculative decoding: guess several next tokens cheaply, by copying them from earlier "
+                       "in the text (ngram) or with a smaller local model sharing the tokenizer (PATH), and let the "
+                       "model check them all in one pass")
+    reuse.add_argument("--num-draft", type=int, default=4, metavar="K",
+                       help="with --speculative: tokens guessed per step (default 4)")
+
+    record = p.add_argument_group("recording and checking",
+                                  "Record a trace to check it later (kvdoctor check --trace FILE).")
+    record.add_argument("--trace", metavar="FILE",
+                        help="write the engine's events to FILE (.kvtrace, .kvtrace.gz or .kvtrace.msgpack)")
+    record.add_argument("--no-probes", dest="probes", action="store_false",
+                        help="with --trace: record no memory readings (RSS, Python heap, GPU: the mem events; on by "
+                        "default; KVDOCTOR_PROBES=0 does the same)")
+    record.add_argument("--stats-every", type=_non_negative, default=1, metavar="N",
+                        help="record attention statistics (per layer: entropy, largest score; what the attention "
+                        "checks read) every N steps (default 1: every step; 0: never)")
+    record.add_argument("--verify", choices=VERIFY_MODES,
+                        help="check that a block read back holds the bytes written to it (a digest per block): on "
+                        "every read (full), on a sample of reads (sample) or never (off); default $KVDOCTOR_VERIFY, "
+                        "else sample")
+    add_fault_argument(p, record, choices=FAULT_NAMES)
 
 
 def _prompt(args: argparse.Namespace) -> str:

@@ -18,7 +18,7 @@ FOLDERS = {"kvdoctor": "kvdoctor", "engine": "kvdoctor.engine", "checks": "kvdoc
 CONTRACT = ("kvdoctor.events", "kvdoctor.errors", "kvdoctor.knobs", "kvdoctor.callsite")  # what every layer shares
 TRACE_FORMAT = ("kvdoctor.trace", "kvdoctor.binary_trace", "kvdoctor.trace_names")
 UI = ("kvdoctor.cli", "kvdoctor.commands", "kvdoctor.tui")
-ENGINE_SIDE = ("kvdoctor.engine", "kvdoctor.demo", "kvdoctor.compression")  # import the engine, hence torch
+ENGINE_SIDE = ("kvdoctor.engine", "kvdoctor.demo", "kvdoctor.compression", "kvdoctor.faults")  # import the engine, hence torch
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ RULES = {
                      "up into the UI", forbidden=ENGINE_SIDE + UI),
     "kvdoctor.compression": Rule("the engine's codec settings, below the UI", forbidden=UI),
     "kvdoctor.demo": Rule("the demo workload drives the engine, below the UI", forbidden=UI),
+    "kvdoctor.faults": Rule("the engine's faults as the command line offers them, below the UI", forbidden=UI),
     "kvdoctor.pytest_plugin": Rule("the plugin checks a test's engine, below the UI", forbidden=UI),
 }
 FORBIDDEN_THIRD_PARTY = {"kvdoctor.checks": ("torch", "transformers", "numpy", "textual")}
