@@ -18,6 +18,7 @@ import sys
 
 from .. import knobs
 from ..demo import fault_options, model_setting
+from ..faults import add_fault_argument
 
 NAME = "check"
 HELP = "check a trace, a running workload or the demo for KV-cache bugs (leaks, stale data, misaligned batches, attention anomalies)"
@@ -26,12 +27,8 @@ _DEMO_STEPS = 150
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = (
-        "sources: --trace FILE|DIR... | --demo | -- CMD ARGS... (every trace the workload writes)\n"
-        "exit status: 0 ok, 1 findings at or above --fail-on, 2 usage or configuration error, "
-        "3 unreadable or incompatible trace"
-    )
+    p.epilog = ("exit status: 0 ok, 1 findings at or above --fail-on, 2 usage or configuration error, "
+                "3 unreadable or incompatible trace")
     src = p.add_argument_group("source (exactly one)")
     src.add_argument("--trace", metavar="FILE", nargs="+", action="extend",
                      help="trace files, directories of them or globs, checked as one workload (each trace on its "
@@ -41,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT): check what its events can show, until "
                      "Ctrl-C or --idle-exit seconds without an event (docs/integrations.md)")
     src.add_argument("workload", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
-                     help="a workload to start with KVDOCTOR_TRACE set, checked as it runs")
+                     help="a workload to start with KVDOCTOR_TRACE set, checked as it runs (every trace it writes)")
     p.add_argument("--follow", action="store_true",
                    help="with --trace: keep following the files until their writers close them (or Ctrl-C); "
                    "a directory's new trace files join as they appear")
@@ -52,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, metavar="N",
                    help="serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N "
                         "while checking; with --trace --follow, headless monitoring of a serving process")
-    p.add_argument("--fault", metavar="NAME", help="with --demo or a command: switch on an engine fault (KVDOCTOR_FAULT)")
+    add_fault_argument(p, applies="with --demo or a command: ")
     p.add_argument("--verify", choices=knobs.VERIFY_MODES,
                    help="with --demo or a command: check the engine's K/V content digests on every read (full: CI), "
                    "a sample of reads (sample: the default; full with a content fault) or none (off) (KVDOCTOR_VERIFY)")
