@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 from ..compression import CODEC_HELP, CODEC_METAVAR, codec_setting
-from ..demo import model_setting
+from ..demo import fault_options, model_setting
+from ..faults import add_fault_argument
 
 NAME = "watch"
 HELP = "live TUI of a workload's KV cache: --demo [--fault NAME], --trace FILE, or -- CMD ARGS"
@@ -30,9 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", metavar="FILE", help="follow a trace file that another process is writing")
     src.add_argument("--vllm-events", metavar="ENDPOINT",
                      help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT); see docs/integrations.md")
-    p.add_argument("--fault", metavar="NAME",
-                   help="switch on a deliberate fault in the workload (leak-swapped, stale-version, "
-                        "batch-misalign, attention-nan) to see its finding appear")
+    add_fault_argument(p, applies="with --demo or -- CMD: ")
     p.add_argument("--model", metavar="PATH", type=model_setting,
                    help="with --demo: a local Hugging Face checkpoint, or 'tiny' for a small random model "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -109,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
     workload = None
     if args.demo:
-        workload = Workload.demo(fault=args.fault, model=args.model, codec=args.codec,
-                                 prefix_cache=args.prefix_cache or (args.fault or "").startswith("prefix-"))
+        workload = Workload.demo(fault=args.fault, model=args.model, codec=args.codec, prefix_cache=args.prefix_cache,
+                                 options=fault_options(args.fault, args.codec))  # one the demo cannot reach: refused
     elif command:
         workload = Workload(command, fault=args.fault)
     try:

@@ -14,9 +14,9 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from ..child import TracedChild
-from ..demo import fault_options
 from ..errors import UsageError
 
 __all__ = ["Workload"]
@@ -49,8 +49,10 @@ class Workload(TracedChild):
 
     @classmethod
     def demo(cls, *, fault: str | None = None, model: str | None = None, seconds: float | None = None,
-             workdir: str | None = None, codec: str | None = None, prefix_cache: bool = False) -> "Workload":
-        """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes."""
+             workdir: str | None = None, codec: str | None = None, prefix_cache: bool = False,
+             options: Sequence[str] = ()) -> "Workload":
+        """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes.
+        ``options`` are more of the demo's options: those ``fault`` needs to fire."""
         argv = [sys.executable, "-m", "kvdoctor.demo"]
         if model:
             argv += ["--model", model]
@@ -58,7 +60,7 @@ class Workload(TracedChild):
             argv += ["--seconds", str(seconds)]
         if codec:
             argv += ["--codec", codec]
-        argv += fault_options(fault, codec)  # what the fault needs to fire; one that cannot is refused
+        argv += list(options)  # a fault's needs (``kvdoctor.demo.fault_options``)
         if prefix_cache and "--prefix-cache" not in argv:
             argv += ["--prefix-cache"]
         what = "a tiny random model" if model == "tiny" else model or "SmolLM2-135M (the first run converts it, ~20 s)"
