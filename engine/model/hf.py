@@ -26,6 +26,7 @@ sequences' ends reach the trace.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import Any, Sequence
@@ -104,7 +105,9 @@ class EngineCache(Cache):
     Misuse raises ``CacheMisuse`` before the model fails somewhere deep, with a finding in the trace
     where one applies: a model whose layers, KV heads or head size differ from the engine's; a batch
     of another size on the rows an earlier generate call left (a ``batch`` event whose shape does not
-    fit them: ``batch/batch-shape``). ``finish()`` between unrelated generate calls.
+    fit them: ``batch/batch-shape``); and, for a cache built from ``model``, a generate call whose
+    prompt does not continue the tokens those rows hold (an unrelated prompt on a used cache, which
+    transformers would compute after the old tokens). ``finish()`` between unrelated generate calls.
     """
 
     def __init__(self, model: Any = None, *, cache: PagedKVCache | None = None, seqs: Sequence[SeqId] | None = None,
@@ -132,6 +135,8 @@ class EngineCache(Cache):
         self._names = list(seqs) if seqs is not None else None  # what finish() puts back: forks take new ids
         self._ids = itertools.count()
         self._calls = 0  # generate calls (sets of rows) so far: the N of "genN.rowB"
+        self._tokens: torch.Tensor | None = None  # the token ids generate last held for the rows (B, T)
+        self._prompts_model = model if model is not None and _see_prompts(model) else None
         self._last_layer = -1  # the last layer the current pass updated
         self._slots: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
@@ -303,6 +308,25 @@ class EngineCache(Cache):
             seq = f"{seq}'"
         return seq
 
+    def _see_tokens(self, input_ids: torch.Tensor, first: bool) -> None:
+        """The token ids ``generate`` holds for the rows, before each pass: at a call's first pass, the
+        tokens the rows already hold must be where the call's prompt begins (a continued conversation),
+        else the call computes its prompt's tail after another prompt's K/V."""
+        held = self.get_seq_length()
+        previous, self._tokens = self._tokens, input_ids
+        if not first or not held or previous is None or previous.shape[0] != input_ids.shape[0]:
+            return  # a new cache, a finished one, or a batch change (refused at the pass)
+        width = min(held, previous.shape[1])
+        if input_ids.shape[1] >= held and torch.equal(input_ids[:, :width], previous[:, :width]):
+            return
+        differ = (input_ids[:, :width] != previous[:, :width]) if input_ids.shape[1] >= width else None
+        where = (f"differs from them at position {int(differ.any(0).nonzero()[0])}" if differ is not None and differ.any()
+                 else f"has {input_ids.shape[1]} tokens")
+        raise CacheMisuse("prompt", f"this EngineCache's rows ({', '.join(map(str, self.seqs))}) hold {held} tokens from an "
+                                    f"earlier generate call, and this call's prompt {where}: it does not continue them. "
+                                    f"Call cache.finish() before an unrelated prompt, or pass the earlier output "
+                                    f"followed by the new tokens to continue")
+
     def _wrong_batch(self, batch: int, new: int) -> None:
         """A pass of ``batch`` rows on the rows an earlier call left: the ``batch`` event the engine would
         compute (its shape does not fit the rows it holds: ``batch/batch-shape``), then ``CacheMisuse``."""
@@ -361,10 +385,14 @@ class EngineCache(Cache):
             if seq in self.engine.seqs:
                 self.engine.remove_sequence(seq, reason="finished")
         self.seqs = list(self._names) if self._names is not None else []
+        self._tokens = None
         self.engine.end_step(0)
 
     def close(self) -> None:
         """``finish()``, then close the engine if this cache built it."""
+        model, self._prompts_model = self._prompts_model, None
+        if model is not None and getattr(vars(model).get("prepare_inputs_for_generation"), "_kvdoctor_engine_cache", False):
+            del model.prepare_inputs_for_generation  # the class's own again
         if not self.engine._closed:
             self.finish()
             if self._owns_engine:
@@ -375,6 +403,27 @@ class EngineCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _see_prompts(model: Any) -> bool:
+    """Wrap ``model.prepare_inputs_for_generation`` on the instance (until the cache closes) so that an
+    ``EngineCache`` passed to ``generate`` sees the token ids of its rows: the cache holds K/V only.
+    False when there is nothing to wrap or another EngineCache's wrapper is already there."""
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    if prepare is None or getattr(prepare, "_kvdoctor_engine_cache", False):
+        return False
+
+    @functools.wraps(prepare)
+    def seen(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = args[0] if args else kwargs.get("input_ids")
+        if isinstance(cache, EngineCache) and isinstance(ids, torch.Tensor):
+            cache._see_tokens(ids, bool(kwargs.get("is_first_iteration")))
+        return prepare(*args, **kwargs)
+
+    seen._kvdoctor_engine_cache = True  # type: ignore[attr-defined]
+    model.prepare_inputs_for_generation = seen
+    return True
 
 
 def kvdoctor_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -124,6 +124,25 @@ def test_a_batch_of_another_size_on_live_rows_is_a_clear_error_and_a_finding(mod
     assert [f"{f.check}/{f.rule}" for f in suite.findings + suite.finish()] == ["batch/batch-shape"]
 
 
+def test_an_unrelated_prompt_on_used_rows_is_a_clear_error_and_a_continued_one_is_not(model):
+    # GIVEN a cache whose row a first generate call left
+    cache = EngineCache(model, device_blocks=32)
+    first = _generate(model, torch.tensor([[5, 6, 7, 8]]), cache=cache, n=3).sequences
+    # WHEN the next call continues the conversation THEN it runs on the row
+    second = _generate(model, torch.cat([first, torch.tensor([[9, 10]])], dim=1), cache=cache, n=2).sequences
+    assert second[0, : first.shape[1]].tolist() == first[0].tolist()
+    # WHEN a call passes an unrelated prompt THEN it is refused with where it stops continuing them
+    with pytest.raises(CacheMisuse, match=r"rows \(gen1\.row0\) hold 10 tokens from an earlier generate call, and "
+                                          r"this call's prompt differs from them at position 0") as err:
+        _generate(model, torch.tensor([[50, 60, 70, 80, 90, 100, 110, 120, 10, 11, 12]]), cache=cache, n=2)
+    assert err.value.what == "prompt"
+    # AND after finish() the same prompt is a new row; after close() the model is as it was
+    cache.finish()
+    _generate(model, torch.tensor([[50, 60, 70]]), cache=cache, n=2)
+    cache.close()
+    assert "prepare_inputs_for_generation" not in vars(model)
+
+
 def test_sequences_are_named_by_generate_call_and_row(model):
     cache = EngineCache(model, device_blocks=32)
     _generate(model, torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), cache=cache, n=2)
