@@ -5,11 +5,14 @@
 which keeps its own registry (never the process-wide default, so two sessions in one process
 do not collide) and serves it on 127.0.0.1 only: the numbers describe someone's workload and
 are not for the network unless they put a proxy in front.
+
+Following Prometheus's conventions, nothing here is a rate or a ratio a scrape would freeze: hit rates
+are pairs of counters (hits and lookups, to divide in a query over any window), and events per second
+is ``rate(kvdoctor_events_total[1m])``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -21,8 +24,6 @@ from .findings import Finding
 __all__ = ["CacheMetrics", "MeteredChecker", "metered"]
 
 _HOST = "127.0.0.1"
-# events/s is a rate over this window, so a quiet second after a burst reads as quiet
-_RATE_WINDOW_S = 5.0
 
 
 class CacheMetrics:
@@ -33,23 +34,23 @@ class CacheMetrics:
         self.blocks = Gauge("kvdoctor_blocks", "KV blocks in use per tier (last usage reading)", ["tier"], registry=r)
         self.capacity = Gauge("kvdoctor_capacity_blocks", "KV block capacity per tier", ["tier"], registry=r)
         self.kv_bytes = Gauge("kvdoctor_kv_bytes", "KV bytes in use per tier (last usage reading)", ["tier"], registry=r)
-        self.swaps = Counter("kvdoctor_swaps", "blocks moved between tiers", ["direction", "src", "dst"], registry=r)
+        # a swap's direction is its tiers' order (device to host is out): src and dst say it all
+        self.swaps = Counter("kvdoctor_swaps", "blocks moved between tiers", ["src", "dst"], registry=r)
         self.prefetched = Counter("kvdoctor_prefetched_blocks", "blocks prefetched ahead of a read", registry=r)
-        self.prefetch_hit_rate = Gauge(
-            "kvdoctor_prefetch_hit_rate", "share of prefetched blocks read before anything else moved them", registry=r)
-        self.prefix_hit_rate = Gauge(
-            "kvdoctor_prefix_hit_rate", "share of blocks a sequence got by sharing (prefix cache, fork) over all it got",
+        self.prefetch_hits = Counter(
+            "kvdoctor_prefetch_hits", "prefetched blocks read before anything else moved them (of prefetched_blocks)",
             registry=r)
+        self.prefix_hits = Counter(
+            "kvdoctor_prefix_hits", "blocks a sequence got by sharing another's (prefix cache, fork), of prefix_lookups",
+            registry=r)
+        self.prefix_lookups = Counter(
+            "kvdoctor_prefix_lookups", "blocks sequences got, shared or newly allocated", registry=r)
         self.findings = Counter("kvdoctor_findings", "findings of the checks", ["check", "rule", "severity"], registry=r)
         self.events = Counter("kvdoctor_events", "events judged", registry=r)
-        self.events_per_s = Gauge("kvdoctor_events_per_second", f"events per second over the last {_RATE_WINDOW_S:g} s",
-                                  registry=r)
         self.step = Gauge("kvdoctor_step", "last engine step seen", registry=r)
-        self._num_allocs = self._num_shares = 0
         self._waiting: set[int] = set()  # prefetched blocks not yet read
-        self._num_prefetched = self._num_prefetch_hits = 0
-        self._window: list[tuple[float, int]] = []
-        self._num_events = self._counted = 0  # events seen; of them, added to the counter so far
+        # counted as events come, added to the counters at a step's end, so a scrape sees whole steps
+        self._num_events = self._num_prefetch_hits = self._num_allocs = self._num_shares = 0
 
     def observe(self, event: Any) -> None:
         kind = type(event)
@@ -60,11 +61,10 @@ class CacheMetrics:
             if event.bytes is not None:
                 self.kv_bytes.labels(event.tier).set(event.bytes)
         elif kind is SwapOut or kind is SwapIn:
-            self.swaps.labels("out" if kind is SwapOut else "in", event.src, event.dst).inc()
+            self.swaps.labels(event.src, event.dst).inc()
             self._waiting.discard(event.block)
         elif kind is Prefetch:
             self.prefetched.inc(len(event.blocks))
-            self._num_prefetched += len(event.blocks)
             self._waiting.update(event.blocks)
         elif kind is Read and self._waiting:
             hits = self._waiting.intersection(event.blocks)
@@ -82,21 +82,13 @@ class CacheMetrics:
             self._end_step(event.step)
 
     def _end_step(self, step: int) -> None:
-        """Rates are set once per step: cheap enough for every event, and what a scrape sees is whole."""
+        """The step's counts join the counters at once: cheap for every event, and a scrape sees whole steps."""
         self.step.set(step)
-        self.events.inc(self._num_events - self._counted)
-        self._counted = self._num_events
-        if self._num_prefetched:
-            self.prefetch_hit_rate.set(self._num_prefetch_hits / self._num_prefetched)
-        if self._num_allocs + self._num_shares:
-            self.prefix_hit_rate.set(self._num_shares / (self._num_allocs + self._num_shares))
-        now = time.monotonic()
-        self._window.append((now, self._num_events))
-        while len(self._window) > 2 and now - self._window[0][0] > _RATE_WINDOW_S:
-            self._window.pop(0)
-        (t0, n0) = self._window[0]
-        if now > t0:
-            self.events_per_s.set((self._num_events - n0) / (now - t0))
+        self.events.inc(self._num_events)
+        self.prefetch_hits.inc(self._num_prefetch_hits)
+        self.prefix_hits.inc(self._num_shares)
+        self.prefix_lookups.inc(self._num_allocs + self._num_shares)
+        self._num_events = self._num_prefetch_hits = self._num_allocs = self._num_shares = 0
 
     def add_findings(self, findings: Iterable[Finding]) -> None:
         for f in findings:
