@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
                    help="with --trace --follow: seconds to wait for the file to appear (default 10)")
     p.add_argument("--metrics-port", type=int, metavar="N",
-                   help="serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N "
+                   help="serve Prometheus metrics (tiers, swaps, prefix and prefetch hits, findings, events; docs/integrations.md) on 127.0.0.1:N "
                         "while checking; with --trace --follow, headless monitoring of a serving process")
     add_fault_argument(p, applies="with --demo or a command: ")
     p.add_argument("--verify", choices=knobs.VERIFY_MODES,
