@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --demo or -- CMD: keep the workload's trace and log after the screen closes, to replay "
                         "or check later (default: removed from the temp folder)")
     p.add_argument("--metrics-port", type=int, metavar="N",
-                   help="also serve Prometheus metrics (tiers, swaps, hit rates, findings, events/s) on 127.0.0.1:N")
+                   help="also serve Prometheus metrics (tiers, swaps, prefix and prefetch hits, findings, events; docs/integrations.md) on 127.0.0.1:N")
     p.add_argument("workload_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                    help="a workload to start with KVDOCTOR_TRACE set, e.g. -- python my_script.py")
 
