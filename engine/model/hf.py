@@ -320,12 +320,15 @@ class EngineCache(Cache):
         if input_ids.shape[1] >= held and torch.equal(input_ids[:, :width], previous[:, :width]):
             return
         differ = (input_ids[:, :width] != previous[:, :width]) if input_ids.shape[1] >= width else None
-        where = (f"differs from them at position {int(differ.any(0).nonzero()[0])}" if differ is not None and differ.any()
-                 else f"has {input_ids.shape[1]} tokens")
-        raise CacheMisuse("prompt", f"this EngineCache's rows ({', '.join(map(str, self.seqs))}) hold {held} tokens from an "
-                                    f"earlier generate call, and this call's prompt {where}: it does not continue them. "
-                                    f"Call cache.finish() before an unrelated prompt, or pass the earlier output "
-                                    f"followed by the new tokens to continue")
+        if differ is not None and differ.any():
+            where = f"differs from them at position {int(differ.any(0).nonzero()[0])}"
+        else:
+            where = f"has {input_ids.shape[1]} tokens"
+        rows = ", ".join(map(str, self.seqs))
+        raise CacheMisuse("prompt", f"this EngineCache's rows ({rows}) hold {held} tokens from an earlier generate "
+                                    f"call, and this call's prompt {where}: it does not continue them. Call "
+                                    f"cache.finish() before an unrelated prompt, or pass the earlier output followed "
+                                    f"by the new tokens to continue")
 
     def _wrong_batch(self, batch: int, new: int) -> None:
         """A pass of ``batch`` rows on the rows an earlier call left: the ``batch`` event the engine would
@@ -391,7 +394,8 @@ class EngineCache(Cache):
     def close(self) -> None:
         """``finish()``, then close the engine if this cache built it."""
         model, self._prompts_model = self._prompts_model, None
-        if model is not None and getattr(vars(model).get("prepare_inputs_for_generation"), "_kvdoctor_engine_cache", False):
+        ours = model is not None and vars(model).get("prepare_inputs_for_generation")
+        if ours and getattr(ours, "_kvdoctor_engine_cache", False):
             del model.prepare_inputs_for_generation  # the class's own again
         if not self.engine._closed:
             self.finish()
