@@ -27,7 +27,7 @@ from . import binary_trace
 from .errors import IncompatibleTraceError, TraceError, TraceFormatError
 from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
 
-__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "wait_header", "input_path", "close_streams", "STDIN"]
+__all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "wait_header", "input_path", "is_stdin", "close_streams", "STDIN"]
 
 _CHUNK = 1 << 20
 _BATCH_BYTES = 64 << 10  # lines decoded per msgspec call (a few hundred events)
@@ -135,6 +135,16 @@ class TraceWriter:
 def input_path(path: str | os.PathLike[str]) -> Path:
     """The file a trace argument names: ``-`` is standard input."""
     return Path("/dev/stdin") if str(path) == STDIN else Path(path)
+
+
+def is_stdin(path: str | os.PathLike[str]) -> bool:
+    """``path`` is this process's standard input (``-``, ``/dev/stdin``, ``/proc/self/fd/0``): a TUI that
+    read its trace there would get no keys."""
+    try:
+        mine, named = os.fstat(0), os.stat(input_path(path))
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
 
 
 def _open_binary(path: Path) -> IO[bytes]:

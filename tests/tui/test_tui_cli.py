@@ -3,6 +3,8 @@ before any screen opens."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,17 @@ def test_watch_waits_for_a_trace_that_never_appears_then_exits_3_before_the_scre
     err = capsys.readouterr().err.splitlines()
     assert err == [f"kvdoctor watch: waiting up to 0.2 s for {missing} to appear",
                    f"kvdoctor watch: no trace at {missing}: waited 0.2 s for the file"]
+
+
+@pytest.mark.parametrize("argv", [["replay", "-"], ["watch", "--trace", "-"], ["watch", "--trace", "/dev/stdin"]])
+def test_a_trace_on_standard_input_is_refused_by_the_screens_that_read_keys_there(argv, tmp_path: Path):
+    # GIVEN standard input that carries a trace
+    trace = tmp_path / "t.kvtrace"
+    trace.write_text("x\n")
+    with open(trace, "rb") as stdin:
+        # WHEN a TUI is asked to read it
+        done = subprocess.run([sys.executable, "-m", "kvdoctor.cli", *argv], stdin=stdin, capture_output=True,
+                              text=True, timeout=60)
+    # THEN one line, exit 2: the screen needs standard input for its keys
+    assert done.returncode == 2
+    assert "standard input is the screen's keyboard" in done.stderr and len(done.stderr.splitlines()) == 1
