@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..errors import UsageError
-    from ..trace import input_path, wait_header
+    from ..trace import input_path, is_stdin, wait_header
 
     command = list(args.workload_argv or [])
     if command[:1] == ["--"]:
@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.fault not in FAULTS:
             raise UsageError(f"unknown fault {args.fault!r}: choose one of {', '.join(FAULTS)}")
+    if args.trace and is_stdin(args.trace):
+        raise UsageError("--trace: standard input is the screen's keyboard, so it cannot carry the trace: give a file, or a FIFO (mkfifo)")
     if args.trace:
         # A missing file or one that is not a trace fails here, as one line and exit 3, before the screen opens;
         # a writer that is about to create it gets --wait seconds.
