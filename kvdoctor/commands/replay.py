@@ -27,13 +27,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..errors import UsageError
-    from ..trace import read_header
+    from ..trace import is_stdin, read_header
 
     if args.speed < 0:
         raise UsageError(f"--speed must be >= 0 steps per second; got {args.speed:g}")
     if args.step is not None and args.step < 0:
         raise UsageError(f"--step must be >= 0 (steps count from 0); got {args.step}")
     trace = _pick(args.trace, args.pick)
+    if is_stdin(trace):
+        raise UsageError("standard input is the screen's keyboard, so it cannot carry the trace: give a file, or a FIFO (mkfifo)")
     read_header(trace)  # missing or not a trace: one line and exit code 3, before the screen opens
 
     config = load_config(args.config)
