@@ -3,7 +3,8 @@
 A leak finding says which block leaked; attribution says who allocated what while its
 sequence lived (the tracemalloc difference since the sequence started, by allocation
 site), what the workload's Python threads were doing at that moment (a py-spy dump of a
-workload kvdoctor started), and the memory curve (recent ``mem`` readings).
+workload kvdoctor started, active threads first, when the finding carries no stack recorded with
+its events), and the memory curve (recent ``mem`` readings).
 
 The ``Attributor`` is a consumer like a check: it observes events (live as a bus sink,
 or from a trace) and keeps only what enrichment needs. Snapshots cost milliseconds and
@@ -126,7 +127,9 @@ class Attributor:
         heap = self._heap_growth(finding.seq)
         if heap is not None:
             extra["heap_growth"] = heap
-        if self.pid is not None:
+        if self.pid is not None and not finding.stacks:
+            # A stack recorded with the events that caused the finding says where it happened; a dump now
+            # only says where the workload's threads are, so it is taken only when nothing was recorded.
             extra.update(self._stacks_now())
         return msgspec.structs.replace(finding, attribution={**finding.attribution, **extra})
 
@@ -156,6 +159,7 @@ class Attributor:
             assert self.pid is not None
             try:
                 threads = dump_stacks(self.pid, timeout_s=self.pyspy_timeout_s)
+                threads.sort(key=lambda t: not t.active)  # the threads at work first, idle helpers after
                 lines = [line for thread in threads for line in thread.lines()]
                 result: dict[str, Any] = {"stacks": lines, "stacks_pid": self.pid}
             except PySpyError as exc:

@@ -117,6 +117,13 @@ def test_a_workload_kvdoctor_started_gets_a_stack_dump(ptrace_permitted):
     assert attribution["stacks_pid"] == ptrace_permitted.pid
 
 
+def test_a_finding_with_recorded_stacks_gets_no_dump(child_workload):
+    # GIVEN a finding whose events carried the user's stack THEN no py-spy dump is taken for it
+    recorded = Finding(seq=1, stacks={"alloc": ["serve.py:8 append"]}, **LEAK)
+    attribution = Attributor(pid=child_workload.pid).enrich(recorded).attribution
+    assert not {"stacks", "stacks_error"} & set(attribution)
+
+
 def test_a_stack_dump_that_fails_says_why_instead_of_raising(child_workload):
     pid = child_workload.pid
     child_workload.kill()
