@@ -56,6 +56,7 @@ def test_a_workload_py_spy_cannot_profile_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["profile"], "nothing to profile: give a workload after `--`"),
     (["profile", "--pid", "1", "--", "python"], "not both"),
+    (["profile", "--pid", "0"], "--pid must be a process id"),
     (["profile", "-d", "0", "--", "python"], "--duration must be > 0"),
     (["profile", "-r", "0", "--", "python"], "--rate must be"),
 ])

@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
                          "or a running process with --pid PID")
     if command and args.pid is not None:
         raise UsageError("give a workload after `--` or --pid PID, not both")
+    if args.pid is not None and args.pid <= 0:
+        raise UsageError(f"--pid must be a process id (> 0), got {args.pid}")
     if args.duration is not None and args.duration <= 0:
         raise UsageError(f"--duration must be > 0 seconds, got {args.duration:g}")
     if not 1 <= args.rate <= 10_000:
