@@ -18,7 +18,10 @@ With ``--merge THRESHOLD`` old blocks have adjacent tokens with nearly the same 
 (``merge`` events; see docs/long-context.md).
 
     python -m kvdoctor.demo [--model tiny|PATH] [--fault NAME] [--codec CODEC] [--prefix-cache] [--speculative]
-                            [--merge THRESHOLD] [--seconds S] [--steps N]
+                            [--merge THRESHOLD] [--seconds S] [--steps N] [--answers]
+
+With ``--answers`` each finished request is printed (``[7] (stop) Paged attention stores…``); ``kvdoctor
+watch --demo`` asks for them and shows them on its Output screen.
 
 It never serves on as an orphan: it stops when the process that started it is gone (its
 parent changes), and on SIGTERM or SIGHUP, in each case closing its trace first.
@@ -87,6 +90,7 @@ class DemoConfig:
     parent: int | None = None       # stop once our parent is no longer this pid (None: the parent at start)
     dtype: str = "float32"          # the model's weights and activations (and so the cache's default dtype)
     merge: float = 0.0              # token merging's key cosine threshold (engine.kv.merge); 0: off
+    answers: bool = False           # print each finished request's answer (watch shows them on its Output screen)
 
 
 def model_setting(value: str) -> str:
@@ -167,7 +171,7 @@ def run_demo(cfg: DemoConfig) -> int:
                 sched.submit(Request(ids, max_new_tokens=rng.randint(16, cfg.max_new_tokens), sampling=sampling,
                                      adapter=adapter))
             sched.step()
-            for gen in sched.done.values():  # the answers, to the workload's output (watch: its Output screen)
+            for gen in sched.done.values() if cfg.answers else ():
                 print(_answer(gen), flush=True)
             sched.done.clear()  # printed: keeping them would grow with every request
             steps += 1
@@ -202,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative", action="store_true", help="speculative decoding with prompt-lookup drafts")
     p.add_argument("--dtype", choices=DTYPES, default=DemoConfig.dtype, help="the model's and the cache's dtype")
     p.add_argument("--merge", type=merge_threshold, default=DemoConfig.merge, metavar="THRESHOLD", help=MERGE_HELP)
+    p.add_argument("--answers", action="store_true",
+                   help="print each finished request: [sequence] (how it ended) its text")
     a = p.parse_args(argv)
     cfg = DemoConfig(model=a.model, fault=a.fault, seconds=a.seconds, steps=a.steps, device_blocks=a.device_blocks,
                      seed=a.seed, codec=a.codec, prefix_cache=a.prefix_cache, speculative=a.speculative,
-                     dtype=a.dtype, merge=a.merge, parent=os.getppid())
+                     dtype=a.dtype, merge=a.merge, answers=a.answers, parent=os.getppid())
     with interrupt_on_stop_signals() as received:  # SIGTERM/SIGHUP stop serving as Ctrl-C does: the trace is closed
         try:
             run_demo(cfg)

@@ -53,7 +53,7 @@ class Workload(TracedChild):
              options: Sequence[str] = ()) -> "Workload":
         """The embedded demo (``python -m kvdoctor.demo``) in a child process; it attaches its own probes.
         ``options`` are more of the demo's options: those ``fault`` needs to fire."""
-        argv = [sys.executable, "-m", "kvdoctor.demo"]
+        argv = [sys.executable, "-m", "kvdoctor.demo", "--answers"]  # for the Output screen
         if model:
             argv += ["--model", model]
         if seconds is not None:
