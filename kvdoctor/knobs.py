@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 __all__ = [
     "Knob", "KnobError", "KNOBS", "get", "markdown",
     "TRACE", "FAULT", "VERIFY", "VERIFY_MODES", "PROBES", "PROBES_INTERVAL", "PROBES_HEAP",
-    "MATVEC", "DECODE_LAYER", "HUGEPAGES", "CC", "XDG_CACHE_HOME", "HYPOTHESIS", "FUZZ_EXAMPLES", "FUZZ_REPORT",
+    "MATVEC", "DECODE_LAYER", "HUGEPAGES", "THREADS", "CC", "XDG_CACHE_HOME", "HYPOTHESIS", "FUZZ_EXAMPLES", "FUZZ_REPORT",
     "TP_SHELL",
 ]
 
@@ -108,6 +108,10 @@ DECODE_LAYER = _flag_knob(
     "KVDOCTOR_DECODE_LAYER", True, "the compiled decode step for a plain Llama model on CPU; 0: the torch path")
 HUGEPAGES = _flag_knob(
     "KVDOCTOR_HUGEPAGES", True, "the model's weights copied onto 2 MB pages on Linux; 0: they stay where torch put them")
+THREADS = Knob(
+    "KVDOCTOR_THREADS", "choice", "adaptive", "the engine's thread team: adaptive sizes it to the CPUs other processes "
+    "leave (engine.model.threads); fixed keeps the size the process started with", "adaptive, fixed",
+    _choice("adaptive", "fixed"))
 CC = Knob("CC", "command", "cc", "the C compiler that builds the native kernels on first use", "a compiler command",
           str, scope="standard")
 XDG_CACHE_HOME = _text_knob(
@@ -128,7 +132,7 @@ TP_SHELL = _text_knob(
     "a file path", scope="tests")
 
 KNOBS: tuple[Knob, ...] = (TRACE, FAULT, VERIFY, PROBES, PROBES_INTERVAL, PROBES_HEAP, MATVEC, DECODE_LAYER,
-                           HUGEPAGES, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT, TP_SHELL)
+                           HUGEPAGES, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT, TP_SHELL)
 
 _parsed: dict[str, tuple[str, Any]] = {}  # name -> (the raw value last parsed, its value)
 

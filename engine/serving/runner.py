@@ -37,6 +37,7 @@ from ..model.decode_layer import DecodeLayers, DecodeStep
 from ..model.matvec import load as load_matvec
 from ..model.rope import RopeTable, rope
 from ..model.sampling import Generation, SamplingParams, sample, sampling_probs
+from ..model.threads import ThreadPolicy
 from ..model.weights import PageOut, model_weights, rms_norm
 from .weights_watch import WeightsWatch
 
@@ -102,6 +103,7 @@ class Runner:
             raise ValueError(f"stats_every={stats_every}: must be >= 0")
         self.model = model
         self.cache = cache
+        self.threads = ThreadPolicy()  # the team of every step follows the load of other processes
         self.tokenizer = tokenizer
         self.stats_every = stats_every
         self.per_head = per_head
@@ -245,6 +247,7 @@ class Runner:
             raise ValueError(f"every row needs at least one token, got {n}")
         if tail_logits is not None and (len(tail_logits) != len(n) or any(not 1 <= m <= k for m, k in zip(tail_logits, n))):
             raise ValueError(f"tail_logits={list(tail_logits)}: one count per row, each in [1, its tokens {n}]")
+        self.threads.before_step()
         positions = [cache.seq_len(seq) for seq in seqs]
         reserved = [cache.reserve(seq, k) for seq, k in zip(seqs, n)]
         slots = torch.cat(reserved) if len(reserved) > 1 else reserved[0]
@@ -521,6 +524,7 @@ class Runner:
         self.weights_watch.changed(detail or f"update_weights({getattr(update, '__qualname__', type(update).__name__)})")
 
     def close(self) -> None:
+        self.threads.restore()
         self.cache.close()
 
     def __enter__(self) -> Runner:

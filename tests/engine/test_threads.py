@@ -1,0 +1,98 @@
+"""The thread policy: the team follows the CPUs other processes leave, comes back when they leave, never goes
+above the user's setting, and the tokens do not depend on it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvdoctor.engine import Request, Runner, Scheduler
+from kvdoctor.engine.model import threads as threads_mod
+from kvdoctor.engine.model.model import tiny_llama
+from kvdoctor.engine.model.threads import ThreadPolicy, others_busy
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _policy(monkeypatch, readings, base):
+    """A policy whose readings of the others' load are ``readings``, one a step, each past the interval."""
+    it = iter(readings)
+    monkeypatch.setattr(threads_mod, "others_busy", lambda cpus, before: (next(it), (0.0, 0.0, 0.0)))
+    p = ThreadPolicy(interval=0.0, adaptive=True, base=base)
+    p._cpus = set(range(4))
+    return p
+
+
+def test_the_team_takes_the_cpus_the_others_leave_and_gives_them_back(monkeypatch, restore_threads):
+    # GIVEN a policy on 4 CPUs that may use 4 threads, and others' load going 0, 1, 2.6, 4, then 0.3
+    p = _policy(monkeypatch, [0.0, 1.0, 2.6, 4.0, 0.3], base=4)
+    # WHEN five steps start THEN the team is what the others leave, at least 1, back to 4 when they leave
+    assert [p.before_step() for _ in range(5)] == [4, 3, 1, 1, 4]
+    assert torch.get_num_threads() == 4 and p.changes == 3
+
+
+def test_the_team_never_exceeds_the_users_setting_and_fixed_never_moves(monkeypatch, restore_threads):
+    # GIVEN the user chose 2 threads on a 4-CPU machine, and a quiet machine
+    p = _policy(monkeypatch, [0.0, 0.0], base=2)
+    assert [p.before_step(), p.before_step()] == [2, 2]
+    # GIVEN the fixed policy under load THEN it keeps its size and reads nothing
+    fixed = ThreadPolicy(adaptive=False, base=2)
+    monkeypatch.setattr(threads_mod, "others_busy", lambda *a: pytest.fail("fixed read the load"))
+    assert fixed.before_step() == 2
+
+
+def test_readings_are_spaced_by_the_interval(monkeypatch, restore_threads):
+    # GIVEN a policy with a long interval THEN only the first step reads the load
+    calls = []
+    monkeypatch.setattr(threads_mod, "others_busy", lambda cpus, before: (calls.append(1), (4.0, (time.monotonic(), 0.0, 0.0)))[1])
+    p = ThreadPolicy(interval=60.0, adaptive=True, base=4)
+    p._cpus = set(range(4))
+    for _ in range(5):
+        p.before_step()
+    assert len(calls) == 1 and p.team == 1
+
+
+def test_busy_loops_beside_an_idle_process_read_as_the_others_load():
+    # GIVEN a first reading, then busy loops on every CPU of this process while it sleeps
+    _, first = others_busy(set(os.sched_getaffinity(0)), None)
+    if first is None:
+        pytest.skip("no /proc/stat here")
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(CPUS)]
+    try:
+        time.sleep(1.0)
+        others, _ = others_busy(set(os.sched_getaffinity(0)), first)
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    # THEN most of the CPUs read as taken by others (the loops start and the machine may host more)
+    assert others is not None and others >= 0.6 * CPUS
+
+
+@pytest.mark.skipif(CPUS < 2, reason="one CPU: every team is one thread")
+def test_tokens_are_the_same_whatever_the_team(restore_threads):
+    # GIVEN the same requests decoded with a team of 1 and a team of 2
+    model = tiny_llama(num_layers=2).model
+    out = []
+    for team in (1, 2):
+        torch.set_num_threads(team)
+        with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+            runner.threads = ThreadPolicy(adaptive=False, base=team)
+            sched = Scheduler(runner, max_batch=3)
+            for n in (5, 9, 13):
+                sched.submit(Request(list(range(1, n + 1)), max_new_tokens=12, ignore_eos=True))
+            out.append(sorted(tuple(g.token_ids) for g in sched.run().values()))
+    # THEN the tokens are identical
+    assert out[0] == out[1]
