@@ -224,3 +224,33 @@ def test_x():
     result = run(pytester)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*@pytest.mark.kvdoctor: fail_on must be one of error, warning, info, got 'sometimes'*"])
+
+
+def test_limits_apply_to_a_test_that_calls_generate_on_the_engine(pytester: pytest.Pytester):
+    pytest.importorskip("torch")
+    pytester.makepyfile(test_t='''
+import pytest
+import torch
+from kvdoctor.engine import EngineCache
+from kvdoctor.engine.model.model import tiny_llama
+
+def generate(cache_blocks=32):
+    model = tiny_llama().model
+    with EngineCache(model, block_size=4, device_blocks=cache_blocks) as cache:
+        model.generate(torch.tensor([[5, 6, 7, 8, 9, 10]]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                       cache=cache)
+
+@pytest.mark.limit_kv_blocks(2)
+def test_too_many_blocks():
+    generate()
+
+@pytest.mark.limit_kv_blocks(3)
+@pytest.mark.limit_kv_leaks(max=0)
+def test_fits():
+    generate()
+''')
+    # a subprocess: torch and numpy load once per process, and pytester's in-process runs unload them
+    result = pytester.runpytest_subprocess(*_ISOLATE, "-rf", "-vv")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_t.py::test_too_many_blocks - kvdoctor: 3 KV blocks allocated at once "
+                                 "(at step *), limit_kv_blocks is 2*"])
