@@ -99,7 +99,7 @@ class KvdoctorApp(App[int]):
                     yield blocks
                     with VerticalScroll(id="recent", classes="panel") as recent:
                         recent.border_title = "findings (newest first)"
-                        recent.border_subtitle = "2: all, with details"
+                        recent.border_subtitle = "2: every finding in full"
                         yield RecentFindings().data_bind(KvdoctorApp.snapshot)
             with TabPane("2 Findings", id="findings"):
                 with Vertical():
