@@ -32,6 +32,7 @@ from ..findings import Finding
 __all__ = ["Causes", "cascade_line", "is_symptom"]
 
 _SAMPLES = 16  # sequences named in a cascade's evidence; the rest are counted
+_TRACKED = 65536  # sequences a cause remembers, to count each once: past it, a long run's memory stays flat
 
 _FAMILY: dict[str, Callable[[Finding], tuple | None]] = {
     "attention/nonfinite": lambda f: ("nonfinite",),
@@ -76,7 +77,7 @@ class Causes:
         rule = f"{f.check}/{f.rule}"
         cascade["rules"][rule] = cascade["rules"].get(rule, 0) + 1
         seqs = self._seqs[key]
-        if f.seq is not None and f.seq not in seqs:
+        if f.seq is not None and f.seq not in seqs and len(seqs) < _TRACKED:
             seqs.add(f.seq)
             cascade["num_sequences"] += 1
             if len(cascade["sequences"]) < _SAMPLES:
