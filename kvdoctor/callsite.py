@@ -25,6 +25,7 @@ MAX_FRAMES = 8  # the user's innermost frames kept: the call, and the few that l
 # id(code) -> (code, the path to show for the user's code or None for a library's): keyed by id because
 # hashing a code object hashes its bytecode; the code object is kept, so its id is never reused meanwhile.
 _VERDICT: dict[int, tuple[CodeType, str | None]] = {}
+_MAX_VERDICTS = 65536
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -66,6 +67,8 @@ def user_stack(limit: int = MAX_FRAMES) -> list[str] | None:
         code = frame.f_code
         known = verdicts.get(id(code))
         if known is None or known[0] is not code:
+            if len(verdicts) >= _MAX_VERDICTS:  # code made at run time (exec, templates) must not pile up
+                verdicts.clear()
             known = verdicts[id(code)] = (code, _classify(code))
         if known[1] is not None:
             out.append(f"{known[1]}:{frame.f_lineno} {code.co_qualname}")
