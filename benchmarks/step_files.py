@@ -23,9 +23,13 @@ from pathlib import Path
 from typing import Any
 
 
-# How the runner reads K/V, in every layout since the cache became a facade and before: the step's plan and
-# block tables, each layer's K/V, and attention over them.
-READS = {"read_blocks", "read_rows", "layer_kv", "block_table", "slot_table", "slot_counts", "attend"}
+# How the runner reads K/V, the same names before the redesign and after it: its groups of rows with their block
+# tables, each layer's K/V gathered, attention over them (dense, sparse, windowed, merged), and the cache's reads.
+READS = {"_groups", "_gather_kv", "_attend_groups", "read_blocks", "read_rows", "layer_kv", "block_table", "slot_table",
+         "slot_counts", "attend"}
+# The features a step can run with, each changing what attention reads: top-k block-sparse reads, token
+# merging, hybrid eviction with attention importance.
+FEATURES = {"topk": 2, "merge": 0.9, "eviction": "hybrid"}
 
 
 def _tiny_model() -> Any:
@@ -42,14 +46,14 @@ def _tiny_model() -> Any:
     raise SystemExit("no tiny_llama in this checkout")
 
 
-def trace_step(compiled: bool) -> dict[str, Any]:
+def trace_step(compiled: bool, features: bool = False) -> dict[str, Any]:
     os.environ["KVDOCTOR_DECODE_LAYER"] = "1" if compiled else "0"
     from kvdoctor.engine import Request, Runner, Scheduler
 
     model, home = _tiny_model()
-    runner = Runner.create(model, block_size=4, device_blocks=64, host_blocks=0)
+    runner = Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, **(FEATURES if features else {}))
     sched = Scheduler(runner, max_batch=4)
-    for n in (5, 9, 13, 17):
+    for n in (13, 17, 21, 25):  # past the sinks and the window, so top-k has blocks to choose from
         sched.submit(Request(list(range(1, n + 1)), max_new_tokens=8, ignore_eos=True))
     for _ in range(3):  # prefill and two decode steps: caches, plans and kernels are warm
         sched.step()
@@ -96,9 +100,10 @@ class _Tally:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compiled", action="store_true", help="the default path (compiled decode layers where they apply)")
+    ap.add_argument("--features", action="store_true", help=f"the step with {FEATURES}")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    out = trace_step(args.compiled)
+    out = trace_step(args.compiled, args.features)
     if args.json:
         print(json.dumps(out))
     else:
