@@ -34,8 +34,9 @@ class Versions:
         self.next_seq = 0
 
     def new_seq(self, label: str) -> str:
+        """A sequence that is not one of a pass's first rows (a fork, a row computing another prompt)."""
         self.next_seq += 1
-        return f"{label}#{self.next_seq}"
+        return f"{label}.seq{self.next_seq}"
 
     def new_block(self) -> int:
         self.next_block += 1
@@ -73,19 +74,23 @@ class CacheRows:
         self.stack = stack  # the user's frames for seq_start, a sequence's first alloc and seq_end
         self.rows: list[Row] = []
         self.num_slots = 0  # slots written per row (transformers' get_seq_length)
+        self.num_calls = 0  # times the cache was seen empty and filled: generate calls, mostly
 
     # ---- sequences ------------------------------------------------------------------
 
-    def start_seq(self, prompt_len: int) -> str:
-        seq = self.ids.new_seq(self.label)
+    def start_seq(self, prompt_len: int, name: str | None = None) -> str:
+        seq = name or self.ids.new_seq(self.label)
         self.ids.version[seq] = 0
         self.emit(SeqStart, seq=seq, prompt_len=prompt_len, stack=self.stack())
         return seq
 
     def new_rows(self, prompt_lens: Sequence[int]) -> None:
-        """A cache seen empty: one new sequence per row."""
+        """A cache seen empty: one new sequence per row, named by cache, generate call and row ("c1.gen2.row0":
+        row 0 of the second call on the first cache), as a user counts them."""
         self.end_all("finished")
-        self.rows = [Row(self.start_seq(n)) for n in prompt_lens]
+        self.num_calls += 1
+        call = f"{self.label}.gen{self.num_calls}"
+        self.rows = [Row(self.start_seq(n, f"{call}.row{b}")) for b, n in enumerate(prompt_lens)]
         self.num_slots = 0
 
     def end_all(self, reason: str) -> None:

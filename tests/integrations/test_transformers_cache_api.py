@@ -64,7 +64,7 @@ def test_a_reset_that_keeps_the_old_length_is_found_and_so_is_the_read_of_its_st
     assert (cut.layer, cut.step) == (0, 5) and "reset() on cache c1" in cut.message
     assert "should leave 0 slots per row, but the cache reports 14" in cut.message
     read = by_rule["slots/unwritten-read"]
-    assert (read.seq, read.layer, read.step) == ("c1#2", 0, 5) and isinstance(read.block, int)
+    assert (read.seq, read.layer, read.step) == ("c1.gen2.row0", 0, 5) and isinstance(read.block, int)
     assert read.evidence["positions"] == list(range(14))
 
 
@@ -137,7 +137,7 @@ def test_position_ids_shared_by_a_left_padded_batch_are_found_naming_the_padded_
         return
     # THEN the padded row is named: it computes from position 4 while it holds nothing yet
     (f,) = [f for f in findings if f.rule == "batch-position"]
-    assert (f.seq, f.step, f.evidence["row"], f.evidence["position"]) == ("c1#2", 0, 1, 4)
+    assert (f.seq, f.step, f.evidence["row"], f.evidence["position"]) == ("c1.gen1.row1", 0, 1, 4)
     assert {x.check for x in findings} == {"batch"}, findings
 
 
@@ -170,7 +170,7 @@ def test_nan_in_padding_slots_reaching_a_real_row_is_found_naming_the_row(tiny, 
         return
     # THEN the padded row's attention turns non-finite (0 x NaN through the masked slots), named with its step
     (f,) = findings
-    assert (f.check, f.rule, f.seq, f.step) == ("attention", "nonfinite", "c1#2", 0)
+    assert (f.check, f.rule, f.seq, f.step) == ("attention", "nonfinite", "c1.gen1.row1", 0)
 
 
 def test_a_right_padded_batch_in_generate_computes_the_short_row_at_wrong_positions(tiny, tmp_path):
@@ -185,4 +185,4 @@ def test_a_right_padded_batch_in_generate_computes_the_short_row_at_wrong_positi
     # THEN the short row's first new token is named: it holds 5 tokens and computes elsewhere (the left-padded
     # twin is test_position_ids_shared_by_a_left_padded_batch_are_found_naming_the_padded_row[False])
     (f,) = [f for f in _findings(path) if f.rule == "batch-position"]
-    assert (f.seq, f.step, f.evidence["row"], f.evidence["expected"]) == ("c1#2", 1, 1, 5)
+    assert (f.seq, f.step, f.evidence["row"], f.evidence["expected"]) == ("c1.gen1.row1", 1, 1, 5)
