@@ -170,7 +170,7 @@ class VllmTracer:
         atexit.register(self.close)
         self.guard.attempt("start-up", self._start, scheduler, methods)
         if self.guard.live:
-            vllm_connector.attach(self)  # the scheduler side of a KV connector records its loads here
+            vllm_connector.attach(self, getattr(scheduler, "connector", None))  # it records the loads it schedules
 
     def _header(self, scheduler: Any, engine: str) -> Header:
         """What the trace can say about the cache and who wrote it; a fact this vLLM does not offer is left out.

@@ -38,14 +38,14 @@ from .guard import Guard
 __all__ = ["patch_example_connector", "attach", "WorkerTrace"]
 
 _MASK = (1 << 64) - 1
-_tracer: Any = None  # the engine core's tracer in this process (its scheduler's), once one started
+_TRACE = "_kvdoctor_trace"  # the attribute a connector's trace hangs on: its scheduler's tracer, or its own
 _ids = itertools.count()
 
 
-def attach(tracer: Any) -> None:
-    """The engine core's tracer: the scheduler side of the connector records its loads there."""
-    global _tracer
-    _tracer = tracer
+def attach(tracer: Any, connector: Any) -> None:
+    """``connector`` is the scheduler side of ``tracer``'s engine: it records the loads it schedules there."""
+    if connector is not None:
+        setattr(connector, _TRACE, tracer)
 
 
 def patch_example_connector(path: str, engine: str, trace_file: Callable[[str], str]) -> None:
@@ -62,17 +62,15 @@ def patch_example_connector(path: str, engine: str, trace_file: Callable[[str], 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         try:
-            if _is_worker(self) and WorkerTrace.current is None:
-                WorkerTrace.current = WorkerTrace(self, trace_file(path), engine)
+            if _is_worker(self):  # a trace per worker-side connector: per instance, even in one process
+                setattr(self, _TRACE, WorkerTrace(self, trace_file(path), engine))
         except Exception as exc:  # the trace could not even start: the connector works untraced
             _say(f"not tracing this vLLM worker's KV connector ({type(exc).__name__}: {exc})")
 
     ExampleConnector.__init__ = __init__
     for name, after in (("save_kv_layer", _saved_layer), ("wait_for_save", _saves_done),
-                        ("start_load_kv", _loaded)):
-        setattr(ExampleConnector, name, _watched(getattr(ExampleConnector, name), name, after, worker=True))
-    ExampleConnector.update_state_after_alloc = _watched(ExampleConnector.update_state_after_alloc,
-                                                         "update_state_after_alloc", _will_load, worker=False)
+                        ("start_load_kv", _loaded), ("update_state_after_alloc", _will_load)):
+        setattr(ExampleConnector, name, _watched(getattr(ExampleConnector, name), name, after))
     ExampleConnector._kvdoctor_patched = True
 
 
@@ -90,10 +88,10 @@ def _is_worker(connector: Any) -> bool:
     return getattr(role, "name", str(role)).upper().endswith("WORKER")
 
 
-def _watched(original: Callable, name: str, after: Callable[..., None], *, worker: bool) -> Callable:
+def _watched(original: Callable, name: str, after: Callable[..., None]) -> Callable:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        trace = WorkerTrace.current if worker else _tracer
+        trace = getattr(self, _TRACE, None)
         if trace is not None and trace.writer is not None and trace.guard.live:
             trace.guard.attempt(f"ExampleConnector.{name}", after, trace, self, *args, **kwargs)
         return result
@@ -104,8 +102,6 @@ def _watched(original: Callable, name: str, after: Callable[..., None], *, worke
 
 class WorkerTrace:
     """A worker's own trace: the K/V its connector saved and loaded, step by step (one step a forward pass)."""
-
-    current: "WorkerTrace | None" = None  # one per process: the first worker-side connector's
 
     def __init__(self, connector: Any, path: str, engine: str) -> None:
         self._t0 = time.perf_counter_ns()

@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _check(*example_args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    # each instance's engine core in a process of its own, as vLLM runs by default (the other vLLM tests here
+    # run it in-process, where the plugin traces the process's first scheduler only)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     return subprocess.run(
         [sys.executable, "-m", "kvdoctor.cli", "check", "--", sys.executable, "vllm_disaggregated.py", *example_args],
         cwd=ROOT / "examples", env=env, capture_output=True, text=True, timeout=600)
