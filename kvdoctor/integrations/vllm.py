@@ -100,8 +100,10 @@ def _patch_scheduler(path: str) -> None:
     if not is_supported(version):
         _warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
               f"{', '.join(SUPPORTED.values())}: {POLICY}); tracing what still matches")
-    try:  # a worker in this process (any process vLLM starts) records its connector's saves and loads
-        vllm_connector.patch_example_connector(path, f"vllm {version}", lambda p: claim(p)[0])
+    # a worker in this process (any process vLLM starts) records its connector's saves and loads, in a trace
+    # numbered from 2: the path itself stays the engine core's, which a user checking one file wants
+    try:
+        vllm_connector.patch_example_connector(path, f"vllm {version}", lambda p: claim(p, 2)[0])
     except Exception as exc:
         _warn(f"not tracing vLLM's KV connector ({type(exc).__name__}: {exc})")
     if getattr(Scheduler, "_kvdoctor_patched", False):
