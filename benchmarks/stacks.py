@@ -28,9 +28,7 @@ from pathlib import Path
 import torch
 
 import kvdoctor
-import kvdoctor.engine.kv.pool as pool_module
-import kvdoctor.engine.kv.sequences as sequences_module
-import kvdoctor.integrations.transformers as observer_module
+from kvdoctor import callsite
 from kvdoctor.callsite import user_stack
 from kvdoctor.engine.model.hf import EngineCache
 from kvdoctor.engine.model.model import load_model, tiny_llama
@@ -41,11 +39,11 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List thr
 
 
 class _TimedWalks:
-    """Replaces the producers' ``user_stack`` with one that times each walk (thread CPU ns)."""
+    """Replaces ``callsite.user_stack``, which every producer calls through its module, with one that times each
+    walk (thread CPU ns)."""
 
     def __init__(self) -> None:
         self.times: list[int] = []
-        self._modules = [observer_module, pool_module, sequences_module]
 
     def __call__(self) -> list[str] | None:
         start = time.thread_time_ns()
@@ -54,13 +52,11 @@ class _TimedWalks:
         return frames
 
     def __enter__(self) -> "_TimedWalks":
-        for module in self._modules:
-            module.user_stack = self
+        callsite.user_stack = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for module in self._modules:
-            module.user_stack = user_stack
+        callsite.user_stack = user_stack
 
 
 def _inputs(model, tok, batch: int) -> dict:

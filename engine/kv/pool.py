@@ -15,7 +15,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ...callsite import user_stack
+from ... import callsite
 from ...events import Alloc, Free, Share, Release
 from ..bus import Bus
 from ..config import EngineConfig
@@ -132,7 +132,7 @@ class BlockPool:
         blk = Block(self._new_id(), tier, slots.take(self.config.arena_codecs(tier).index(codec)), index, [seq], codec)
         self.blocks[blk.id] = blk
         if self.bus.enabled:  # a sequence's first block carries the user's stack: where a leak of it began
-            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq, codec=codec, stack=None if index else user_stack())
+            self.bus.emit(Alloc, block=blk.id, tier=tier, seq=seq, codec=codec, stack=None if index else callsite.user_stack())
         return blk
 
     def share(self, blk: Block, seq: Any, hash: str | None = None) -> None:

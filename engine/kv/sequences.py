@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...callsite import user_stack
+from ... import callsite
 from ...events import Evict, Rollback, SeqEnd, SeqStart
 from ..config import Tier
 from ..errors import UnknownSequence
@@ -86,7 +86,7 @@ class SequenceTable(dict):
         self[seq] = SeqState(seq, prompt_len, priority)
         if c.bus.enabled:
             # the adapter is part of its K/V; the stack names the user's line that admitted it
-            c.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len, adapter=adapter, stack=user_stack())
+            c.bus.emit(SeqStart, seq=seq, prompt_len=prompt_len, adapter=adapter, stack=callsite.user_stack())
         if c.prefix is not None:
             c.prefix.begin(seq, adapter)
 
@@ -96,7 +96,7 @@ class SequenceTable(dict):
         del self[seq]
         c.step.pinned.discard(seq)
         if c.bus.enabled:
-            c.bus.emit(SeqEnd, seq=seq, reason=reason, error=error, stack=user_stack())  # who ended or aborted it
+            c.bus.emit(SeqEnd, seq=seq, reason=reason, error=error, stack=callsite.user_stack())  # who ended or aborted it
         if c.prefix is not None:
             if c.faults.prefix_freed_in_use:
                 c.fault_hooks.drop_cached_under_readers(s)

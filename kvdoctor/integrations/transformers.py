@@ -33,7 +33,7 @@ from typing import Any, Callable
 import msgspec
 
 from .. import knobs
-from ..callsite import user_stack
+from .. import callsite
 from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Truncate, Weights
 from ..trace import TraceWriter
 from .guard import Call, Guard
@@ -62,7 +62,7 @@ class _Trace:
         of a pass was started, allocated or ended by the same call in the user's code."""
         step, frames = self._stack
         if step != self.step:
-            frames = user_stack()
+            frames = callsite.user_stack()
             self._stack = (self.step, frames)
         return frames
 

@@ -45,7 +45,7 @@ from typing import Any, Callable
 import msgspec
 
 from .. import knobs
-from ..callsite import user_stack
+from .. import callsite
 from ..events import (
     Alloc, Batch, Evict, Free, Header, ObserverError, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
     TierSpec, TransferDone, TransferFailed, TransferStart, Usage, Weights, Write,
@@ -418,7 +418,7 @@ class VllmTracer:
             if request.request_id in self._versions:  # a streaming update of a live request, not a new one
                 return
             self._versions[request.request_id] = 0
-            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens, stack=user_stack())
+            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens, stack=callsite.user_stack())
 
         def free_request(call: Call, _: Any, __: Any) -> None:
             request = call["request"]
@@ -475,7 +475,7 @@ class VllmTracer:
             self._emit(Weights, version=self.weights_version, cause=cause, detail=detail(), digest=new)
 
     def _end(self, seq: Any, reason: str) -> None:
-        self._emit(SeqEnd, seq=seq, reason=reason, stack=user_stack())
+        self._emit(SeqEnd, seq=seq, reason=reason, stack=callsite.user_stack())
         for table in (self._versions, self._keys, self._length):
             table.pop(seq, None)
 
