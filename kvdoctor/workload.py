@@ -70,14 +70,15 @@ def _order(path: str) -> tuple:
     return (os.path.dirname(path), m.group(1), int(m.group(2))) if m else (os.path.dirname(path), stem, 1)
 
 
-def trace_files(args: list[str]) -> list[str]:
+def trace_files(args: list[str], *, empty_dirs: bool = False) -> list[str]:
     """The trace files ``args`` name: files as given, every trace file in a directory, a glob's matches;
-    in order, each once. A name that is none of these stays, so opening it says what is wrong."""
+    in order, each once. A name that is none of these stays, so opening it says what is wrong. A directory
+    without traces is an error unless ``empty_dirs`` (one followed: its traces are still to come)."""
     out: list[str] = []
     for arg in args:
         if os.path.isdir(arg):
             found = sorted((os.path.join(arg, n) for n in os.listdir(arg) if _is_trace_name(n)), key=_order)
-            if not found:
+            if not found and not empty_dirs:
                 raise TraceError(f"{arg} holds no trace files (*.kvtrace, *.kvtrace.gz, *.kvtrace.msgpack)")
             out += found
         elif glob.has_magic(arg) and not os.path.exists(arg):
@@ -171,6 +172,7 @@ class TraceSet:
         self.unusable: list[tuple[str, str]] = []
         self.child: TracedChild | None = None
         self.follow: bool | None = None
+        self.await_first = False  # a followed directory with no trace yet: wait for one (up to wait_s)
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     # ---- ways to make one ------------------------------------------------------------
@@ -179,13 +181,14 @@ class TraceSet:
     def open(cls, args: list[str], *, follow: bool | None = None, wait_s: float = 10.0) -> "TraceSet":
         """Trace files, directories or globs; ``follow`` True follows them all (a directory: its new files too),
         None follows each trace whose writer still holds it open."""
-        paths = trace_files(args)
+        paths = trace_files(args, empty_dirs=bool(follow))
         dirs = [a for a in args if os.path.isdir(a)]
         name = paths[0] if len(paths) == 1 and not dirs else (
             dirs[0] if len(args) == 1 and dirs else f"{len(paths)} traces")
         ts = cls(name, watch=dirs[0] if follow and len(dirs) == 1 else None, wait_s=wait_s)
         ts.follow = follow
         ts.paths = paths
+        ts.await_first = not paths and ts.watch is not None
         return ts
 
     @classmethod
@@ -341,7 +344,7 @@ class WorkloadSession:
 
     def _start(self) -> None:
         paths = list(self.traces.paths)
-        if self.traces.child is not None:
+        if self.traces.child is not None or self.traces.await_first:
             paths = self._first_traces()
         for path in paths:
             self._add(path, strict=len(paths) == 1 and self.traces.watch is None)
@@ -352,15 +355,18 @@ class WorkloadSession:
             raise TraceError(f"no trace to check in {self.traces.name}")
 
     def _first_traces(self) -> list[str]:
-        """A started workload: wait (up to ``wait_s``) for its first trace, or for it to exit without one."""
+        """A started workload, or a followed directory with no trace yet: wait (up to ``wait_s``) for the first
+        trace, or for the workload to exit without one."""
         deadline = time.monotonic() + self.traces.wait_s
         while not self._stop.is_set():
             found = self.traces.scan()
             if found:
                 return found
             child = self.traces.child
-            assert child is not None
-            if child.returncode is not None or time.monotonic() > deadline:
+            if child is None:
+                if time.monotonic() > deadline:
+                    raise TraceError(f"no trace appeared in {self.traces.watch} within {self.traces.wait_s:g} s")
+            elif child.returncode is not None or time.monotonic() > deadline:
                 child.wait(5.0)
                 found = self.traces.scan()
                 if found:

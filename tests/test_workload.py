@@ -7,7 +7,10 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvdoctor.config import Config
+from kvdoctor.errors import TraceError
 from kvdoctor.events import Alloc, Header, SeqEnd, SeqStart, StepEnd, TierSpec, TransferDone, TransferStart
 from kvdoctor.trace import TraceWriter
 from kvdoctor.workload import TraceSet, WorkloadSession, trace_files
@@ -182,3 +185,16 @@ def test_a_trace_without_t0_counts_from_the_earliest_t0_of_the_workload(tmp_path
     # THEN the save comes first (both count from 10**18), and the load's other content is named
     found = WorkloadSession(TraceSet.open(paths)).run().findings
     assert [f.rule for f in found] == ["digest-mismatch"]
+
+
+def test_a_followed_directory_waits_for_its_first_trace(tmp_path):
+    # GIVEN a directory followed before any writer started, and a writer that starts a moment later
+    threading.Timer(0.5, lambda: write(tmp_path / "run.kvtrace", leaky())).start()
+    session = WorkloadSession(TraceSet.open([str(tmp_path)], follow=True, wait_s=5)).run()
+    # THEN its trace is checked
+    assert [m.tag.name.rsplit("/", 1)[1] for m in session.members] == ["run.kvtrace"] and session.findings
+    # AND with no writer at all, the wait ends with one line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TraceError, match="no trace appeared in .*empty within 0.3 s"):
+        WorkloadSession(TraceSet.open([str(empty)], follow=True, wait_s=0.3)).run()
