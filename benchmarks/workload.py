@@ -12,7 +12,10 @@ process, which reports its wall and CPU time and its peak resident memory (``VmH
 - ``workload``: every copy, as ``kvdoctor check --trace DIR`` reads them (each trace checked on its own,
   merged by wall-clock time for the rules across traces).
 
-    .venv/bin/python benchmarks/workload.py [--events 2000000] [--traces 8] [--json]
+With ``--follow``, also ``kvdoctor check --trace DIR --follow`` while one writer process per rank writes its
+copy live, step by step, as fast as it can: whether the check keeps up (how long after the last writer it ends).
+
+    .venv/bin/python benchmarks/workload.py [--events 2000000] [--traces 8] [--follow] [--json]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,6 +75,41 @@ def measure(paths: list[str]) -> dict:
             "findings": len(session.findings)}
 
 
+def write_live(source: str, target: str) -> None:
+    """Write ``source``'s events to ``target`` step by step as fast as a writer can (a live engine's trace)."""
+    from kvdoctor.trace import TraceReader, TraceWriter
+
+    reader = TraceReader(source)
+    with TraceWriter(target, msgspec_replace_pid(reader.header)) as writer:
+        for batch in reader.batches():
+            writer.write_many([e for e in batch if type(e).__name__ != "TraceEnd"])
+
+
+def msgspec_replace_pid(header: Any) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(header, pid=os.getpid())
+
+
+def follow(ranks: list[Path], directory: Path) -> dict:
+    """``kvdoctor check --trace DIR --follow`` while one writer process per rank writes its trace there live:
+    the check's events/s and how long after the last writer finished it ended (its lag)."""
+    live = directory / "live"
+    live.mkdir()
+    check = subprocess.Popen([sys.executable, "-m", "kvdoctor.cli", "check", "--trace", str(live), "--follow",
+                              "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    t0 = time.perf_counter()
+    writers = [subprocess.Popen([sys.executable, __file__, "--write", str(p), str(live / p.name)]) for p in ranks]
+    for w in writers:
+        w.wait()
+    written = time.perf_counter()
+    out, _ = check.communicate()
+    done = time.perf_counter()
+    events = json.loads(out)["summary"]["events"]
+    return {"traces": len(ranks), "events": events, "writers_s": round(written - t0, 2),
+            "check_s": round(done - t0, 2), "lag_s": round(done - written, 2), "events_per_s": round(events / (done - t0))}
+
+
 def _peak_rss_mb() -> float:
     """This process's peak resident memory: VmHWM, which starts afresh at exec (``ru_maxrss`` carries the
     parent's peak across fork and exec: here the recording engine's)."""
@@ -98,10 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int, default=2_000_000, help="events per trace (default 2M)")
     ap.add_argument("--traces", type=int, default=8)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--follow", action="store_true",
+                    help="also: check --follow while one live writer process per trace writes it")
     ap.add_argument("--measure", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
+    ap.add_argument("--write", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure)))
+        return 0
+    if args.write:
+        write_live(*args.write)
         return 0
     with tempfile.TemporaryDirectory(prefix="kvdoctor-bench-workload-") as tmp:
         t0 = time.perf_counter()
@@ -110,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         result = {"cpu": _cpu(), "load": os.getloadavg()[0], "recorded_s": round(recorded_s, 1),
                   "trace_mb": round(source.stat().st_size / 1e6, 1),
                   "one_trace": _in_child([source]), "workload": _in_child([ranks[0].parent])}
+        if args.follow:
+            result["follow"] = follow(ranks, Path(tmp))
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"CPU {result['cpu']}, load {result['load']:.1f}; a trace of {result['one_trace']['events']} events "
           f"({result['trace_mb']} MB) recorded in {result['recorded_s']} s")
+    if "follow" in result:
+        r = result["follow"]
+        print(f"follow     {r['traces']} live writers, {r['events']} events: writers done in {r['writers_s']} s, "
+              f"the check {r['lag_s']} s later ({r['events_per_s'] / 1e3:.0f}k events/s)")
     for name in ("one_trace", "workload"):
         r = result[name]
         print(f"{name:10} {r['traces']} trace(s), {r['events']} events: {r['events_per_s'] / 1e3:.0f}k events/s wall, "
