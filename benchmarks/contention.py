@@ -1,0 +1,198 @@
+"""The engine beside other work: how much slower it runs when other processes want its CPUs, against a fair share.
+
+Each workload runs as a child process, quiet and beside competitors: ``k`` single-threaded busy loops, or a
+second copy of itself at the same time (two OpenMP processes, each with a full team: "omp"). A fair share
+of ``C`` CPUs beside ``k`` busy loops costs ``(C + k) / C`` (the workload's ``C`` threads and the loops
+share the CPUs equally); beside a copy of itself, 2. Workloads:
+
+- ``serve``: ``examples/serve.py --requests 12 --device-blocks 10 --host-blocks 2 --disk-blocks 256`` (continuous
+  batching with swaps to host and disk), its own elapsed time;
+- ``decode``: ``kvdoctor run`` greedy decode at batch 1, the time per decode token;
+- ``generate``: transformers' ``generate`` on the same model at batch 1, the time per decode token (the
+  reference: what a plain torch workload loses);
+- ``tui`` (``--tui``): ``kvdoctor watch --demo``'s app in this process (headless, Textual's Pilot) over the demo
+  on SmolLM2 in its child, beside the same competitors: the seconds from a key press (pause, twice a second)
+  to the app having handled it and gone idle, median and worst of ``--presses``; the goal is 0.2 s.
+
+kvdoctor's workloads run under each thread policy (``KVDOCTOR_THREADS``: ``adaptive``, the default, sizes
+the team to the CPUs others leave; ``fixed`` keeps it). Every (condition, policy, workload) runs once per
+repeat, in the same order each repeat, so a drift in the machine's load hits them alike; the report is
+the median over repeats of each time and its ratio to the same policy's quiet time. Usage::
+
+    .venv/bin/python benchmarks/contention.py [--repeats 3] [--conditions quiet,loops1,loops2,loops4,omp]
+        [--workloads serve,decode,generate] [--policies adaptive,fixed] [--tokens 64] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The history of computing is a story of layers: transistors make gates, and gates make"
+_GENERATE = """
+import sys, time, torch
+from kvdoctor.engine.model.model import load_model
+lm = load_model(None)
+ids = torch.tensor([lm.tokenizer.encode(sys.argv[1])])
+n = int(sys.argv[2])
+marks = []
+def note(input_ids, scores):
+    marks.append(time.perf_counter())
+    return scores
+lm.model.generate(ids, max_new_tokens=4, do_sample=False)
+lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, logits_processor=[note])
+print((marks[-1] - marks[0]) / (len(marks) - 1))
+"""
+
+
+def _command(workload: str, tokens: int) -> list[str]:
+    py = sys.executable
+    if workload == "serve":
+        return [py, str(ROOT / "examples/serve.py"), "--requests", "12", "--device-blocks", "10", "--host-blocks", "2",
+                "--disk-blocks", "256"]
+    if workload == "decode":
+        return [py, "-m", "kvdoctor.cli", "run", "--prompt", PROMPT, "--max-new-tokens", str(tokens), "--greedy", "--json",
+                "--no-probes"]
+    return [py, "-c", _GENERATE, PROMPT, str(tokens)]
+
+
+def _seconds(workload: str, proc: subprocess.CompletedProcess[str]) -> float:
+    """The workload's own figure: the serve example's elapsed seconds; seconds per decode token otherwise."""
+    if proc.returncode != 0:
+        raise SystemExit(f"{workload} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+    if workload == "serve":
+        return float(re.search(r"tokens in \d+ steps, ([0-9.]+) s", proc.stderr).group(1))
+    if workload == "decode":
+        return 1.0 / json.loads(proc.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def _run(workload: str, tokens: int, policy: str, copies: int) -> float:
+    """Mean figure of ``copies`` instances of the workload started together."""
+    env = {**os.environ, "KVDOCTOR_THREADS": policy}
+    procs = [subprocess.Popen(_command(workload, tokens), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(copies)]
+    results = []
+    for p in procs:
+        out, err = p.communicate()
+        results.append(_seconds(workload, subprocess.CompletedProcess(p.args, p.returncode, out, err)))
+    return statistics.fmean(results)
+
+
+class BusyLoops:
+    """``n`` single-threaded processes that spin for as long as the block runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> BusyLoops:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+async def _key_latency(presses: int) -> list[float]:
+    from kvdoctor.tui.app import KvdoctorApp
+    from kvdoctor.tui.feed import LiveFeed
+    from kvdoctor.tui.workload import Workload
+
+    with tempfile.TemporaryDirectory() as workdir:
+        workload = Workload.demo(seconds=600, workdir=workdir)
+        app = KvdoctorApp(lambda publish: LiveFeed(str(workload.trace), publish, workload=workload, wait_s=600),
+                          workload=workload, show_pid=False)
+        waits: list[float] = []
+        try:
+            async with app.run_test(size=(120, 36)) as pilot:
+                deadline = time.monotonic() + 300
+                while (app.snapshot is None or app.snapshot.step < 3) and time.monotonic() < deadline:
+                    await pilot.pause(0.2)  # the model loads and the demo's first steps run
+                for _ in range(presses):
+                    before = app.paused
+                    t0 = time.perf_counter()
+                    await pilot.press("p")
+                    assert app.paused != before
+                    waits.append(time.perf_counter() - t0)
+                    await asyncio.sleep(0.5)
+                await pilot.press("q")
+        finally:
+            workload.stop()
+    return waits
+
+
+def tui_latency(condition: str, presses: int) -> dict[str, float]:
+    loops = int(condition.removeprefix("loops")) if condition.startswith("loops") else 0
+    with BusyLoops(loops):
+        waits = asyncio.run(_key_latency(presses))
+    return {"median": round(statistics.median(waits), 4), "worst": round(max(waits), 4)}
+
+
+def fair_share(condition: str, cpus: int) -> float:
+    """What the condition should cost a workload with one thread a CPU, if every runnable thread got its share."""
+    if condition == "omp":
+        return 2.0
+    loops = int(condition.removeprefix("loops") or 0) if condition.startswith("loops") else 0
+    return max(1.0, (cpus + loops) / cpus)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--conditions", default="quiet,loops1,loops2,loops4,omp")
+    ap.add_argument("--workloads", default="serve,decode,generate")
+    ap.add_argument("--policies", default="adaptive,fixed")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens of the decode and generate workloads")
+    ap.add_argument("--tui", action="store_true", help="also the TUI's key latency beside each condition but omp")
+    ap.add_argument("--presses", type=int, default=20)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    conditions, workloads, policies = (s.split(",") for s in (args.conditions, args.workloads, args.policies))
+    cpus = len(os.sched_getaffinity(0))
+    runs: dict[tuple[str, str, str], list[float]] = {}
+    for _ in range(args.repeats):
+        for condition in conditions:
+            loops = int(condition.removeprefix("loops")) if condition.startswith("loops") else 0
+            with BusyLoops(loops):
+                for workload in workloads:
+                    for policy in (policies if workload != "generate" else ["-"]):
+                        copies = 2 if condition == "omp" else 1
+                        x = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies)
+                        runs.setdefault((workload, policy, condition), []).append(x)
+                        print(f"{workload} {policy} {condition}: {x:.4f}", file=sys.stderr, flush=True)
+    rows = []
+    for (workload, policy, condition), xs in runs.items():
+        quiet = runs.get((workload, policy, "quiet"))
+        t = statistics.median(xs)
+        ratio = t / statistics.median(quiet) if quiet else None
+        rows.append({"workload": workload, "policy": policy, "condition": condition, "seconds": round(t, 4),
+                     "ratio": None if ratio is None else round(ratio, 2), "fair": round(fair_share(condition, cpus), 2),
+                     "runs": [round(x, 4) for x in xs]})
+    keys = {c: tui_latency(c, args.presses) for c in conditions if c != "omp"} if args.tui else {}
+    if args.json:
+        print(json.dumps({"cpus": cpus, "rows": rows, "tui_key_seconds": keys}))
+    else:
+        print(f"{'workload':9} {'policy':9} {'condition':9} {'median':>9} {'× quiet':>8} {'fair':>5}")
+        for r in rows:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+            print(f"{r['workload']:9} {r['policy']:9} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} {r['fair']:5.2f}")
+        for condition, k in keys.items():
+            print(f"tui key latency beside {condition}: median {k['median']:.3f} s, worst {k['worst']:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
