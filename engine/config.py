@@ -100,8 +100,9 @@ class EngineConfig:
     disk_io: str = "auto"
     checksums: bool = True
     fault: str | None = None
-    # Content digests (engine.kv.digest): verify "full" (every read), "sample" (one block of every
-    # ``verify_every``-th read) or "off"; None: $KVDOCTOR_VERIFY, else "sample". Swaps are always verified.
+    # Content digests (engine.kv.digest): verify "full" (every read), "sample" (one read in every
+    # ``verify_every`` of each sequence's: its block verified longest ago) or "off"; None: $KVDOCTOR_VERIFY,
+    # else "sample". Swaps are always verified.
     verify: str | None = None
     verify_every: int = 16
     # How blocks are stored: one of codecs.CODECS (every tier), "mixed" (device; slower tiers at its high codec),

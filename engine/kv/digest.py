@@ -28,8 +28,9 @@ internals, so another engine that emits digests of its own definition gets the s
 
 *Cost.* Records are kept only while someone listens on the bus (a block written while
 nobody listened has no record, and is not verified). Reads are verified in full
-(``verify="full"``, CI), on a sample (``"sample"``, the default: one block of every
-``verify_every``-th read, in turn over the read's blocks), or not at all (``"off"``);
+(``verify="full"``, CI), on a sample (``"sample"``, the default: one read in every ``verify_every`` of each
+sequence's, staggered between sequences, verifies the block of that read verified longest ago), or not at
+all (``"off"``);
 swaps and re-encodes are verified whenever records are kept. A sampled read of the compiled decode
 layers is verified inside their attention, over the bytes it reads (``PagedKVCache.sample_reads``);
 only a mismatch is looked at again here, to name the layer.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -206,11 +208,13 @@ class BlockRecord:
     over, and its column lazily (``book``): no numpy call per block on the hot path, where each costs
     ~15 us against caches the step's weights have just flushed."""
 
-    __slots__ = ("_units", "_pending", "filled", "codec", "shares")
+    __slots__ = ("_units", "_pending", "filled", "codec", "shares", "verified")
 
-    def __init__(self, units: np.ndarray, filled: int, codec: str, shares: list[int] | None = None) -> None:
+    def __init__(self, units: np.ndarray, filled: int, codec: str, shares: list[int] | None = None,
+                 verified: int = 0) -> None:
         self._units, self.filled, self.codec, self.shares = units, filled, codec, shares
         self._pending: dict[int, tuple[np.ndarray, int]] = {}
+        self.verified = verified  # the sampler's clock when a read last verified these bytes (0: never)
 
     @property
     def units(self) -> np.ndarray:
@@ -230,7 +234,8 @@ class BlockRecord:
         return None if self.shares is None else sum(self.shares[: self.filled]) & MASK64
 
     def copy(self) -> BlockRecord:
-        return BlockRecord(self.units.copy(), self.filled, self.codec, None if self.shares is None else list(self.shares))
+        return BlockRecord(self.units.copy(), self.filled, self.codec, None if self.shares is None else list(self.shares),
+                           self.verified)
 
 
 class _Sums(NamedTuple):
@@ -253,6 +258,12 @@ class _Staged:
     shares: np.ndarray | None = None  # (N, U) each token's digest share at every column of a record, with them
 
 
+def _verified_at(block: Any) -> tuple[int, int]:
+    """Sort key of a read's block for the sampler: blocks with a record first, those verified longest ago first."""
+    rec = None if block is None else block.digest
+    return (1, 0) if rec is None else (0, rec.verified)
+
+
 class DigestBook:
     """Records of blocks (kept on ``Block.digest``), staged writes, and the read sampler."""
 
@@ -268,7 +279,7 @@ class DigestBook:
         # flat slot -> (unit sums (L, N), column, the token's digest share at each record column or None)
         self._pos: dict[int, tuple[np.ndarray, int, list[int] | None]] = {}
         self._grp: dict[int, tuple[np.ndarray, int, None]] = {}
-        self._reads = 0
+        self._clock = 0  # advances with every sampled verification: the records' ``verified``
 
     @property
     def recording(self) -> bool:
@@ -429,16 +440,28 @@ class DigestBook:
         return np.asarray(cols, dtype=np.int64)
 
     # ---- verification ----
-    def sample(self, blocks: Sequence[Any]) -> list[int]:
-        """Indices of ``blocks`` (one read) to verify under the mode."""
+    def sample(self, blocks: Sequence[Any], seq: Any) -> list[int]:
+        """Indices of ``blocks`` (one read of ``seq``, a ``SeqState``) to verify under the mode.
+
+        Sampled: one read in every ``every`` of each sequence's, so every sequence's blocks are looked at
+        whatever the batch (one count for all reads would fall on the same row of a batch of 8 every time);
+        the first falls at a point set by the sequence's id, so a batch's rows take their turns on different
+        steps; and it verifies the read's block verified longest ago, so each block of a sequence is verified
+        within ``every`` times its block count of the sequence's reads, a corruption found within that bound."""
         if self.mode == "full":
             return list(range(len(blocks)))
         if self.mode == "off" or not blocks:
             return []
-        self._reads += 1
-        if self._reads % self.every:
+        if seq.reads < 0:
+            seq.reads = zlib.crc32(repr(seq.id).encode()) % self.every
+        seq.reads += 1
+        if seq.reads % self.every:
             return []
-        return [(self._reads // self.every) % len(blocks)]
+        oldest = min(range(len(blocks)), key=lambda i: _verified_at(blocks[i]))
+        if blocks[oldest] is not None and blocks[oldest].digest is not None:
+            self._clock += 1
+            blocks[oldest].digest.verified = self._clock
+        return [oldest]
 
     def verify(self, blocks: Sequence[Any], rows: Sequence[torch.Tensor | None]
                ) -> tuple[list[int | None], list[int | None]]:

@@ -121,7 +121,7 @@ class Reads:
         c = self.cache
         if not (c.bus.enabled and c.digests.mode == "sample"):
             return None
-        picked = [c.digests.sample(c.seqs.require(seq).blocks) for seq in seqs]
+        picked = [c.digests.sample((s := c.seqs.require(seq)).blocks, s) for seq in seqs]
         return [p[0] if p else -1 for p in picked]
 
     def emit_read(self, seq: Any, blocks: Sequence[int] | None = None, layer: int | None = None, *,
@@ -141,7 +141,7 @@ class Reads:
             versions = list(versions) if versions is not None else [b.version if b is not None else -1 for b in read]
         digests = layers = None
         if checked is None:
-            chosen = [i for i in c.digests.sample(read) if read[i] is not None]
+            chosen = [i for i in c.digests.sample(read, s) if read[i] is not None]
         else:
             chosen = [checked[0]] if checked[0] >= 0 else []
         if chosen:

@@ -167,17 +167,33 @@ def test_the_compiled_unit_sums_give_numpys_digests(tmp_path, monkeypatch, codec
     assert sum(d is not None for _, d, _ in compiled) >= 5 and any(ds for _, _, ds in compiled)
 
 
-def test_sampled_reads_verify_one_block_of_every_nth_read_in_turn(make_cache):
-    # GIVEN the sampled mode, every second read, and a sequence of three blocks
+def test_sampled_reads_verify_one_read_in_every_n_of_a_sequence_the_block_verified_longest_ago(make_cache):
+    # GIVEN the sampled mode, one read in every 2, and a sequence of three blocks
     rec = make_cache(verify="sample", verify_every=2, device_blocks=8)
     rec.add("a", 12)
     for _ in range(6):
         rec.cache.emit_read("a")
-    reads = rec.kinds("read")
-    # THEN reads 2, 4, 6 verify one block each, turning through the blocks; the others none
-    assert [r.digests for r in reads[0::2]] == [None] * 3
-    verified = [[i for i, d in enumerate(r.digests) if d is not None] for r in reads[1::2]]
-    assert verified == [[1], [2], [0]]
+    verified = [[i for i, d in enumerate(r.digests or ()) if d is not None] for r in rec.kinds("read")]
+    # THEN every other read verifies one block, and they take the blocks in turn, each before any twice
+    assert [bool(v) for v in verified] in ([True, False] * 3, [False, True] * 3)
+    assert [v for v in verified if v] == [[0], [1], [2]]
+
+
+def test_every_row_of_a_batch_gets_its_turn_and_every_block_within_the_bound(make_cache):
+    # GIVEN eight sequences of three blocks read once a step, as a batch of 8 is, sampled one read in 4
+    rec = make_cache(verify="sample", verify_every=4, device_blocks=32)
+    names = [f"s{i}" for i in range(8)]
+    for name in names:
+        rec.add(name, 12)
+    steps = 4 * 3  # the bound: verify_every times the blocks of a sequence
+    for _ in range(steps):
+        for name in names:
+            rec.cache.emit_read(name)
+    # THEN every block of every sequence was verified within the bound (one count for the whole batch would
+    # have verified the same two rows every time), and no more reads were verified than one in 4
+    seen = {(r.seq, i) for r in rec.kinds("read") for i, d in enumerate(r.digests or ()) if d is not None}
+    assert seen == {(name, i) for name in names for i in range(3)}
+    assert sum(r.digests is not None for r in rec.kinds("read")) == steps * len(names) // 4
 
 
 def test_the_sampled_mode_finds_a_corrupt_block_within_a_turn_of_its_sequence(make_cache):
@@ -187,7 +203,7 @@ def test_the_sampled_mode_finds_a_corrupt_block_within_a_turn_of_its_sequence(ma
     rec.add("a", 12)
     blk = rec.cache.seqs["a"].blocks[2]
     rec.cache.fault_hooks.raw(blk)[1, 0, 5] += 1.0  # one element of layer 1 changes under the cache
-    for _ in range(2 * 3):
+    for _ in range(2 * 3):  # the bound: verify_every times the sequence's blocks
         rec.cache.emit_read("a")
     rec.cache.bus.flush()
     [f] = suite.findings
