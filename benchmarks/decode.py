@@ -59,10 +59,16 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_events import (  # noqa: E402  (benchmarks are scripts: their folder is the package)
-    compiled_events, digest_share, digests_paired, event_parts, events_by_step, scoped_env, sink_split)
-from pairing import clocks, median, paired, prompts_of, quartiles, rates, runner_decode  # noqa: E402
+# Benchmarks are scripts, their folder their package: on the path while the siblings load, and only then
+# (left there, this folder's vllm.py would shadow vLLM for whatever imports it next in the process).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+try:
+    from decode_events import (
+        compiled_events, digest_share, digests_paired, event_parts, events_by_step, scoped_env, sink_split)
+    from pairing import clocks, median, paired, prompts_of, quartiles, rates, runner_decode
+finally:
+    sys.path.remove(_HERE)
 
 
 class _FirstToken:
