@@ -32,10 +32,10 @@ from typing import Any, Callable
 
 import msgspec
 
-from .. import knobs
-from .. import callsite
+from .. import callsite, knobs
 from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Truncate, Weights
 from ..trace import TraceWriter
+from ..trace_names import claim
 from .guard import Call, Guard
 from .weights import weights_digest
 from .transformers_attention import AttentionTap, tap_name
@@ -90,13 +90,14 @@ def _header(model: Any) -> Header:
                   tiers=[TierSpec(name="device", capacity_blocks=0)],  # 0: transformers grows its caches as it goes
                   model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
                   engine=f"transformers {transformers.__version__}",
-                  created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid())
+                  created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid(),
+                  t0=time.time_ns())  # wall clock at t = 0 (the trace starts now): orders it among a workload's
 
 
 def _shared_trace(path: str, model: Any) -> _Trace:
     trace = _shared.get(path)
-    if trace is None or trace.writer.closed:
-        trace = _shared[path] = _Trace(TraceWriter(path, _header(model)))
+    if trace is None or trace.writer.closed:  # a file of its own beside the run's other traces (trace_names)
+        trace = _shared[path] = _Trace(TraceWriter(claim(path)[0], _header(model)))
         atexit.register(trace.close)
     return trace
 

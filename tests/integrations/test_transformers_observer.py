@@ -3,7 +3,9 @@ and a finding naming sequence, block or position, layer and step for each misuse
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from kvdoctor.checks import make_suite
 from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.events import Attn, Batch, Read, Rollback, SeqStart, Write
 from kvdoctor.findings import split_frame
-from kvdoctor.trace import TraceReader
+from kvdoctor.trace import TraceReader, read_header
 
 PAD = 0
 
@@ -374,6 +376,22 @@ def test_without_a_trace_path_the_observer_follows_KVDOCTOR_TRACE(tiny, tmp_path
         tiny.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
     obs.trace.close()
     assert any(type(e) is Write for e in _events(path))
+
+
+def test_an_observers_trace_joins_the_runs_other_traces_and_says_when_it_started(tiny, tmp_path, monkeypatch):
+    # GIVEN KVDOCTOR_TRACE already written in this run by another writer (the engine, another process)
+    path = tmp_path / "run.kvtrace"
+    path.write_text("another writer's trace\n")
+    monkeypatch.setenv("KVDOCTOR_TRACE", str(path))
+    before = time.time_ns()
+    ids, _ = _prompts(batch=1, pad=(0,))
+    with kvdoctor.observe(tiny) as obs:
+        tiny.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    obs.trace.close()
+    # THEN the observer writes beside it, not over it, and its header gives the wall clock of its t = 0
+    assert path.read_text() == "another writer's trace\n"
+    header = read_header(tmp_path / "run.2.kvtrace")
+    assert before <= header.t0 <= time.time_ns() and header.pid == os.getpid()
 
 
 # ---- the embedded SmolLM2 ----------------------------------------------------------
