@@ -11,14 +11,16 @@ A block remembers the adapter identity of its first write since allocation: the 
 under (``seq_start``) and the load number (and contents' digest) the latest ``adapter`` event gave that id;
 two identities with one name and the same digest compute the same K/V, whatever their ids. A hit (``share`` with a
 ``hash``) by a sequence of another identity is an error; when the two differ only because one's salt
-equals the other's adapter name, the cause is the key's untagged parts, and the rule says so.
+equals the other's adapter name, the cause is the key's untagged parts, and the rule says so. A request that
+reads its own blocks computed before its adapter was reloaded with other contents (it ran across the reload)
+mixes two adapters' K/V: a warning, as ``weights/stale-read`` is for a weights update.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..events import PREFIX_CACHE, Adapter, Evict, Free, SeqEnd, SeqStart, Share, Write
+from ..events import PREFIX_CACHE, Adapter, Evict, Free, Read, SeqEnd, SeqStart, Share, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -58,6 +60,9 @@ class AdaptersCheck(CheckBase):
         Rule("key-collision", "error",
              "a prefix-cache hit across adapter identities whose key parts coincide untagged: a cache salt equal to "
              "an adapter's name"),
+        Rule("stale-read", "warning",
+             "a request read K/V it computed under its adapter's previous contents: the adapter was reloaded with "
+             "other contents while the request ran"),
     )
 
     def __init__(self, ledger=None) -> None:
@@ -69,7 +74,7 @@ class AdaptersCheck(CheckBase):
 
     def handlers(self):
         return {Adapter: self._adapter, SeqStart: self._start, SeqEnd: self._end, Write: self._write,
-                Share: self._share, Free: self._gone, Evict: self._gone}
+                Share: self._share, Free: self._gone, Evict: self._gone, Read: self._read}
 
     def _adapter(self, ev: Adapter) -> Sequence[Finding]:
         self.loads[ev.adapter_id] = (ev.load, ev)
@@ -101,6 +106,26 @@ class AdaptersCheck(CheckBase):
     def _gone(self, ev: Free | Evict) -> Sequence[Finding]:
         self.written_under.pop(ev.block, None)
         return NO_FINDINGS
+
+    def _read(self, ev: Read) -> Sequence[Finding]:
+        start = self.seqs.get(ev.seq)
+        if start is None or (start.adapter_id is None and start.adapter is None) or ev.seq in self._hits:
+            return NO_FINDINGS  # no adapter; or its foreign hit is the cause
+        mine = self._identity(ev.seq)
+        old = [b for b in ev.blocks if b in self.written_under and self.written_under[b][0] is not None
+               and self.written_under[b][0][:2] == mine[:2] and not _same(self.written_under[b][0], mine)]
+        if not old or not self.once("stale-read", ev.seq, mine[2]):
+            return NO_FINDINGS
+        theirs = self.written_under[old[0]][0]
+        return [self.finding(
+            "stale-read",
+            f"request {ev.seq!r} read {len(old)} block(s) ({', '.join(map(str, old[:8]))}) at step {ev.step} computed "
+            f"under {_describe(theirs)}, but its adapter was reloaded since with other contents (load {theirs[2]} -> "
+            f"{mine[2]}): its K/V mix two adapters. Finish or restart requests across an adapter reload",
+            seq=ev.seq, block=old[0], step=ev.step, layer=ev.layer, stale_blocks=old,
+            computed_under=_identity_dict(theirs), reads_under=_identity_dict(mine),
+            events=[self.event_dict(a) for a in self._load_events(mine)],
+        )]
 
     def _share(self, ev: Share) -> Sequence[Finding]:
         if ev.hash is None or ev.seq == PREFIX_CACHE or ev.block not in self.written_under:

@@ -123,3 +123,36 @@ def test_the_same_contents_re_added_under_a_new_id_are_the_same_kv(trace):
     _load(trace, "a", 3, digest="d2")
     (f,) = _hit(trace, 2, "r3", adapter="a", adapter_id=3)
     assert f.rule == "foreign-hit" and "ids 1 and 3" in f.message
+
+
+def _running_across_a_reload(trace, digests):
+    """Request r1 under "sql" writes and reads block 4, "sql" is reloaded (contents ``digests[1]``), r1 reads on."""
+    _load(trace, "sql", 1, digest=digests[0])
+    _start(trace, "r1", adapter="sql", adapter_id=1)
+    trace.alloc(4, "r1")
+    trace.write(4, "r1", 2)
+    trace.read("r1", [4])
+    trace.end_step()
+    _load(trace, "sql", 1, load=2, op="reload", digest=digests[1])
+    trace.read("r1", [4])
+    trace.end_step()
+    trace.read("r1", [4])
+    trace.release(4, "r1")
+    trace.free(4)
+    trace.end("r1")
+    trace.end_step()
+    return trace.run()
+
+
+def test_a_request_reading_across_an_in_place_reload_is_a_stale_read(trace):
+    # GIVEN a request running under "sql" while "sql" is reloaded with other contents
+    findings = _running_across_a_reload(trace, ("d1", "d2"))
+    # THEN one warning, at the first read after the reload, naming the request, the block and both loads
+    assert rules(findings) == ["adapters/stale-read"]
+    (f,) = findings
+    assert (f.severity, f.seq, f.block, f.step) == ("warning", "r1", 4, 1)
+    assert "load 1 -> 2" in f.message and f.evidence["stale_blocks"] == [4]
+
+
+def test_a_reload_with_the_same_contents_leaves_a_running_request_alone(trace):
+    assert _running_across_a_reload(trace, ("d1", "d1")) == []
