@@ -89,6 +89,11 @@ def _run(workload: str, tokens: int, policy: str, copies: int) -> float:
     return statistics.fmean(results)
 
 
+def _loops(condition: str) -> int:
+    """The busy loops a condition runs beside: ``loops2`` two; ``quiet`` and ``omp`` none."""
+    return int(condition.removeprefix("loops")) if condition.startswith("loops") else 0
+
+
 class BusyLoops:
     """``n`` single-threaded processes that spin for as long as the block runs."""
 
@@ -135,8 +140,7 @@ async def _key_latency(presses: int) -> list[float]:
 
 
 def tui_latency(condition: str, presses: int) -> dict[str, float]:
-    loops = int(condition.removeprefix("loops")) if condition.startswith("loops") else 0
-    with BusyLoops(loops):
+    with BusyLoops(_loops(condition)):
         waits = asyncio.run(_key_latency(presses))
     return {"median": round(statistics.median(waits), 4), "worst": round(max(waits), 4)}
 
@@ -145,8 +149,7 @@ def fair_share(condition: str, cpus: int) -> float:
     """What the condition should cost a workload with one thread a CPU, if every runnable thread got its share."""
     if condition == "omp":
         return 2.0
-    loops = int(condition.removeprefix("loops") or 0) if condition.startswith("loops") else 0
-    return max(1.0, (cpus + loops) / cpus)
+    return max(1.0, (cpus + _loops(condition)) / cpus)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, str, str], list[float]] = {}
     for _ in range(args.repeats):
         for condition in conditions:
-            loops = int(condition.removeprefix("loops")) if condition.startswith("loops") else 0
-            with BusyLoops(loops):
+            with BusyLoops(_loops(condition)):
                 for workload in workloads:
                     for policy in (policies if workload != "generate" else ["-"]):
                         copies = 2 if condition == "omp" else 1

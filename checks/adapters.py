@@ -108,15 +108,15 @@ class AdaptersCheck(CheckBase):
         return NO_FINDINGS
 
     def _read(self, ev: Read) -> Sequence[Finding]:
-        start = self.seqs.get(ev.seq)
-        if start is None or (start.adapter_id is None and start.adapter is None) or ev.seq in self._hits:
-            return NO_FINDINGS  # no adapter; or its foreign hit is the cause
         mine = self._identity(ev.seq)
-        old = [b for b in ev.blocks if b in self.written_under and self.written_under[b][0] is not None
-               and self.written_under[b][0][:2] == mine[:2] and not _same(self.written_under[b][0], mine)]
+        if mine is None or ev.seq in self._hits:
+            return NO_FINDINGS  # no adapter; or its foreign hit is the cause
+        under = self.written_under
+        old = [b for b in ev.blocks if (theirs := under.get(b, (None,))[0]) is not None
+               and theirs[:2] == mine[:2] and not _same(theirs, mine)]
         if not old or not self.once("stale-read", ev.seq, mine[2]):
             return NO_FINDINGS
-        theirs = self.written_under[old[0]][0]
+        theirs = under[old[0]][0]
         return [self.finding(
             "stale-read",
             f"request {ev.seq!r} read {len(old)} block(s) ({', '.join(map(str, old[:8]))}) at step {ev.step} computed "
