@@ -15,57 +15,12 @@ from typing import Any, Iterable, Literal, Union
 import msgspec
 
 __all__ = [
-    "FORMAT",
-    "VERSION",
-    "PREFIX_CACHE",
-    "TIERS",
-    "Tier",
-    "SeqId",
-    "TierSpec",
-    "Header",
-    "Event",
-    "SeqStart",
-    "SeqEnd",
-    "Alloc",
-    "Share",
-    "Release",
-    "Free",
-    "Evict",
-    "Write",
-    "Read",
-    "SwapOut",
-    "SwapIn",
-    "Recode",
-    "Rollback",
-    "Batch",
-    "Attn",
-    "AttnStep",
-    "attn_rows",
-    "Usage",
-    "Mem",
-    "StepEnd",
-    "ChecksumError",
-    "IoError",
-    "Prefetch",
-    "Stage",
-    "PrefetchUse",
-    "Merge",
-    "TraceEnd",
-    "ObserverError",
-    "Weights",
-    "TransferStart",
-    "TransferDone",
-    "TransferFailed",
-    "Adapter",
-    "Truncate",
-    "Unknown",
-    "KNOWN_EVENTS",
-    "KINDS",
-    "encode",
-    "encode_lines",
-    "decode",
-    "from_dict",
-    "to_dict",
+    "FORMAT", "VERSION", "PREFIX_CACHE", "TIERS", "Tier", "SeqId", "TierSpec", "Header", "Event", "SeqStart",
+    "SeqEnd", "Alloc", "Share", "Release", "Free", "Evict", "Write", "Read", "SwapOut", "SwapIn", "Recode",
+    "Rollback", "Batch", "Attn", "AttnStep", "attn_rows", "Usage", "Mem", "StepEnd", "ChecksumError", "IoError",
+    "Prefetch", "Stage", "PrefetchUse", "Merge", "TraceEnd", "ObserverError", "Weights", "TransferStart",
+    "TransferDone", "TransferFailed", "Adapter", "Truncate", "Snapshot", "SnapSeq", "SnapBlock", "Unknown",
+    "KNOWN_EVENTS", "KINDS", "encode", "encode_lines", "decode", "from_dict", "to_dict",
 ]
 
 _NAN = float("nan")
@@ -497,6 +452,41 @@ class Truncate(Event, tag="truncate"):
     asked: str | None = None  # the call as made: "crop(-5)", "reset()"
 
 
+class SnapSeq(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One live sequence in a ``snapshot``: what its ``seq_start`` and its writes so far would have set."""
+
+    seq: SeqId
+    prompt_len: int
+    length: int  # tokens cached
+    version: int
+    adapter: str | None = None
+
+
+class SnapBlock(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One allocated block in a ``snapshot``: where it sits, who owns it, and the tokens its last write left."""
+
+    block: int
+    tier: Tier
+    owners: list[SeqId]
+    seq: SeqId  # whose positions it holds
+    pos: int
+    n: int  # positions pos … pos+n-1 written
+    version: int  # of the last write into the copy it has
+    codec: str | None = None
+    hash: str | None = None  # prefix-cache key, where the cache registered it
+
+
+class Snapshot(Event, tag="snapshot"):
+    """The live state of a cache when its trace starts mid-run (v1.x; ``kvdoctor watch|check --pid`` attached to a
+    running process at a step's end): its sequences and allocated blocks, as the events it did not trace would
+    have left them. Consumers start from it, so the history they missed is not read as leaks, unknown
+    sequences or unwritten reads."""
+
+    seqs: list[SnapSeq]
+    blocks: list[SnapBlock]
+    reason: str = "attach"
+
+
 class Unknown(msgspec.Struct, frozen=True, kw_only=True):
     """A kind this version does not know, kept whole so nothing a producer wrote is lost."""
 
@@ -510,6 +500,7 @@ KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, AttnStep, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
     TraceEnd, ObserverError, Weights, TransferStart, TransferDone, TransferFailed, Adapter, Truncate,
+    Snapshot,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

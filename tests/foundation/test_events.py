@@ -79,6 +79,12 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.Adapter: dict(op=st.sampled_from(["load", "reload", "unload"]), name=st.text(max_size=10),
                         adapter_id=seq_ids, load=ints, path=st.none() | st.text(max_size=10)),
         E.Truncate: dict(op=st.sampled_from(["crop", "reset"]), keep=ints, length=ints, layer=st.none() | ints),
+        E.Snapshot: dict(
+            seqs=st.lists(st.builds(E.SnapSeq, seq=seq_ids, prompt_len=ints, length=ints, version=ints,
+                                    adapter=st.none() | st.text(max_size=8)), max_size=3),
+            blocks=st.lists(st.builds(E.SnapBlock, block=ints, tier=tiers, owners=st.lists(seq_ids, max_size=3),
+                                      seq=seq_ids, pos=ints, n=ints, version=ints, codec=st.none() | codecs,
+                                      hash=st.none() | st.text(max_size=16)), max_size=4)),
     }[cls]
     return st.builds(cls, **fields, **common)
 
