@@ -60,7 +60,8 @@ class TokenMerging(StepFeature):
         s = self.cache.sequence(seq)
         bs = self.cache.block_size
         end = s.length - self.local_blocks * bs
-        return [b.id for b in s.blocks if b.merged is None and b.index >= self.sink_blocks
+        looked = self.cache.slot_counts(seq)
+        return [b.id for b, m in zip(s.blocks, looked) if m is None and b.index >= self.sink_blocks
                 and (b.index + 1) * bs <= end and b.owners == [seq] and b.tier == "device" and b.inflight is None]
 
     def enforce(self, seqs: Sequence[Any]) -> list[int]:
@@ -88,8 +89,8 @@ class TokenMerging(StepFeature):
         c, bs = self.cache.config, self.cache.block_size
         per_token = c.num_layers * c.num_kv_heads
         total = live = 0
-        for b in s.blocks:
+        for b, m in zip(s.blocks, self.cache.slot_counts(seq)):
             rows = min(bs, max(s.length - b.index * bs, 0)) * per_token
             total += rows
-            live += b.merged.live if b.merged is not None and b.merged.counts is not None else rows
+            live += m.live if m is not None and m.counts is not None else rows
         return live, total

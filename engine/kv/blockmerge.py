@@ -38,8 +38,10 @@ def merge_blocks(cache: PagedKVCache, blocks: Iterable[int], threshold: float) -
     slots = torch.tensor([b.slot for b in group], dtype=torch.long, device=device)
     k, v = zip(*(cache.read_blocks(layer, slots) for layer in range(L)))  # each (n, H, bs, D)
     ones = torch.ones(L, H, bs, dtype=torch.int16, device=device)
-    counts = torch.stack([b.merged.counts if b.merged is not None and b.merged.counts is not None else ones
-                          for b in group])  # (n, L, H, bs)
+    merged = cache.merged
+    looked = [merged.get(b.id) for b in group]
+    counts = torch.stack([m.counts if m is not None and m.counts is not None else ones
+                          for m in looked])  # (n, L, H, bs)
     mk, mv, mc = merge_rows(torch.stack(k, dim=1).view(n * L * H, bs, D),
                             torch.stack(v, dim=1).view(n * L * H, bs, D), counts.view(n * L * H, bs), threshold)
     mc = mc.view(n, L, H, bs)
@@ -47,7 +49,7 @@ def merge_blocks(cache: PagedKVCache, blocks: Iterable[int], threshold: float) -
     shrank = live < (counts > 0).sum(dim=-1)
     todo = [i for i in range(n) if bool(shrank[i].any())]
     for i in set(range(n)) - set(todo):
-        group[i].merged = group[i].merged or SlotCounts(None)  # looked at: nothing to merge
+        merged[group[i].id] = looked[i] or SlotCounts(None)  # looked at: nothing to merge
     if not todo:
         return {}
     changed = [group[i] for i in todo]
@@ -62,7 +64,7 @@ def merge_blocks(cache: PagedKVCache, blocks: Iterable[int], threshold: float) -
             cache.codecs[arena.codec].write(arena.data[:, layer], layer, where, off, mk[i, layer].transpose(0, 1),
                                             mv[i, layer].transpose(0, 1))  # (bs, H, D) each
         b.checksum = None  # its bytes changed: the next move takes a new checksum
-        b.merged = SlotCounts(mc[i].clone())
+        merged[b.id] = SlotCounts(mc[i].clone())
     after = cache.mover.retake(changed)
     out = {}
     for i, b, d, layer, new in zip(todo, changed, before, bad, after):

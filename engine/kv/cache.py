@@ -42,7 +42,7 @@ from .faulthooks import FaultHooks
 from .longctx import LongContextBook
 from .merge import SlotCounts
 from .mixed import MixedResolution
-from .policy import IMPORTANCE_DECAY, make_policy
+from .policy import Importance, make_policy
 from .pool import Block, BlockPool
 from .prefix import PrefixCache
 from .prefix_reuse import PrefixReuse
@@ -87,6 +87,10 @@ class PagedKVCache:
         self.layout = RowLayout(self.dev, config.num_layers, config.num_kv_heads, config.head_dim, config.block_size,
                                 self.codec.native)
         self.pool = BlockPool(config, self.bus, {t: self._grower(t) for t in config.tiers})
+        # side tables of what features know of some blocks, by block id, forgotten when a block goes
+        self.importance = Importance()  # the attention mass the hybrid policy and mixed resolution rank by
+        self.pool.track(self.importance.mass)
+        self.merged: dict[int, SlotCounts] = self.pool.track({})  # token merging: what it left in a block
         self.dev_slots = self.pool.slots[Tier.DEVICE]
         self.step = StepState(long_context=config.long_context)
         self.seqs = SequenceTable(self)
@@ -98,7 +102,7 @@ class PagedKVCache:
             self.prefix = PrefixCache(self.pool, self.block_size, {**config.prefix_salt, **kv}, self.faults)
         self.prefix_reuse = PrefixReuse(self)
         self.mover = TierMover(
-            config, self.pool, self.tier_arenas, self.bus, make_policy(config), self.faults, self.codecs,
+            config, self.pool, self.tier_arenas, self.bus, make_policy(config, self.importance), self.faults, self.codecs,
             protected=self.step.protects, evictable=self.seqs.is_evictable, evict=self.seqs.evict,
             distance=self.seqs.distance, clock=lambda: self.step.tick, digests=self.digests,
             reclaim=self.prefix_reuse.reclaim,
@@ -169,7 +173,8 @@ class PagedKVCache:
 
     def slot_counts(self, seq: Any) -> list[SlotCounts | None]:
         """Token merging: what it left in each of ``seq``'s blocks (position order; None: never looked at)."""
-        return [b.merged for b in self.seqs.require(seq).blocks]
+        merged = self.merged
+        return [merged.get(b.id) for b in self.seqs.require(seq).blocks]
 
     def num_tokens(self, seq: Any) -> int:
         """Tokens ``gather`` returns: committed and reserved, less any evicted blocks."""
@@ -312,8 +317,7 @@ class PagedKVCache:
         scores = block_scores.tolist() if isinstance(block_scores, torch.Tensor) else list(block_scores)
         if len(scores) != len(s.blocks):
             raise ValueError(f"observe_attention for {seq!r}: {len(scores)} scores for {len(s.blocks)} blocks")
-        for b, w in zip(s.blocks, scores):
-            b.importance = b.importance * IMPORTANCE_DECAY + float(w)
+        self.importance.observe(s.blocks, scores)
 
     def score_hook(self, layer: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the runner passes as ``corrupt=`` to attention at ``layer``: None unless the attention-nan fault

@@ -18,7 +18,7 @@ block is contiguous in the arena, so it compacts on its own.
 What stays true: a merged block keeps its id, its positions (``index``), its tier slot and its version (a
 ``merge`` event, not a write); its bytes change, so its content digest is taken again (``new_digest``). A
 block owned by more than one sequence or by the prefix cache is never merged (its other readers expect its
-tokens), nor one in flight or off the device. The counts live on the block (``Block.merged``) and travel
+tokens), nor one in flight or off the device. The counts live in merging's side table (``PagedKVCache.merged``, by block id) and travel
 with it between tiers; the bytes of dead slots still travel too (the arena keeps whole blocks): what
 merging saves is *live* slots (``live_rows``), which a ragged store would hold.
 """

@@ -89,7 +89,7 @@ class MixedResolution:
         if len(cands) <= keep:
             return
         cands = [b for b in cands if b.tier == Tier.DEVICE and b.inflight is None and not self._in_a_window(b)]
-        cands.sort(key=lambda b: b.importance, reverse=True)  # stable: among equals, the older blocks stay high
+        cands.sort(key=self.cache.importance.of, reverse=True)  # stable: among equals, the older blocks stay high
         if len(cands) > keep:
             self.cache.recode([b.id for b in cands[keep:]], c.mixed_low)  # the cache's own entry: one to watch
 

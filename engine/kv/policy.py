@@ -8,14 +8,32 @@ flight) and what happens to the chosen ones.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 from ..config import EngineConfig
 from .pool import Block
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "HybridPolicy", "make_policy", "IMPORTANCE_DECAY"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "HybridPolicy", "Importance", "make_policy", "IMPORTANCE_DECAY"]
 
 IMPORTANCE_DECAY = 0.9  # per observation: attention mass older than ~10 observations fades out
+
+
+class Importance:
+    """The attention mass each block got, decayed per observation: what the hybrid policy and mixed resolution
+    rank blocks by. A side table by block id (``BlockPool.track`` empties it of a dropped block); a block never
+    observed has 0."""
+
+    def __init__(self) -> None:
+        self.mass: dict[int, float] = {}
+
+    def observe(self, blocks: Sequence[Block], scores: Sequence[float]) -> None:
+        """Fold in the mass ``scores[i]`` that ``blocks[i]`` got in one observation."""
+        mass = self.mass
+        for b, w in zip(blocks, scores):
+            mass[b.id] = mass.get(b.id, 0.0) * IMPORTANCE_DECAY + float(w)
+
+    def of(self, b: Block) -> float:
+        return self.mass.get(b.id, 0.0)
 
 
 class EvictionPolicy(Protocol):
@@ -51,27 +69,29 @@ class HybridPolicy:
 
     name = "hybrid"
 
-    def __init__(self, recency: float, distance: float, importance: float) -> None:
+    def __init__(self, recency: float, distance: float, importance: float, mass: Importance) -> None:
         self.w_recency, self.w_distance, self.w_importance = recency, distance, importance
+        self.importance = mass
 
     def victims(self, candidates: Iterable[Block], n: int, now: int, distance: Callable[[Block], float]) -> list[Block]:
         cands = list(candidates)
         if not cands:
             return []
         max_age = max(now - b.last_access for b in cands) or 1
-        max_imp = max(b.importance for b in cands) or 1.0
+        of = self.importance.of
+        max_imp = max(of(b) for b in cands) or 1.0
 
         def score(b: Block) -> float:
             return (
                 self.w_recency * (now - b.last_access) / max_age
                 + self.w_distance * distance(b)
-                - self.w_importance * b.importance / max_imp
+                - self.w_importance * of(b) / max_imp
             )
 
         return heapq.nlargest(n, cands, key=lambda b: (score(b), b.id))
 
 
-def make_policy(config: EngineConfig) -> EvictionPolicy:
+def make_policy(config: EngineConfig, importance: Importance) -> EvictionPolicy:
     if config.eviction == "hybrid":
-        return HybridPolicy(config.recency_weight, config.distance_weight, config.importance_weight)
+        return HybridPolicy(config.recency_weight, config.distance_weight, config.importance_weight, importance)
     return LRUPolicy()

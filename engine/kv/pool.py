@@ -1,12 +1,15 @@
 """Block metadata and per-tier slot accounting: who owns which block, where it lives, which version it holds.
 
 A *block* is ``block_size`` token positions of one sequence's K and V across all
-layers. It keeps its id while it moves between tiers; its *slot* is where its
-bytes sit in the current tier's arenas. A block also has a *codec*, the lossiest one
-its bytes went through; it lives in the arena of that codec in its tier (see
-``storage.TierArenas``: the slot number names the arena). The pool never touches
-bytes: it hands out ids and slots, keeps the owner sets (the reference count is
-their size), and emits the ownership events. Moving bytes is ``mover``'s job.
+layers. ``Block`` holds what every block has; what a feature knows of some blocks (the attention mass the
+hybrid policy ranks by, what token merging left in a block) lives in that feature's side table, keyed by
+block id, which the pool empties of a block when it goes (``track``): ids are reused.
+
+A block keeps its id while it moves between tiers; its *slot* is where its bytes sit in the current tier's
+arenas. A block also has a *codec*, the lossiest one its bytes went through; it lives in the arena of that
+codec in its tier (see ``storage.TierArenas``: the slot number names the arena). The pool never touches
+bytes: it hands out ids and slots, keeps the owner sets (the reference count is their size), and emits the
+ownership events. Moving bytes is ``mover``'s job.
 """
 
 from __future__ import annotations
@@ -35,12 +38,10 @@ class Block:
     version: int = 0  # version of the last write into the copy the block now has
     checksum: int | None = None  # of the current bytes; None while they may still change
     last_access: int = 0  # cache tick of the last reserve/gather/ensure_resident touching it
-    importance: float = 0.0  # decayed attention mass (hybrid policy)
     inflight: Any = None  # the pending asynchronous swap-in (mover._Inflight) not yet settled
     prefetched: bool = False  # brought up by prefetch and not yet counted as a hit
     retained: tuple[str, int, int, int | None] | None = None  # (tier, slot, version, checksum): stale-version fault only
     digest: Any = None  # digest.BlockRecord: what its bytes should be; None while unknown (nobody listened)
-    merged: Any = None  # merge.SlotCounts once token merging looked at the block: tokens per slot; None: never
 
 
 class TierSlots:
@@ -108,6 +109,13 @@ class BlockPool:
         self._free_ids: list[int] = []
         self._next_id = 0
         self.epoch = 0  # advances whenever a block's slot changes or a block goes, so slot tables can be cached
+        self._side_tables: list[dict[int, Any]] = []  # features' facts of blocks, by id (``track``)
+
+    def track(self, table: dict[int, Any]) -> dict[int, Any]:
+        """Have ``table`` (block id -> a feature's fact of that block) forget each block the pool drops, so a
+        reused id starts with nothing; returns it."""
+        self._side_tables.append(table)
+        return table
 
     def lookup(self, ids: Iterable[int]) -> list[Block]:
         """The blocks of ``ids``; a ``ValueError`` names the first one not allocated."""
@@ -157,6 +165,8 @@ class BlockPool:
             self.slots[blk.retained[0]].give(blk.retained[1])
             blk.retained = None
         del self.blocks[blk.id]
+        for table in self._side_tables:
+            table.pop(blk.id, None)
         heapq.heappush(self._free_ids, blk.id)
 
     def free(self, blk: Block) -> None:

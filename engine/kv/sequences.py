@@ -152,7 +152,8 @@ class SequenceTable(dict):
         if new_len and s.blocks and all(b.index != (new_len - 1) // bs for b in s.blocks):
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: the block holding its new last token was evicted")
         cut = next((b for b in s.blocks if b.index == new_len // bs), None)
-        if new_len % bs and cut is not None and cut.merged is not None and cut.merged.counts is not None:
+        merged = c.merged.get(cut.id) if cut is not None else None
+        if new_len % bs and merged is not None and merged.counts is not None:
             raise ValueError(f"rollback of {seq!r} to {new_len} tokens: block {cut.id} holding its new last token "
                              "has merged tokens (merging keeps the newest local_blocks blocks' worth of tokens whole: widen it)")
         if c.faults.rollback_uncut and new_len:

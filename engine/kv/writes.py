@@ -94,7 +94,8 @@ class Writes:
         dst.view(d, 1).copy_(src.view(s_, 1))
         own.version = shared.version
         own.digest = shared.digest.copy() if shared.digest is not None else None
-        own.merged = shared.merged
+        if shared.id in c.merged:
+            c.merged[own.id] = c.merged[shared.id]
         own.last_access = c.step.tick
         s.blocks[-1] = own
         c.seqs.free_or_keep(shared, s.id, emit_release=True)

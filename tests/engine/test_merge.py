@@ -131,7 +131,7 @@ def test_the_cache_merges_a_block_in_place_with_an_event_and_keeps_it_through_sw
     # THEN it shrank in place to 1 live slot per (layer, head): same id, slot and version, 6 rows of 8 given up
     assert freed == {b.id: 2 * 2 * 3}
     assert (b.slot, b.version, c.block_table("a")[1]) == (slot, version, b.id)
-    assert b.merged.counts.tolist() == [[[4, 0, 0, 0]] * 2] * 2 and b.merged.live == 4
+    assert c.merged[b.id].counts.tolist() == [[[4, 0, 0, 0]] * 2] * 2 and c.merged[b.id].live == 4
     (ev,) = r.kinds("merge")
     assert (ev.block, ev.tier, ev.version, ev.tokens, ev.heads, ev.layers, ev.slots) == (
         b.id, "device", version, 4, 2, [0, 1], [2, 2])
@@ -141,11 +141,11 @@ def test_the_cache_merges_a_block_in_place_with_an_event_and_keeps_it_through_sw
     assert torch.allclose(k0[:, 0], keys[4]) and not k0[:, 1:].any()
     c.swap_out([b.id], "host")
     c.swap_in([b.id])
-    assert torch.equal(c.read_blocks(0, torch.tensor([b.slot]))[0][0], k0) and b.merged.counts[0, 0, 0] == 4
+    assert torch.equal(c.read_blocks(0, torch.tensor([b.slot]))[0][0], k0) and c.merged[b.id].counts[0, 0, 0] == 4
     c.pool.check()
     # AND a block that nothing merges is marked looked-at, with no event; a shared block is refused
     other = c.seqs["a"].blocks[0]
-    assert c.merge_tokens([other.id], 0.999) == {} and other.merged is not None and other.merged.counts is None
+    assert c.merge_tokens([other.id], 0.999) == {} and c.merged[other.id].counts is None
     c.fork("a", "b")
     with pytest.raises(ValueError, match="one owner"):
         c.merge_tokens([c.seqs["a"].blocks[2].id], 0.5)

@@ -517,8 +517,8 @@ def test_runner_feeds_mixed_resolution_the_attention_mass(listening):
             ids = list(ids)
             owner = cache.pool.blocks[ids[0]].owners[0]
             old = cache.seqs[owner].blocks[cache.config.sink_blocks : -cache.config.mixed_window]
-            kept = [b.importance for b in old if b.id not in ids and b.codec != "nf4"]
-            seen.append(([cache.pool.blocks[i].importance for i in ids], kept))
+            kept = [cache.importance.of(b) for b in old if b.id not in ids and b.codec != "nf4"]
+            seen.append(([cache.importance.of(cache.pool.blocks[i]) for i in ids], kept))
             real_recode(ids, codec)
 
         cache.recode = recode
