@@ -8,8 +8,12 @@ share the CPUs equally); beside a copy of itself, 2. Workloads:
 - ``serve``: ``examples/serve.py --requests 12 --device-blocks 10 --host-blocks 2 --disk-blocks 256`` (continuous
   batching with swaps to host and disk), its own elapsed time;
 - ``decode``: ``kvdoctor run`` greedy decode at batch 1, the time per decode token;
+- ``decode8``: the runner (``Runner.forward`` under the scheduler, as ``kvdoctor run`` drives it) decoding eight
+  requests in one batch (``benchmarks/decode.py``'s batch-8 prompt lengths), the time per decode step (8 tokens);
 - ``generate``: transformers' ``generate`` on the same model at batch 1, the time per decode token (the
   reference: what a plain torch workload loses);
+- ``generate+policy``: the same ``generate`` with the thread policy asked before every forward pass (a forward
+  pre-hook calling ``ThreadPolicy.before_step``): what the policy would give transformers' path (``EngineCache``);
 - ``tui`` (``--tui``): ``kvdoctor watch --demo``'s app in this process (headless, Textual's Pilot) over the demo
   on SmolLM2 in its child, beside the same competitors: the seconds from a key press (pause, twice a second)
   to the app having handled it and gone idle, median and worst of ``--presses``; the goal is 0.2 s.
@@ -17,10 +21,13 @@ share the CPUs equally); beside a copy of itself, 2. Workloads:
 kvdoctor's workloads run under each thread policy (``KVDOCTOR_THREADS``: ``adaptive``, the default, sizes
 the team to the CPUs others leave; ``fixed`` keeps it). Every (condition, policy, workload) runs once per
 repeat, in the same order each repeat, so a drift in the machine's load hits them alike; the report is
-the median over repeats of each time and its ratio to the same policy's quiet time. Usage::
+the median over repeats of each time and its ratio to the same policy's quiet time. Beside every run: the
+load average before it and the CPUs' worth of time processes other than the benchmark's took during it
+("others' CPUs", from ``/proc/stat`` less the benchmark's own, its workloads' and its loops' CPU time): on a shared
+machine, a run with others above ~0.3 ran beside more than its condition says. Usage::
 
     .venv/bin/python benchmarks/contention.py [--repeats 3] [--conditions quiet,loops1,loops2,loops4,omp]
-        [--workloads serve,decode,generate] [--policies adaptive,fixed] [--tokens 64] [--json]
+        [--workloads serve,decode,decode8,generate,generate+policy] [--policies adaptive,fixed] [--tokens 64] [--json]
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvdoctor.engine.model.threads import cpu_busy
+
 ROOT = Path(__file__).resolve().parents[1]
+CPUS = set(os.sched_getaffinity(0))
 PROMPT = "The history of computing is a story of layers: transistors make gates, and gates make"
 _GENERATE = """
 import sys, time, torch
@@ -49,9 +59,31 @@ marks = []
 def note(input_ids, scores):
     marks.append(time.perf_counter())
     return scores
+if sys.argv[3] == "policy":
+    from kvdoctor.engine.model.threads import ThreadPolicy
+    policy = ThreadPolicy(adaptive=True)
+    def size_team(module, args):
+        policy.before_step()  # returns None: the pass's inputs stay
+    lm.model.register_forward_pre_hook(size_team)
 lm.model.generate(ids, max_new_tokens=4, do_sample=False)
 lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, logits_processor=[note])
 print((marks[-1] - marks[0]) / (len(marks) - 1))
+"""
+_BATCH = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from pairing import prefilled, prompts_of
+from kvdoctor.engine.model.model import load_model
+from kvdoctor.engine.serving.runner import Runner
+lm = load_model(None, light=True)
+runner = Runner.create(lm.model, tokenizer=lm.tokenizer, device_blocks=512, host_blocks=0)
+prompts = prompts_of(lm.tokenizer, [24, 40, 56, 72, 88, 104, 120, 136])
+n = int(sys.argv[2])
+prefilled(runner, prompts, 4).run()
+sched = prefilled(runner, prompts, n)
+t0 = time.perf_counter()
+sched.run()
+print((time.perf_counter() - t0) / (n - 1))
 """
 
 
@@ -63,11 +95,13 @@ def _command(workload: str, tokens: int) -> list[str]:
     if workload == "decode":
         return [py, "-m", "kvdoctor.cli", "run", "--prompt", PROMPT, "--max-new-tokens", str(tokens), "--greedy", "--json",
                 "--no-probes"]
-    return [py, "-c", _GENERATE, PROMPT, str(tokens)]
+    if workload == "decode8":
+        return [py, "-c", _BATCH, str(ROOT / "benchmarks"), str(tokens)]
+    return [py, "-c", _GENERATE, PROMPT, str(tokens), "policy" if workload == "generate+policy" else "-"]
 
 
 def _seconds(workload: str, proc: subprocess.CompletedProcess[str]) -> float:
-    """The workload's own figure: the serve example's elapsed seconds; seconds per decode token otherwise."""
+    """The workload's own figure: the serve example's elapsed seconds; seconds per decode step otherwise."""
     if proc.returncode != 0:
         raise SystemExit(f"{workload} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
     if workload == "serve":
@@ -89,6 +123,34 @@ def _run(workload: str, tokens: int, policy: str, copies: int) -> float:
     return statistics.fmean(results)
 
 
+def proc_cpu(pids: list[int]) -> float:
+    """Seconds the running processes ``pids`` have run so far (a child's time reaches ``os.times`` only once it
+    is waited for)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def reading(running: list[int]) -> tuple[float, float, float]:
+    """(now, CPU seconds every process has run on this machine's CPUs, CPU seconds the benchmark's own processes
+    have run: itself, its finished children and the children still ``running``)."""
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system + proc_cpu(running)
+    return time.monotonic(), cpu_busy(CPUS) or 0.0, own
+
+
+def others(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """CPUs' worth of time processes other than the benchmark's took between two readings: the machine's noise
+    beside a figure (the other engineers' work on a shared machine), 0 on a machine left to the benchmark."""
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0])
+
+
 def _loops(condition: str) -> int:
     """The busy loops a condition runs beside: ``loops2`` two; ``quiet`` and ``omp`` none."""
     return int(condition.removeprefix("loops")) if condition.startswith("loops") else 0
@@ -104,6 +166,10 @@ class BusyLoops:
     def __enter__(self) -> BusyLoops:
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
         return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
@@ -164,17 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     conditions, workloads, policies = (s.split(",") for s in (args.conditions, args.workloads, args.policies))
-    cpus = len(os.sched_getaffinity(0))
+    cpus = len(CPUS)
     runs: dict[tuple[str, str, str], list[float]] = {}
+    noise: dict[tuple[str, str, str], list[tuple[float, float]]] = {}  # (load before, others' CPUs during) a run
     for _ in range(args.repeats):
         for condition in conditions:
-            with BusyLoops(_loops(condition)):
+            with BusyLoops(_loops(condition)) as loops:
                 for workload in workloads:
-                    for policy in (policies if workload != "generate" else ["-"]):
+                    for policy in (policies if not workload.startswith("generate") else ["-"]):
                         copies = 2 if condition == "omp" else 1
+                        load, before = os.getloadavg()[0], reading(loops.pids)
                         x = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies)
+                        busy = others(before, reading(loops.pids))
                         runs.setdefault((workload, policy, condition), []).append(x)
-                        print(f"{workload} {policy} {condition}: {x:.4f}", file=sys.stderr, flush=True)
+                        noise.setdefault((workload, policy, condition), []).append((load, busy))
+                        print(f"{workload} {policy} {condition}: {x:.4f} (load {load:.2f}, others {busy:.2f} CPUs)",
+                              file=sys.stderr, flush=True)
     rows = []
     for (workload, policy, condition), xs in runs.items():
         quiet = runs.get((workload, policy, "quiet"))
@@ -182,15 +253,18 @@ def main(argv: list[str] | None = None) -> int:
         ratio = t / statistics.median(quiet) if quiet else None
         rows.append({"workload": workload, "policy": policy, "condition": condition, "seconds": round(t, 4),
                      "ratio": None if ratio is None else round(ratio, 2), "fair": round(fair_share(condition, cpus), 2),
-                     "runs": [round(x, 4) for x in xs]})
+                     "runs": [round(x, 4) for x in xs],
+                     "load": [round(n[0], 2) for n in noise[(workload, policy, condition)]],
+                     "others_cpus": [round(n[1], 2) for n in noise[(workload, policy, condition)]]})
     keys = {c: tui_latency(c, args.presses) for c in conditions if c != "omp"} if args.tui else {}
     if args.json:
         print(json.dumps({"cpus": cpus, "rows": rows, "tui_key_seconds": keys}))
     else:
-        print(f"{'workload':9} {'policy':9} {'condition':9} {'median':>9} {'× quiet':>8} {'fair':>5}")
+        print(f"{'workload':15} {'policy':9} {'condition':9} {'median':>9} {'× quiet':>8} {'fair':>5}  others' CPUs")
         for r in rows:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-            print(f"{r['workload']:9} {r['policy']:9} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} {r['fair']:5.2f}")
+            print(f"{r['workload']:15} {r['policy']:9} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} {r['fair']:5.2f}  "
+                  + " ".join(f"{x:.2f}" for x in r["others_cpus"]))
         for condition, k in keys.items():
             print(f"tui key latency beside {condition}: median {k['median']:.3f} s, worst {k['worst']:.3f} s")
     return 0

@@ -15,6 +15,10 @@ and never below one. The kernels and torch's ops share one OpenMP runtime (``eng
 every kernel takes ``torch.get_num_threads()``, so one ``torch.set_num_threads`` sizes them all. The size
 changes only the split of the work, never its results: tokens are the same whatever the team.
 
+Every policy in a process (a runner, a draft model's runner, an ``EngineCache`` under ``generate``) starts from
+the user's setting, not from a team another policy has shrunk: the size the policies last set is kept here, and
+a team torch reports at that size reads as the setting the user had before (``user_threads``).
+
 ``KVDOCTOR_THREADS=fixed`` keeps the team at its starting size (an A/B, or a machine where ``/proc`` lies).
 """
 
@@ -28,12 +32,12 @@ import torch
 
 from ... import knobs
 
-__all__ = ["ThreadPolicy", "others_busy"]
+__all__ = ["ThreadPolicy", "cpu_busy", "others_busy", "user_threads"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _cpu_busy(cpus: set[int]) -> float | None:
+def cpu_busy(cpus: set[int]) -> float | None:
     """Seconds the CPUs in ``cpus`` have spent busy since boot (every process's), or None without /proc."""
     try:
         with open("/proc/stat") as f:
@@ -58,7 +62,7 @@ def _own_busy() -> float:
 def others_busy(cpus: set[int], before: tuple[float, float, float] | None) -> tuple[float | None, tuple[float, float, float] | None]:
     """CPUs' worth of time other processes took on ``cpus`` since ``before`` (a previous reading), and this
     reading. None where /proc cannot tell."""
-    busy = _cpu_busy(cpus)
+    busy = cpu_busy(cpus)
     if busy is None:
         return None, None
     now = (time.monotonic(), busy, _own_busy())
@@ -69,12 +73,36 @@ def others_busy(cpus: set[int], before: tuple[float, float, float] | None) -> tu
 
 
 @dataclass
+class _Setting:
+    """The process's one record of what the policies did to torch's team (torch's is process-wide too)."""
+
+    user: int = 0  # the team torch had before a policy last changed it: the user's setting
+    set_to: int | None = None  # the size a policy last set; None until one does
+
+
+_SETTING = _Setting()
+
+
+def user_threads() -> int:
+    """The team the user chose: torch's size now, unless that is the size a policy set, then the size before it."""
+    now = torch.get_num_threads()
+    return _SETTING.user if now == _SETTING.set_to else now
+
+
+def _resize(team: int) -> None:
+    """Set torch's team (and so every kernel's) to ``team``, remembering the user's setting it replaces."""
+    _SETTING.user = user_threads()
+    torch.set_num_threads(team)
+    _SETTING.set_to = team
+
+
+@dataclass
 class ThreadPolicy:
     """Sizes the OpenMP team of the steps that follow from the load other processes put on this one's CPUs."""
 
     interval: float = 0.25  # seconds between two readings: long enough to average a step's bursts
     adaptive: bool = field(default_factory=lambda: knobs.get(knobs.THREADS) == "adaptive")
-    base: int = field(default_factory=torch.get_num_threads)  # the most the team may have: the user's setting
+    base: int = field(default_factory=user_threads)  # the most the team may have: the user's setting
     team: int = 0  # the team's size now
     changes: int = 0  # how often the team changed size: a benchmark's evidence that the policy acted
     _cpus: set[int] = field(default_factory=set)
@@ -98,12 +126,14 @@ class ThreadPolicy:
             return self.team
         team = max(1, min(self.base, round(len(self._cpus) - others)))  # a CPU others hold half of is theirs
         if team != self.team:
-            torch.set_num_threads(team)
+            _resize(team)
             self.team, self.changes = team, self.changes + 1
         return team
 
     def restore(self) -> None:
-        """The process's threads as they were before the policy sized them (the runner closes)."""
+        """The process's threads as they were before the policy sized them (the runner closes); a size the user
+        set since is left alone."""
         if self.team != self.base:
-            torch.set_num_threads(self.base)
+            if torch.get_num_threads() == self.team:
+                _resize(self.base)
             self.team = self.base

@@ -53,6 +53,31 @@ def test_the_team_never_exceeds_the_users_setting_and_fixed_never_moves(monkeypa
     assert fixed.before_step() == 2
 
 
+def test_a_policy_made_while_another_has_shrunk_the_team_starts_from_the_users_setting(monkeypatch, restore_threads):
+    # GIVEN the user's 2 threads and a first policy (a runner) that shrank the team to 1 under load
+    torch.set_num_threads(2)
+    first = _policy(monkeypatch, [3.0], base=threads_mod.user_threads())  # 3 of its 4 CPUs taken
+    assert first.before_step() == 1 and torch.get_num_threads() == 1
+    # WHEN a second policy is made now (a draft model's runner, an EngineCache under generate)
+    second = ThreadPolicy(adaptive=True)
+    # THEN it may grow the team back to the user's 2, not only to the 1 it found
+    assert second.base == 2
+    # WHEN the first closes THEN the user's setting is back
+    first.restore()
+    assert torch.get_num_threads() == 2 and threads_mod.user_threads() == 2
+
+
+def test_restore_leaves_a_setting_the_user_made_since(monkeypatch, restore_threads):
+    # GIVEN a policy that shrank the team, then the user choosing 3 threads
+    torch.set_num_threads(2)
+    p = _policy(monkeypatch, [3.0], base=2)
+    p.before_step()
+    torch.set_num_threads(3)
+    # WHEN the policy restores THEN the user's 3 stays, and is what a new policy starts from
+    p.restore()
+    assert torch.get_num_threads() == 3 and ThreadPolicy(adaptive=False).base == 3
+
+
 def test_readings_are_spaced_by_the_interval(monkeypatch, restore_threads):
     # GIVEN a policy with a long interval THEN only the first step reads the load
     calls = []

@@ -1,0 +1,159 @@
+"""Where a decode step's time goes under contention: a sampled profile (``perf record``) of kvdoctor's runner
+decoding, quiet and beside busy loops, under each thread policy.
+
+A child process loads SmolLM2, prefills a batch and decodes for ``--seconds``; while it decodes, ``perf record
+-e cpu-clock`` samples all of its threads. The samples are put in four places: OpenMP's runtime (libgomp: a
+thread spinning or sleeping at a barrier, or waiting for the next parallel region), torch's kernels (libtorch,
+MKL, oneDNN), kvdoctor's C kernels (``~/.cache/kvdoctor/kernels``), the interpreter, and the OS kernel. Beside the
+shares: the step's wall time, the CPU time the process took per step (all threads), and how much of the wall
+time the process ran at all (CPU time / wall time / team). A sample is a thread on a CPU: a thread descheduled
+by a busy loop leaves no sample, so "libgomp" is the CPU the team burned waiting, not the time it lost.
+
+    .venv/bin/python benchmarks/contention_profile.py [--conditions quiet,loops2] [--policies fixed,adaptive]
+        [--batch 1] [--seconds 6] [--spincount N] [--json]
+
+``--spincount N`` starts the child with ``GOMP_SPINCOUNT=N`` (how long libgomp spins at a barrier before it
+sleeps, read when the runtime loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contention import ROOT, BusyLoops, _loops, others, reading  # noqa: E402
+
+_LIBGOMP = Path(importlib.util.find_spec("torch").submodule_search_locations[0]) / "lib/libgomp.so.1"  # torch's runtime
+_CHILD = """
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from pairing import prefilled, prompts_of
+from kvdoctor.engine.model.model import load_model
+from kvdoctor.engine.serving.runner import Runner
+batch, seconds = int(sys.argv[2]), float(sys.argv[3])
+lm = load_model(None, light=True)
+runner = Runner.create(lm.model, tokenizer=lm.tokenizer, device_blocks=512, host_blocks=0)
+prompts = prompts_of(lm.tokenizer, [40 + 7 * i for i in range(batch)])
+prefilled(runner, prompts, 8).run()
+sched = prefilled(runner, prompts, 4000)
+print("ready", flush=True)
+sys.stdin.readline()
+t0, c0, steps, teams = time.perf_counter(), time.process_time(), 0, []
+while time.perf_counter() - t0 < seconds:
+    sched.step()
+    steps += 1
+    teams.append(runner.threads.team)
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+print(json.dumps({"steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
+                  "base": runner.threads.base, "team_mean": sum(teams) / len(teams)}), flush=True)
+"""
+
+# Where a sampled symbol's library puts it: OpenMP's runtime (libgomp), kvdoctor's kernels, torch's, the
+# interpreter, the OS.
+_KERNELS = "|".join(c.stem for c in (ROOT / "engine/kernels").glob("*.c"))  # built as NAME-KEY.so
+_PLACES = [("openmp", re.compile(r"libgomp")), ("kvdoctor kernels", re.compile(rf"^({_KERNELS})-[0-9a-f]+\.so$")),
+           ("torch", re.compile(r"libtorch|libc10|mkl|dnnl|sleef|libiomp")),
+           ("python", re.compile(r"python|\.cpython-|libffi|_ctypes")), ("os kernel", re.compile(r"kernel"))]
+
+
+def spin_loops(library: str) -> list[int]:
+    """The addresses of ``pause`` instructions in ``library``: every spin-wait loop in libgomp (do_spin, inlined
+    in the barrier waits and the team's dock) is a ``pause``, a counter and a compare. torch's wheel ships
+    libgomp without its internal symbols, so the loops are found by their instruction instead of by name."""
+    try:
+        text = subprocess.run(["objdump", "-d", library], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    return [int(m.group(1), 16) for m in re.finditer(r"^\s*([0-9a-f]+):\s+f3 90\s+pause", text, re.M)]
+
+
+def place(dso: str, sym: str, pauses: list[int]) -> str:
+    name = next((name for name, pattern in _PLACES if pattern.search(dso)), "other")
+    if name == "openmp":
+        addr = int(sym, 16) if re.fullmatch(r"0x[0-9a-f]+", sym) else None
+        spinning = "do_spin" in sym or "barrier_wait" in sym or (
+            addr is not None and any(0 <= addr - p <= 0x18 for p in pauses))
+        return "openmp spin" if spinning else "openmp other"
+    return name
+
+
+def shares(report: str, pauses: list[int]) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
+    """The samples' shares by place and the top symbols, from ``perf report --sort dso,sym --stdio``."""
+    places: dict[str, float] = {}
+    symbols = []
+    for line in report.splitlines():
+        m = re.match(r"\s*([0-9.]+)%\s+(\S+)\s+\[[.k]\]\s+(.+?)\s*$", line)
+        if m:
+            pct, dso, sym = float(m.group(1)), m.group(2), m.group(3)
+            where = place(dso, sym, pauses)
+            places[where] = places.get(where, 0.0) + pct
+            symbols.append((pct, dso, sym))
+    return {k: round(v, 1) for k, v in sorted(places.items(), key=lambda kv: -kv[1])}, symbols[:12]
+
+
+def profile(condition: str, policy: str, batch: int, seconds: float, spincount: int | None) -> dict:
+    env = {**os.environ, "KVDOCTOR_THREADS": policy}
+    if spincount is not None:
+        env["GOMP_SPINCOUNT"] = str(spincount)
+    with tempfile.TemporaryDirectory() as tmp, BusyLoops(_loops(condition)) as loops:
+        data = os.path.join(tmp, "perf.data")
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(ROOT / "benchmarks"), str(batch), str(seconds)],
+                                 cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdin is not None
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit(f"the decode child failed ({child.wait()})")
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-o", data, "-p", str(child.pid)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        running = loops.pids + [child.pid, perf.pid]
+        load, before = os.getloadavg()[0], reading(running)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        result = json.loads(child.stdout.readline())
+        busy = others(before, reading(running))
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
+        child.wait()
+        report = subprocess.run(["perf", "report", "-i", data, "--sort", "dso,sym", "--stdio", "--no-children"],
+                                capture_output=True, text=True).stdout
+    places, top = shares(report, spin_loops(str(_LIBGOMP)))
+    result["ran_share"] = round(result["cpu_ms"] / result["step_ms"] / result["team_mean"], 2)
+    return {"condition": condition, "policy": policy, "batch": batch, "spincount": spincount,
+            "load_before": round(load, 2), "others_cpus": round(busy, 2), **result, "places": places,
+            "top": [f"{p:.1f}% {sym} ({Path(dso).name})" for p, dso, sym in top]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conditions", default="quiet,loops2")
+    ap.add_argument("--policies", default="fixed,adaptive")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--spincount", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    for condition in args.conditions.split(","):
+        for policy in args.policies.split(","):
+            r = profile(condition, policy, args.batch, args.seconds, args.spincount)
+            if args.json:
+                print(json.dumps(r), flush=True)
+                continue
+            print(f"{condition} {policy} batch {r['batch']} (load {r['load_before']}, others {r['others_cpus']} CPUs): "
+                  f"{r['step_ms']:.1f} ms a step, "
+                  f"{r['cpu_ms']:.1f} ms CPU, team {r['team_mean']:.2f}, ran {r['ran_share']:.0%} of the time")
+            print("  " + ", ".join(f"{k} {v}%" for k, v in r["places"].items()))
+            for line in r["top"][:8]:
+                print("    " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
