@@ -10,6 +10,8 @@ share the CPUs equally); beside a copy of itself, 2. Workloads:
 - ``decode``: ``kvdoctor run`` greedy decode at batch 1, the time per decode token;
 - ``decode8``: the runner (``Runner.forward`` under the scheduler, as ``kvdoctor run`` drives it) decoding eight
   requests in one batch (``benchmarks/decode.py``'s batch-8 prompt lengths), the time per decode step (8 tokens);
+- ``demo``: ``kvdoctor check --demo --steps`` (``--tokens``) from start to exit: model load, the demo's engine on
+  SmolLM2 and the checks; two at once ("omp") is the issue's "two kvdoctor demos at once";
 - ``generate``: transformers' ``generate`` on the same model at batch 1, the time per decode token (the
   reference: what a plain torch workload loses);
 - ``generate+policy``: the same ``generate`` with the thread policy asked before every forward pass (a forward
@@ -27,7 +29,8 @@ load average before it and the CPUs' worth of time processes other than the benc
 machine, a run with others above ~0.3 ran beside more than its condition says. Usage::
 
     .venv/bin/python benchmarks/contention.py [--repeats 3] [--conditions quiet,loops1,loops2,loops4,omp]
-        [--workloads serve,decode,decode8,generate,generate+policy] [--policies adaptive,fixed] [--tokens 64] [--json]
+        [--workloads serve,decode,decode8,demo,generate,generate+policy] [--policies adaptive,fixed] [--tokens 64]
+        [--json]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvdoctor.engine.model.threads import cpu_busy
@@ -97,13 +101,18 @@ def _command(workload: str, tokens: int) -> list[str]:
                 "--no-probes"]
     if workload == "decode8":
         return [py, "-c", _BATCH, str(ROOT / "benchmarks"), str(tokens)]
+    if workload == "demo":
+        return [py, "-m", "kvdoctor.cli", "check", "--demo", "--steps", str(tokens)]
     return [py, "-c", _GENERATE, PROMPT, str(tokens), "policy" if workload == "generate+policy" else "-"]
 
 
-def _seconds(workload: str, proc: subprocess.CompletedProcess[str]) -> float:
-    """The workload's own figure: the serve example's elapsed seconds; seconds per decode step otherwise."""
+def _seconds(workload: str, proc: subprocess.CompletedProcess[str], wall: float) -> float:
+    """The workload's own figure: the serve example's elapsed seconds; the demo's whole run (``wall``, model load
+    and checks included, as its user waits for it); seconds per decode step otherwise."""
     if proc.returncode != 0:
         raise SystemExit(f"{workload} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+    if workload == "demo":
+        return wall
     if workload == "serve":
         return float(re.search(r"tokens in \d+ steps, ([0-9.]+) s", proc.stderr).group(1))
     if workload == "decode":
@@ -114,13 +123,16 @@ def _seconds(workload: str, proc: subprocess.CompletedProcess[str]) -> float:
 def _run(workload: str, tokens: int, policy: str, copies: int) -> float:
     """Mean figure of ``copies`` instances of the workload started together."""
     env = {**os.environ, "KVDOCTOR_THREADS": policy}
+    t0 = time.perf_counter()
     procs = [subprocess.Popen(_command(workload, tokens), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(copies)]
-    results = []
-    for p in procs:
+
+    def finish(p: subprocess.Popen[str]) -> float:  # each copy's own end, though they end in any order
         out, err = p.communicate()
-        results.append(_seconds(workload, subprocess.CompletedProcess(p.args, p.returncode, out, err)))
-    return statistics.fmean(results)
+        return _seconds(workload, subprocess.CompletedProcess(p.args, p.returncode, out, err), time.perf_counter() - t0)
+
+    with ThreadPoolExecutor(copies) as pool:
+        return statistics.fmean(pool.map(finish, procs))
 
 
 def proc_cpu(pids: list[int]) -> float:
@@ -224,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conditions", default="quiet,loops1,loops2,loops4,omp")
     ap.add_argument("--workloads", default="serve,decode,generate")
     ap.add_argument("--policies", default="adaptive,fixed")
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens of the decode and generate workloads")
+    ap.add_argument("--tokens", type=int, default=64,
+                    help="decode tokens of the decode and generate workloads; the demo's steps")
     ap.add_argument("--tui", action="store_true", help="also the TUI's key latency beside each condition but omp")
     ap.add_argument("--presses", type=int, default=20)
     ap.add_argument("--json", action="store_true")
@@ -263,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'workload':15} {'policy':9} {'condition':9} {'median':>9} {'× quiet':>8} {'fair':>5}  others' CPUs")
         for r in rows:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-            print(f"{r['workload']:15} {r['policy']:9} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} {r['fair']:5.2f}  "
+            print(f"{r['workload']:15} {r['policy']:9} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} "
+                  f"{r['fair']:5.2f}  "
                   + " ".join(f"{x:.2f}" for x in r["others_cpus"]))
         for condition, k in keys.items():
             print(f"tui key latency beside {condition}: median {k['median']:.3f} s, worst {k['worst']:.3f} s")

@@ -111,8 +111,8 @@ def profile(condition: str, policy: str, batch: int, seconds: float, spincount: 
         assert child.stdout is not None and child.stdin is not None
         if child.stdout.readline().strip() != "ready":
             raise SystemExit(f"the decode child failed ({child.wait()})")
-        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-o", data, "-p", str(child.pid)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-o", data,
+                                 "-p", str(child.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         running = loops.pids + [child.pid, perf.pid]
         load, before = os.getloadavg()[0], reading(running)
         child.stdin.write("\n")
