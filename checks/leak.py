@@ -91,8 +91,13 @@ class LeakCheck(CheckBase):
                        f"when the trace ends; it lost its last owner at step {since}")
         else:
             rule = "unreachable-swapped" if tier in _SLOW_TIERS else "unreachable"
-            message = (f"block {block} sits {where} with no owner: sequence {last_owner!r} let go of it "
-                       f"at step {since} and nothing freed or evicted it by the end of step {step}")
+            if block in ledger.ownerless_at_attach:
+                message = (f"block {block} sits {where} with no owner: it had none already when kvdoctor attached at "
+                           f"step {since} (its last owner, sequence {last_owner!r}, had ended) and nothing freed or "
+                           f"evicted it by the end of step {step}")
+            else:
+                message = (f"block {block} sits {where} with no owner: sequence {last_owner!r} let go of it "
+                           f"at step {since} and nothing freed or evicted it by the end of step {step}")
         return self.finding(
             rule, message, seq=last_owner, block=block, step=since,
             tier=tier, orphaned_at_step=since, judged_at_step=step, history=history,

@@ -14,8 +14,8 @@ from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from ..events import (
-    Alloc, Event, Evict, Free, Merge, Recode, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut,
-    Write, to_dict,
+    PREFIX_CACHE, Alloc, Event, Evict, Free, Merge, Recode, Release, Rollback, SeqEnd, SeqStart, Share, Snapshot,
+    SwapIn, SwapOut, Write, to_dict,
 )
 
 __all__ = ["Ledger", "SeqState", "FREED_KEPT", "ENDED_KEPT"]
@@ -52,7 +52,8 @@ class Ledger:
 
     # The events that change who owns a block or where it sits; ``owners``, ``tier``, ``used`` and
     # each sequence's ``blocks`` follow from these alone.
-    OWNERSHIP: frozenset[type] = frozenset({SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, SwapOut, SwapIn})
+    OWNERSHIP: frozenset[type] = frozenset({SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, SwapOut, SwapIn,
+                                          Snapshot})
 
     def __init__(self, *, history: int = 12, freed_kept: int = FREED_KEPT, ended_kept: int = ENDED_KEPT) -> None:
         self.history_len = history
@@ -79,12 +80,15 @@ class Ledger:
         # its seq_start's, its first alloc's, its seq_end's; kept as long as ``ended`` keeps the sequence.
         self.seq_stacks: dict[Any, dict[str, list[str]]] = {}
         self.step = 0
+        # A trace that starts mid-run (a ``snapshot``): the step it began at, and the blocks it found leaked
+        self.attached_at: int | None = None
+        self.ownerless_at_attach: set[int] = set()
         self._apply: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc,
             Share: self._share, Release: self._release, Free: self._free, Evict: self._free,
             Write: self._write, SwapOut: self._swap, SwapIn: self._swap, Rollback: self._rollback,
             Recode: self._recode,
-            Merge: self._recode,
+            Merge: self._recode, Snapshot: self._snapshot,
         }
 
     # ---- reading --------------------------------------------------------------------
@@ -301,3 +305,26 @@ class Ledger:
         state.version = ev.version
         if state.length is not None and ev.n > 0:  # a count below 1 drops nothing (the stale check names it)
             state.length = max(0, state.length - ev.n)
+
+    def _snapshot(self, ev: Snapshot) -> None:
+        """A trace that starts mid-run: take the cache as it stood, each block allocated to its first owner
+        (the alloc its history and a later leak's evidence start from) and shared with the rest; a block with
+        no owner left leaked before (``ownerless_at_attach``), its sequence gone already."""
+        self.attached_at = ev.step
+        for s in ev.seqs:
+            state = self.seqs[s.seq] = SeqState(s.seq, None)
+            state.version, state.length = s.version, s.length
+        for b in ev.blocks:
+            self._alloc(Alloc(t=ev.t, step=ev.step, block=b.block, tier=b.tier, seq=b.owners[0] if b.owners else b.seq,
+                              codec=b.codec))
+            for owner in b.owners[1:]:
+                self._share(Share(t=ev.t, step=ev.step, block=b.block, seq=owner))
+            self.version[b.block] = b.version
+            if not b.owners:
+                self.owners[b.block].clear()
+                self.orphans[b.block] = ev.step
+                self.ownerless_at_attach.add(b.block)
+        live = {s.seq for s in ev.seqs}
+        for seq in [q for q in self.seqs if q not in live and q != PREFIX_CACHE]:
+            del self.seqs[seq]  # the last owner of a leaked block, ended before the trace began
+            self.ended[seq] = ev.step

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..events import Evict, Free, Release, Share, Write
+from ..events import PREFIX_CACHE, Evict, Free, Release, Share, Snapshot, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -46,7 +46,8 @@ class PrefixCheck(CheckBase):
         self._reg: dict[int, _Registration] = {}
 
     def handlers(self):
-        return {Share: self._share, Write: self._write, Release: self._release, Free: self._gone, Evict: self._gone}
+        return {Share: self._share, Write: self._write, Release: self._release, Free: self._gone, Evict: self._gone,
+                Snapshot: self._snapshot}
 
     def _share(self, ev: Share) -> Sequence[Finding]:
         if ev.hash is None:
@@ -72,6 +73,12 @@ class PrefixCheck(CheckBase):
                 seq=ev.seq, block=ev.block, step=ev.step, key=ev.hash, rewritten_by=w.seq,
                 events=[self.event_dict(ev), self.event_dict(w)], history=self.ledger.block_history(ev.block),
             )]
+        return NO_FINDINGS
+
+    def _snapshot(self, ev: Snapshot) -> Sequence[Finding]:
+        for b in ev.blocks:  # attached mid-run: the blocks the cache had registered, under their keys
+            if b.hash is not None:
+                self._reg[b.block] = _Registration(b.hash, PREFIX_CACHE, ev.step)
         return NO_FINDINGS
 
     def _write(self, ev: Write) -> Sequence[Finding]:

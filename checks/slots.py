@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..events import Alloc, Evict, Free, Read, Truncate, Write
+from ..events import Alloc, Evict, Free, Read, Snapshot, Truncate, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -50,7 +50,7 @@ class SlotsCheck(CheckBase):
 
     def handlers(self):
         return {Alloc: self._gone, Free: self._gone, Evict: self._gone, Write: self._write, Read: self._read,
-                Truncate: self._truncate}
+                Truncate: self._truncate, Snapshot: self._snapshot}
 
     def _gone(self, ev: Alloc | Free | Evict) -> Sequence[Finding]:
         self.written.pop(ev.block, None)
@@ -58,6 +58,12 @@ class SlotsCheck(CheckBase):
 
     def _write(self, ev: Write) -> Sequence[Finding]:
         self.written.setdefault(ev.block, []).append((ev.pos, ev.n))
+        return NO_FINDINGS
+
+    def _snapshot(self, ev: Snapshot) -> Sequence[Finding]:
+        for b in ev.blocks:  # attached mid-run: what each block's writes so far left in it
+            if b.n:
+                self.written[b.block] = [(b.pos, b.n)]
         return NO_FINDINGS
 
     def _read(self, ev: Read) -> Sequence[Finding]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..events import PREFIX_CACHE, Evict, Free, Read, SeqEnd, Share, Weights, Write
+from ..events import PREFIX_CACHE, Evict, Free, Read, SeqEnd, Share, Snapshot, Weights, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -43,10 +43,16 @@ class WeightsCheck(CheckBase):
 
     def handlers(self):
         return {Weights: self._weights, Write: self._write, Share: self._share, Free: self._gone, Evict: self._gone,
-                SeqEnd: self._ended, Read: self._read}
+                SeqEnd: self._ended, Read: self._read, Snapshot: self._snapshot}
 
     def _weights(self, ev: Weights) -> Sequence[Finding]:
         self.version, self.change = ev.version, ev
+        return NO_FINDINGS
+
+    def _snapshot(self, ev: Snapshot) -> Sequence[Finding]:
+        for b in ev.blocks:  # attached mid-run: what a cache holds was computed by the weights it runs now, or older
+            if b.n:
+                self.written_under[b.block] = self.version
         return NO_FINDINGS
 
     def _write(self, ev: Write) -> Sequence[Finding]:

@@ -30,6 +30,12 @@ class Bus:
         # Hot paths test this attribute before building an event, so an unobserved engine
         # pays one attribute read per potential event.
         self.enabled = False
+        self._after_step: list[Callable[[], None]] = []
+
+    def after_step(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` after each step is closed and handed to the sinks: the moment a cache is whole (a
+        trace attached from outside starts there)."""
+        self._after_step.append(hook)
 
     def subscribe(self, sink: Sink) -> None:
         self._sinks.append(sink)
@@ -70,6 +76,8 @@ class Bus:
         self.flush()
         self._step_t0 = now
         self.step += 1
+        for hook in self._after_step:
+            hook()
 
     def flush(self) -> None:
         if not self._buf:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "Knob", "KnobError", "KNOBS", "get", "markdown",
-    "TRACE", "FAULT", "VERIFY", "VERIFY_MODES", "PROBES", "PROBES_INTERVAL", "PROBES_HEAP",
+    "TRACE", "ATTACH_DIR", "FAULT", "VERIFY", "VERIFY_MODES", "PROBES", "PROBES_INTERVAL", "PROBES_HEAP",
     "MATVEC", "DECODE_LAYER", "HUGEPAGES", "THREADS", "CC", "XDG_CACHE_HOME", "HYPOTHESIS", "FUZZ_EXAMPLES", "FUZZ_REPORT",
     "TP_SHELL",
 ]
@@ -86,6 +86,10 @@ TRACE = _text_knob(
     "KVDOCTOR_TRACE", "path", "the trace file every producer in the process writes: each engine cache (a second "
     "cache in the process writes beside it, numbered), the transformers observer, the vLLM plugin. Unset: no trace",
     "a file path; a name ending .kvtrace.msgpack picks the binary encoding")
+ATTACH_DIR = _text_knob(
+    "KVDOCTOR_ATTACH_DIR", "path", "the folder where `kvdoctor watch|check --pid` leaves its request to a running "
+    "process and the process answers it; both must see the same value. Unset: kvdoctor-attach-<uid> in the temp folder",
+    "a folder path (created when missing)")
 FAULT = _text_knob(
     "KVDOCTOR_FAULT", "name", "the engine's deliberate fault, switched on in every cache the process builds",
     "a fault name of `kvdoctor.engine.faults.FAULTS` (listed in docs/checks.md and `kvdoctor run --help`)",
@@ -131,8 +135,9 @@ TP_SHELL = _text_knob(
     "KVDOCTOR_TP_SHELL", "path", "a Perfetto trace_processor_shell binary: the Perfetto export is checked with it",
     "a file path", scope="tests")
 
-KNOBS: tuple[Knob, ...] = (TRACE, FAULT, VERIFY, PROBES, PROBES_INTERVAL, PROBES_HEAP, MATVEC, DECODE_LAYER,
-                           HUGEPAGES, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT, TP_SHELL)
+KNOBS: tuple[Knob, ...] = (TRACE, ATTACH_DIR, FAULT, VERIFY, PROBES, PROBES_INTERVAL, PROBES_HEAP, MATVEC,
+                           DECODE_LAYER, HUGEPAGES, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT,
+                           TP_SHELL)
 
 _parsed: dict[str, tuple[str, Any]] = {}  # name -> (the raw value last parsed, its value)
 

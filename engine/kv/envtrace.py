@@ -69,6 +69,9 @@ class EnvTrace:
         self.cache = cache
         self._writer: Any = None
         self._attached: list[Any] = []  # what the hooks attached; each has detach()
+        from .attached import AttachedTrace
+
+        self.on_request = AttachedTrace(cache)  # the trace ``kvdoctor watch|check --pid`` may ask for while it runs
 
     def open(self) -> None:
         """Start the trace and call the hooks if ``KVDOCTOR_TRACE`` names a file (once the cache is whole)."""
@@ -92,7 +95,8 @@ class EnvTrace:
             attached.detach()
 
     def close(self) -> None:
-        """Close the trace file (after the cache's last events are flushed)."""
+        """Close the trace files (after the cache's last events are flushed)."""
+        self.on_request.close()
         if self._writer is not None:
             self.cache.bus.unsubscribe(self._writer.write_many)
             self._writer.close()

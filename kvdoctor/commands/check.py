@@ -3,6 +3,7 @@
     kvdoctor check --trace run.kvtrace                  # a finished trace, or one still being written
     kvdoctor check -- python serve.py --requests 100    # start a workload with tracing on, check it live
     kvdoctor check --demo --fault leak-swapped          # the embedded model's demo workload
+    kvdoctor check --pid 4242 --duration 60             # attach to a running process's kvdoctor engine
     kvdoctor check --trace run.kvtrace --format sarif --output kvdoctor.sarif --fail-on warning
     kvdoctor check --trace run.kvtrace --format html -o report.html   # one self-contained page for CI
 
@@ -34,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="trace files, directories of them or globs, checked as one workload (each trace on its "
                      "own, and the rules across traces over all); a trace is followed while its writer runs")
     src.add_argument("--demo", action="store_true", help="run the embedded model's demo workload and check it")
+    src.add_argument("--pid", type=int, metavar="PID",
+                     help="attach to a running process whose kvdoctor engine runs steps: its caches trace from their "
+                     "next step's end (a snapshot of what they hold first), checked until it exits, --duration ends "
+                     "or Ctrl-C; then it stops tracing (docs/cli.md)")
     src.add_argument("--vllm-events", metavar="ENDPOINT",
                      help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT): check what its events can show, until "
                      "Ctrl-C or --idle-exit seconds without an event (docs/integrations.md)")
@@ -45,7 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-exit", type=float, default=0.0, metavar="S",
                    help="with --vllm-events: stop after S seconds without an event (default: until Ctrl-C)")
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
-                   help="with --trace --follow: seconds to wait for the file to appear (default 10)")
+                   help="with --trace --follow: seconds to wait for the file to appear; with --pid: for the process "
+                   "to answer (default 10)")
+    p.add_argument("--duration", type=float, metavar="S",
+                   help="with --pid: check S seconds of the process's work, then detach and report")
     p.add_argument("--metrics-port", type=int, metavar="N",
                    help="serve Prometheus metrics (tiers, swaps, prefix and prefetch hits, findings, events; docs/integrations.md) on 127.0.0.1:N "
                         "while checking; with --trace --follow, headless monitoring of a serving process")
@@ -98,10 +106,14 @@ def _check(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     chosen = [name for name, on in (("--trace", args.trace), ("--demo", args.demo), ("a command", command),
-                                    ("--vllm-events", args.vllm_events)) if on]
+                                    ("--vllm-events", args.vllm_events), ("--pid", args.pid is not None)) if on]
     if len(chosen) != 1:
-        raise UsageError("give exactly one source: --trace FILE, --demo, --vllm-events ENDPOINT, or -- CMD ARGS..."
-                         + (f" (got {' and '.join(chosen)})" if chosen else ""))
+        raise UsageError("give exactly one source: --trace FILE, --demo, --pid PID, --vllm-events ENDPOINT, or -- CMD "
+                         "ARGS..." + (f" (got {' and '.join(chosen)})" if chosen else ""))
+    if args.duration is not None and (args.pid is None or args.duration <= 0):
+        raise UsageError("--duration takes a positive number of seconds, with --pid")
+    if args.pid is not None and (args.fault or args.verify):
+        raise UsageError("--fault and --verify apply to a workload kvdoctor starts; a process attached to runs as it was started")
     if args.fault and args.trace:
         raise UsageError("--fault applies to --demo or a command; a trace was recorded with whatever faults it had")
     if args.prefix_cache and not args.demo:
@@ -142,6 +154,13 @@ def _check(args: argparse.Namespace) -> int:
             argv += ["--prefix-cache"]
         source = TraceSet.command(argv, fault=args.fault, env=env)
         source.name = "kvdoctor demo" + (f" --fault {args.fault}" if args.fault else "")
+    elif args.pid is not None:
+        from ..pid_source import ProcessTraces
+
+        source = ProcessTraces(args.pid, wait_s=args.wait)
+        source.attach(args.wait)
+        if args.duration is not None:
+            source.detach_after(args.duration)
     elif args.vllm_events:
         from ..integrations.vllm_events import bridge_argv
 

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--demo", action="store_true",
                      help="run the embedded SmolLM2 serving a continuous stream of chat requests")
     src.add_argument("--trace", metavar="FILE", help="follow a trace file that another process is writing")
+    src.add_argument("--pid", type=int, metavar="PID",
+                     help="attach to a running process whose kvdoctor engine runs steps: its first cache traces from "
+                     "its next step's end (a snapshot of what it holds first) until the screen closes")
     src.add_argument("--vllm-events", metavar="ENDPOINT",
                      help="vLLM's ZMQ KV-event publisher (tcp://HOST:PORT); see docs/integrations.md")
     add_fault_argument(p, applies="with --demo or -- CMD: ")
@@ -66,10 +69,13 @@ def run(args: argparse.Namespace) -> int:
         from ..integrations.vllm_events import bridge_argv
 
         command = bridge_argv(args.vllm_events)  # the bridge is a workload that writes the trace the TUI follows
-    chosen = [name for name, on in (("--demo", args.demo), ("--trace", args.trace), ("-- CMD", command)) if on]
+    chosen = [name for name, on in (("--demo", args.demo), ("--trace", args.trace), ("-- CMD", command),
+                                    ("--pid", args.pid is not None)) if on]
     if len(chosen) != 1:
         what = "nothing" if not chosen else " and ".join(chosen)
-        raise UsageError(f"choose exactly one source (got {what}): --demo, --trace FILE, or -- CMD ARGS")
+        raise UsageError(f"choose exactly one source (got {what}): --demo, --trace FILE, --pid PID, or -- CMD ARGS")
+    if args.pid is not None:
+        return _watch_process(args)
     if args.fault and args.trace:
         raise UsageError("--fault applies to a workload kvdoctor starts (--demo or -- CMD), not to --trace")
     if args.model and not args.demo:
@@ -129,6 +135,24 @@ def run(args: argparse.Namespace) -> int:
     elif workload is not None:
         print(f"{ending} (--keep-trace keeps its trace to replay or check)", file=sys.stderr)
     return 0
+
+
+def _watch_process(args: argparse.Namespace) -> int:
+    """``--pid``: the screen follows the trace the process's first cache writes once attached; closing the
+    screen takes the request back, so the process stops tracing."""
+    from ..errors import UsageError
+    from ..pid_source import ProcessTraces
+
+    if args.fault or args.keep_trace or args.model or args.codec or args.prefix_cache:
+        raise UsageError("--fault, --keep-trace, --model, --codec and --prefix-cache apply to a workload kvdoctor "
+                         "starts; a process attached to runs as it was started")
+    source = ProcessTraces(args.pid, wait_s=10.0)
+    try:
+        answers = source.attach(args.wait if args.wait is not None else 10.0)
+        args.trace, args.pid = answers[0]["trace"], None  # from here on: a trace another process writes
+        return run(args)
+    finally:
+        source.close()
 
 
 def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: Any) -> None:
