@@ -103,11 +103,12 @@ class EngineCache(Cache):
     the given names back.
 
     Misuse raises ``CacheMisuse`` before the model fails somewhere deep, with a finding in the trace
-    where one applies: a model whose layers, KV heads or head size differ from the engine's; a batch
-    of another size on the rows an earlier generate call left (a ``batch`` event whose shape does not
-    fit them: ``batch/batch-shape``); and, for a cache built from ``model``, a generate call whose
-    prompt does not continue the tokens those rows hold (an unrelated prompt on a used cache, which
-    transformers would compute after the old tokens). ``finish()`` between unrelated generate calls.
+    where one applies: a model whose layers, KV heads or head size differ from the engine's (the trace
+    header names no head shapes, so no finding); a batch of another size on the rows an earlier generate
+    call left (a ``batch`` event whose shape does not fit them: ``batch/batch-shape``); and, for a cache
+    built from ``model``, a generate call whose prompt does not continue the tokens those rows hold (an
+    unrelated prompt on a used cache, which transformers would compute after the old tokens: a ``batch``
+    from position 0 on rows that hold tokens, ``batch/batch-position``). ``finish()`` between unrelated generate calls.
     """
 
     def __init__(self, model: Any = None, *, cache: PagedKVCache | None = None, seqs: Sequence[SeqId] | None = None,
@@ -325,21 +326,28 @@ class EngineCache(Cache):
         else:
             where = f"has {input_ids.shape[1]} tokens"
         rows = ", ".join(map(str, self.seqs))
+        # in the trace, the pass the call would make: its prompt from position 0 on rows that hold ``held`` tokens
+        self._refused_batch(positions=[0] * len(self.seqs), n=[input_ids.shape[1]] * len(self.seqs))
         raise CacheMisuse("prompt", f"this EngineCache's rows ({rows}) hold {held} tokens from an earlier generate "
                                     f"call, and this call's prompt {where}: it does not continue them. Call "
                                     f"cache.finish() before an unrelated prompt, or pass the earlier output followed "
                                     f"by the new tokens to continue")
 
+    def _refused_batch(self, positions: list[int], n: list[int], shape: list[int] | None = None) -> None:
+        """The ``batch`` event of a pass refused as misuse, written at once: the trace shows what the call would
+        have computed on the rows it found (``batch/batch-position``, ``batch/batch-shape``) before the error."""
+        bus = self.engine.bus
+        if bus.enabled:
+            bus.emit(Batch, rows=list(self.seqs), positions=positions, n=n, shape=shape)
+            bus.flush()
+
     def _wrong_batch(self, batch: int, new: int) -> None:
         """A pass of ``batch`` rows on the rows an earlier call left: the ``batch`` event the engine would
         compute (its shape does not fit the rows it holds: ``batch/batch-shape``), then ``CacheMisuse``."""
-        eng = self.engine
+        eng, c = self.engine, self.engine.config
         held = len(self.seqs)
-        if eng.bus.enabled:
-            c = eng.config
-            eng.bus.emit(Batch, rows=list(self.seqs), positions=[eng.seq_len(s) for s in self.seqs], n=[new] * held,
-                         shape=[batch, c.num_kv_heads, eng.seq_len(self.seqs[0]) + new, c.head_dim])
-            eng.bus.flush()
+        self._refused_batch(positions=[eng.seq_len(s) for s in self.seqs], n=[new] * held,
+                            shape=[batch, c.num_kv_heads, eng.seq_len(self.seqs[0]) + new, c.head_dim])
         raise CacheMisuse("batch", f"this EngineCache holds {held} row(s) ({', '.join(map(str, self.seqs))}) from an "
                                    f"earlier generate call, but the model passed a batch of {batch}: call "
                                    f"cache.finish() between generate calls, or use one EngineCache per batch")

@@ -124,9 +124,11 @@ def test_a_batch_of_another_size_on_live_rows_is_a_clear_error_and_a_finding(mod
     assert [f"{f.check}/{f.rule}" for f in suite.findings + suite.finish()] == ["batch/batch-shape"]
 
 
-def test_an_unrelated_prompt_on_used_rows_is_a_clear_error_and_a_continued_one_is_not(model):
+def test_an_unrelated_prompt_on_used_rows_is_a_clear_error_and_a_finding_and_a_continued_one_is_not(model):
     # GIVEN a cache whose row a first generate call left
     cache = EngineCache(model, device_blocks=32)
+    suite = make_suite()
+    cache.bus.subscribe(suite.observe_many)
     first = _generate(model, torch.tensor([[5, 6, 7, 8]]), cache=cache, n=3).sequences
     # WHEN the next call continues the conversation THEN it runs on the row
     second = _generate(model, torch.cat([first, torch.tensor([[9, 10]])], dim=1), cache=cache, n=2).sequences
@@ -136,10 +138,14 @@ def test_an_unrelated_prompt_on_used_rows_is_a_clear_error_and_a_continued_one_i
                                           r"this call's prompt differs from them at position 0") as err:
         _generate(model, torch.tensor([[50, 60, 70, 80, 90, 100, 110, 120, 10, 11, 12]]), cache=cache, n=2)
     assert err.value.what == "prompt"
+    # AND the trace holds the pass it would have made, a prompt from position 0 on a row holding 10 tokens
+    found = [f for f in suite.findings if f.rule == "batch-position"]
+    assert len(found) == 1 and found[0].seq == "gen1.row0" and "holds 10 cached tokens" in found[0].message
     # AND after finish() the same prompt is a new row; after close() the model is as it was
     cache.finish()
     _generate(model, torch.tensor([[50, 60, 70]]), cache=cache, n=2)
     cache.close()
+    assert [f"{f.check}/{f.rule}" for f in suite.findings + suite.finish()] == ["batch/batch-position"]
     assert "prepare_inputs_for_generation" not in vars(model)
 
 
