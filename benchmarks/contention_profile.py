@@ -10,7 +10,7 @@ time the process ran at all (CPU time / wall time / team). A sample is a thread 
 by a busy loop leaves no sample, so "libgomp" is the CPU the team burned waiting, not the time it lost.
 
     .venv/bin/python benchmarks/contention_profile.py [--conditions quiet,loops2] [--policies fixed,adaptive]
-        [--batch 1] [--seconds 6] [--spincount N] [--json]
+        [--batch 1] [--seconds 6] [--spincount N] [--regions] [--json]
 
 ``--spincount N`` starts the child with ``GOMP_SPINCOUNT=N`` (how long libgomp spins at a barrier before it
 sleeps, read when the runtime loads).
@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -100,19 +101,22 @@ def shares(report: str, pauses: list[int]) -> tuple[dict[str, float], list[tuple
     return {k: round(v, 1) for k, v in sorted(places.items(), key=lambda kv: -kv[1])}, symbols[:12]
 
 
-def profile(condition: str, policy: str, batch: int, seconds: float, spincount: int | None) -> dict:
+def _decode_under_perf(condition: str, policy: str, batch: int, seconds: float, spincount: int | None,
+                      perf_args: list[str], data: str) -> dict:
+    """Run the decode child beside ``condition``'s loops with ``perf record PERF_ARGS`` on it while it decodes;
+    the child's figures, the load before and the CPUs others took meanwhile."""
     env = {**os.environ, "KVDOCTOR_THREADS": policy}
     if spincount is not None:
         env["GOMP_SPINCOUNT"] = str(spincount)
-    with tempfile.TemporaryDirectory() as tmp, BusyLoops(_loops(condition)) as loops:
-        data = os.path.join(tmp, "perf.data")
+    with BusyLoops(_loops(condition)) as loops:
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(ROOT / "benchmarks"), str(batch), str(seconds)],
                                  cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None and child.stdin is not None
         if child.stdout.readline().strip() != "ready":
             raise SystemExit(f"the decode child failed ({child.wait()})")
-        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-o", data,
-                                 "-p", str(child.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        perf = subprocess.Popen(["perf", "record", "-q", *perf_args, "-o", data, "-p", str(child.pid)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # perf attaches to every thread before the child starts decoding
         running = loops.pids + [child.pid, perf.pid]
         load, before = os.getloadavg()[0], reading(running)
         child.stdin.write("\n")
@@ -122,13 +126,53 @@ def profile(condition: str, policy: str, batch: int, seconds: float, spincount: 
         perf.send_signal(signal.SIGINT)
         perf.wait()
         child.wait()
+    return {"condition": condition, "policy": policy, "batch": batch, "spincount": spincount,
+            "load_before": round(load, 2), "others_cpus": round(busy, 2), **result}
+
+
+def profile(condition: str, policy: str, batch: int, seconds: float, spincount: int | None) -> dict:
+    """Where the step's CPU samples fall (``places``), with the step's wall and CPU time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "perf.data")
+        r = _decode_under_perf(condition, policy, batch, seconds, spincount, ["-e", "cpu-clock", "-F", "997"], data)
         report = subprocess.run(["perf", "report", "-i", data, "--sort", "dso,sym", "--stdio", "--no-children"],
                                 capture_output=True, text=True).stdout
     places, top = shares(report, spin_loops(str(_LIBGOMP)))
-    result["ran_share"] = round(result["cpu_ms"] / result["step_ms"] / result["team_mean"], 2)
-    return {"condition": condition, "policy": policy, "batch": batch, "spincount": spincount,
-            "load_before": round(load, 2), "others_cpus": round(busy, 2), **result, "places": places,
-            "top": [f"{p:.1f}% {sym} ({Path(dso).name})" for p, dso, sym in top]}
+    r["ran_share"] = round(r["cpu_ms"] / r["step_ms"] / r["team_mean"], 2)
+    return {**r, "places": places, "top": [f"{p:.1f}% {sym} ({Path(dso).name})" for p, dso, sym in top]}
+
+
+_ENTRIES = ("GOMP_parallel", "GOMP_barrier")  # a parallel region (ends in a barrier); an explicit barrier in one
+
+
+def regions(policy: str, batch: int, seconds: float) -> dict:
+    """Parallel regions and explicit barriers a decode step opens, by the library that opened them: uprobes on
+    torch's libgomp (``perf probe``, removed afterwards), each hit's caller from its call chain. Quiet only: a
+    count does not depend on the load."""
+    lib = str(_LIBGOMP)
+    for entry in _ENTRIES:
+        subprocess.run(["perf", "probe", "-q", "-x", lib, entry], capture_output=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = os.path.join(tmp, "perf.data")
+            events = [a for e in _ENTRIES for a in ("-e", f"probe_libgomp:{e}")]
+            # DWARF unwinding: at libgomp's entry the caller has no frame yet, frame pointers would skip it
+            r = _decode_under_perf("quiet", policy, batch, seconds, None, [*events, "--call-graph", "dwarf,2048"], data)
+            script = subprocess.run(["perf", "script", "-i", data, "-F", "event,ip,sym,dso"], capture_output=True,
+                                    text=True).stdout
+    finally:
+        subprocess.run(["perf", "probe", "-q", "-d", "probe_libgomp:*"], capture_output=True)
+    counts: dict[str, float] = {}
+    for sample in script.split("\n\n"):
+        lines = [ln.strip() for ln in sample.strip().splitlines()]
+        if len(lines) < 3:
+            continue
+        entry = next((e for e in _ENTRIES if e in lines[0]), "?")
+        caller = re.match(r"[0-9a-f]+\s+(.*?)(?:<[^()]*>)?\s*\(([^()]*)\)$", lines[2])  # frame 1: who called it
+        where = f"{Path(caller.group(2)).name.split('-')[0]}:{caller.group(1).split('(')[0]}" if caller else "?"
+        counts[f"{entry} from {where}"] = counts.get(f"{entry} from {where}", 0) + 1
+    per_step = {k: round(v / r["steps"], 1) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {**r, "per_step": per_step}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,8 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--spincount", type=int, default=None)
+    ap.add_argument("--regions", action="store_true",
+                    help="count the parallel regions and barriers of a quiet step instead (uprobes on libgomp)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.regions:
+        for policy in args.policies.split(","):
+            r = regions(policy, args.batch, args.seconds)
+            print(json.dumps(r) if args.json else f"{policy} batch {r['batch']}: {r['step_ms']:.1f} ms a step; per step "
+                  + ", ".join(f"{k} {v}" for k, v in r["per_step"].items()), flush=True)
+        return 0
     for condition in args.conditions.split(","):
         for policy in args.policies.split(","):
             r = profile(condition, policy, args.batch, args.seconds, args.spincount)
