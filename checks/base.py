@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 import msgspec
 
 from ..events import Event, ObserverError, StepEnd, Unknown, to_dict
-from ..findings import Finding, Severity
+from ..findings import Finding, Severity, drawn_id
 
 from .causes import Causes
 from .ledger import Ledger
@@ -284,6 +284,8 @@ class CheckSuite:
                 if stacks:
                     f = msgspec.structs.replace(f, stacks=stacks)
             f.evidence.setdefault("event_index", self.num_events)
+            if drawn_id(f.seq) and f.seq in self.ledger.seq_index:  # what its fingerprint names instead
+                f.evidence.setdefault("seq_index", self.ledger.seq_index[f.seq])
             kept.append(f)
             self.findings.append(f)
         return kept

@@ -79,6 +79,10 @@ class Ledger:
         # The user's stacks the producer recorded (empty when it records none), per sequence and kind:
         # its seq_start's, its first alloc's, its seq_end's; kept as long as ``ended`` keeps the sequence.
         self.seq_stacks: dict[Any, dict[str, list[str]]] = {}
+        # Each sequence's place in the order sequences started (kept as long as ``ended`` keeps it): what a
+        # finding's fingerprint names instead of an id a server draws at random (``Finding.key``)
+        self.seq_index: dict[Any, int] = {}
+        self._seq_indexes_forgotten = 0
         self.step = 0
         # A trace that starts mid-run (a ``snapshot``): the step it began at, and the blocks it found leaked
         self.attached_at: int | None = None
@@ -178,6 +182,7 @@ class Ledger:
 
     def _seq_start(self, ev: SeqStart) -> None:
         self.seqs[ev.seq] = SeqState(ev.seq, ev)
+        self.seq_index.setdefault(ev.seq, len(self.seq_index) + self._seq_indexes_forgotten)
         self.ended.pop(ev.seq, None)
         if ev.stack:
             self.seq_stacks[ev.seq] = {"seq_start": ev.stack}
@@ -189,6 +194,8 @@ class Ledger:
             self.seq_stacks.setdefault(ev.seq, {})["seq_end"] = ev.stack
         if len(self.ended) > self.ended_kept:
             gone, _ = self.ended.popitem(last=False)
+            if self.seq_index.pop(gone, None) is not None:
+                self._seq_indexes_forgotten += 1
             if self.seq_stacks:
                 self.seq_stacks.pop(gone, None)
         if state is None:
@@ -312,6 +319,7 @@ class Ledger:
         no owner left leaked before (``ownerless_at_attach``), its sequence gone already."""
         self.attached_at = ev.step
         for s in ev.seqs:
+            self.seq_index.setdefault(s.seq, len(self.seq_index) + self._seq_indexes_forgotten)
             state = self.seqs[s.seq] = SeqState(s.seq, None)
             state.version, state.length = s.version, s.length
         for b in ev.blocks:

@@ -8,6 +8,7 @@ JSON, SARIF and JUnit reports and across processes unchanged.
 
 from __future__ import annotations
 
+import re
 from pathlib import PurePath
 from typing import Any, Iterable, Iterator, Literal, Protocol
 
@@ -15,7 +16,11 @@ import msgspec
 
 from .events import Event, Unknown
 
-__all__ = ["Severity", "SEVERITIES", "Finding", "Check", "severity_rank", "split_frame"]
+__all__ = ["Severity", "SEVERITIES", "Finding", "Check", "severity_rank", "split_frame", "drawn_id"]
+
+# A request id a server drew at random (vLLM's "cmpl-<uuid hex>-0", a uuid4): 8 or more hex digits with a
+# letter and a digit among them; a counter ("3", "req-12") or a name ("gen1.row0") is kept as it is
+_DRAWN = re.compile(r"(?=[0-9a-f-]*[a-f])(?=[0-9a-f-]*[0-9])[0-9a-f][0-9a-f-]{7,}", re.IGNORECASE)
 
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")  # most severe first
@@ -59,7 +64,10 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     def key(self) -> str:
         """Identity for baselines and code scanning: the rule, what it is about and where in the user's
         code, stable across runs of the same workload: never a step, a timing or a measured value."""
-        parts = [f"{self.check}/{self.rule}/seq={self.seq}/block={self.block}/layer={self.layer}"]
+        seq = self.seq
+        if drawn_id(seq) and "seq_index" in self.evidence:
+            seq = f"#{self.evidence['seq_index']}"  # a server's random request id: its place in the trace instead
+        parts = [f"{self.check}/{self.rule}/seq={seq}/block={self.block}/layer={self.layer}"]
         tier = self.evidence.get("tier")
         if tier is not None:
             parts.append(f"tier={tier}")
@@ -69,6 +77,11 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
         if self.trace is not None:
             parts.append(f"trace={PurePath(self.trace).name}")
         return "/".join(parts)
+
+
+def drawn_id(seq: Any) -> bool:
+    """Whether ``seq`` is an id a server drew at random, which a fingerprint must not carry."""
+    return isinstance(seq, str) and _DRAWN.search(seq) is not None
 
 
 def split_frame(frame: str) -> tuple[str, int, str]:

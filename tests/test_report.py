@@ -145,6 +145,29 @@ def test_a_fingerprint_is_the_rule_what_and_where_never_the_step():
     assert "usage-mismatch" in names and "usage-mismatch #2" in names
 
 
+def test_a_fingerprint_names_a_random_request_id_by_its_place_in_the_trace():
+    import uuid
+
+    from kvdoctor.checks import make_suite
+    from kvdoctor.events import Alloc, SeqEnd, SeqStart, StepEnd, SwapOut
+
+    def leak_of(ids: list[str]) -> list[str]:
+        """A server's run: three requests, the second leaking a swapped-out block when it ends."""
+        events = [e for i, seq in enumerate(ids) for e in (SeqStart(seq=seq, prompt_len=4, step=i),
+                                                           Alloc(block=i, tier="device", seq=seq, step=i))]
+        events += [SwapOut(block=1, src="device", dst="host", version=0, step=3), SeqEnd(seq=ids[1], step=3),
+                   StepEnd(step=3, num_tokens=1)]
+        suite = make_suite()
+        return [f.key for f in suite.observe_many(events) + list(suite.finish()) if f.block == 1]
+
+    # GIVEN two runs of one workload whose server draws request ids at random (vLLM's "cmpl-<uuid>-0")
+    first, second = ([f"cmpl-{uuid.uuid4().hex}-0" for _ in range(3)] for _ in range(2))
+    # THEN the leak's fingerprint is the same in both: the request is named by its place, the second to start
+    assert leak_of(first) == leak_of(second) and leak_of(first) and "seq=#1/" in leak_of(first)[0]
+    # AND an id the workload chose itself (a counter, a name) stays in the fingerprint as it is
+    assert "seq=req-1/" in leak_of(["req-0", "req-1", "req-2"])[0]
+
+
 def test_an_unknown_format_is_a_usage_error_naming_the_formats():
     with pytest.raises(UsageError, match="unknown format 'html': use one of " + ", ".join(FORMATS)):
         render(report(), "html")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdoctor.checks import Ledger
 from kvdoctor.events import (
-    Alloc, Evict, Free, Merge, Recode, Release, Rollback, SeqEnd, SeqStart, Share, SwapIn, SwapOut, Write,
+    Alloc, Evict, Free, Merge, Recode, Release, Rollback, SeqEnd, SeqStart, Share, Snapshot, SwapIn, SwapOut, Write,
 )
 
 
@@ -134,5 +134,5 @@ def test_merges_and_recodes_are_told_but_move_nothing():
 
 def test_ownership_names_the_events_the_tui_applies():
     # THEN exactly the events with an update of owners, tiers or a sequence's blocks are listed
-    assert Ledger.OWNERSHIP == {SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, SwapOut, SwapIn}
+    assert Ledger.OWNERSHIP == {SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, SwapOut, SwapIn, Snapshot}
     assert Ledger.OWNERSHIP <= set(Ledger().appliers())
