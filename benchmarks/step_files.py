@@ -23,10 +23,13 @@ from pathlib import Path
 from typing import Any
 
 
-# How the runner reads K/V, the same names before the redesign and after it: its groups of rows with their block
-# tables, each layer's K/V gathered, attention over them (dense, sparse, windowed, merged), and the cache's reads.
+# How the runner reads K/V, by the names of every commit measured: its groups of rows with their block tables
+# (``slot_table`` and ``read_rows`` before the read plan; the plan's ``read_plan`` and ``table`` after), token
+# merging's score bias (``key_bias``), each layer's K/V gathered (``_gather_kv``, the plan's ``gather``), attention
+# over them (dense, sparse, windowed, merged), the block ids a read names (``block_table``, the plan's
+# ``block_ids``), and the cache's reads. Residency (bringing blocks to the device) is the mover's, not the read's.
 READS = {"_groups", "_gather_kv", "_attend_groups", "read_blocks", "read_rows", "layer_kv", "block_table", "slot_table",
-         "slot_counts", "attend"}
+         "read_plan", "table", "gather", "key_bias", "block_ids", "attend"}
 # The features a step can run with, each changing what attention reads: top-k block-sparse reads, token
 # merging, hybrid eviction with attention importance.
 FEATURES = {"topk": 2, "merge": 0.9, "eviction": "hybrid"}

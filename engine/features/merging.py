@@ -1,33 +1,14 @@
-"""Token merging as a step feature: which blocks merge and when (``TokenMerging``), and the score bias that makes
-a merged slot count as the tokens it replaced (``key_bias``). How rows merge and what a block keeps is the KV
-core's: ``engine.kv.merge``."""
+"""Token merging as a step feature: which blocks merge and when (``TokenMerging``). How rows merge, what a block
+keeps and the score bias that makes a merged slot count as the tokens it replaced (``key_bias``, which a step's
+read plan carries to attention) are the KV core's: ``engine.kv.merge``."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
-
-from ..kv.merge import SlotCounts
 from .protocol import Step, StepFeature
 
-__all__ = ["key_bias", "TokenMerging"]
-
-
-def key_bias(rows: Sequence[Sequence[SlotCounts | None]], *, num_layers: int, num_kv_heads: int, block_size: int,
-             width: int, device: torch.device | str) -> torch.Tensor | None:
-    """The score bias of each key slot for a batch whose row ``r`` reads blocks ``rows[r]`` (position order;
-    ``width`` blocks per row, short rows padded): ``log(count)`` of merged slots, ``DEAD_BIAS`` of dead ones, 0
-    elsewhere, as (L, B, H_kv, width * block_size) float32. None when no block of the batch shrank."""
-    if not any(m is not None and m.counts is not None for row in rows for m in row):
-        return None
-    zero = torch.zeros(num_layers, num_kv_heads, block_size, device=device)
-    per_row = []
-    for row in rows:
-        blocks = [m.bias.to(device) if m is not None and m.counts is not None else zero for m in row]
-        blocks += [zero] * (width - len(blocks))
-        per_row.append(torch.stack(blocks, dim=2))  # (L, H_kv, width, bs)
-    return torch.stack(per_row, dim=1).view(num_layers, len(rows), num_kv_heads, width * block_size)
+__all__ = ["TokenMerging"]
 
 
 class TokenMerging(StepFeature):

@@ -150,8 +150,9 @@ class KeySummaries:
             data[:, torch.tensor(keep_dst, device=dev)] = old.data[:, torch.tensor(keep_src, device=dev)]
         self._seqs[seq] = _SeqSummary(list(s.blocks), [b.version for b in s.blocks], data, stale)
 
-    def refresh(self, seq: Any, layer: int) -> None:
-        """Summarise this layer of the blocks marked stale (their keys were just stored)."""
+    def refresh(self, seq: Any, layer: int, plan: Any) -> None:
+        """Summarise this layer of the blocks marked stale (their keys were just stored), read through the step's
+        read ``plan``."""
         ss = self._seqs[seq]
         if not ss.stale:
             return
@@ -159,7 +160,7 @@ class KeySummaries:
         n_tok = cache.num_tokens(seq)
         idx = torch.tensor(ss.stale, dtype=torch.long)
         slots = torch.tensor([ss.blocks[i].slot for i in ss.stale], dtype=torch.long, device=cache.device)
-        k, _ = cache.read_blocks(layer, slots)  # (n, H, bs, D)
+        k, _ = plan.read_blocks(layer, slots)  # (n, H, bs, D)
         filled = (n_tok - idx * bs).clamp(0, bs).to(cache.device)  # tokens present in each block
         valid = (torch.arange(bs, device=cache.device)[None] < filled[:, None])[:, None, :, None]  # (n, 1, bs, 1)
         kf = k.float()
@@ -216,6 +217,7 @@ class BlockSparse(StepFeature):
         self.dense_layers = dense_layers  # layers below this read every block (Quest's dense first layers)
         self.summaries = KeySummaries(cache)
         self.read = SparseRead()
+        self._plan: Any = None  # the step's ``ReadPlan``: the chosen blocks are read through it
 
     @classmethod
     def for_cache(cls, cache: Any) -> BlockSparse | None:
@@ -228,9 +230,9 @@ class BlockSparse(StepFeature):
                    blocks_per_page=page // c.block_size, dense_prefill=bool(getattr(c, "dense_prefill", False)),
                    dense_layers=getattr(c, "dense_layers", 0))
 
-    def read_ids(self, seq: Any) -> list[int]:
-        """Ids of the blocks of ``seq`` this step's attention read (any layer or head), in position order."""
-        ids = self.cache.block_table(seq)
+    def read_ids(self, seq: Any, ids: Sequence[int]) -> list[int]:
+        """Ids of the blocks of ``seq`` this step's attention read (any layer or head), in position order, of its
+        block ids ``ids`` (the step's read plan's)."""
         return [ids[i] for i in sorted(self.read.blocks.get(seq, ())) if i < len(ids)]
 
     @property
@@ -243,13 +245,13 @@ class BlockSparse(StepFeature):
         return self.read.rows_dense * self.cache.config.row_bytes
 
     def begin_step(self, step: Step) -> None:
-        self.read = SparseRead()
+        self.read, self._plan = SparseRead(), step.plan
         for seq in step.seqs:
             self.summaries.begin(seq)
 
     def after_store(self, layer: int, seqs: Sequence[Any]) -> None:
         for seq in seqs:
-            self.summaries.refresh(seq, layer)
+            self.summaries.refresh(seq, layer, self._plan)
 
     def after_commit(self, step: Step) -> None:
         for seq in step.seqs:
@@ -338,7 +340,7 @@ class BlockSparse(StepFeature):
     # ---- paths ----
     def _gather(self, layer: int, table: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         B, nb = table.shape
-        kb, vb = self.cache.read_blocks(layer, table)  # (B, nb, H_kv, bs, D) each
+        kb, vb = self._plan.read_blocks(layer, table)  # (B, nb, H_kv, bs, D) each
         bs, H_kv, D = kb.shape[3], kb.shape[2], kb.shape[4]
         k = kb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]  # (B, H_kv, T, D)
         v = vb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]
@@ -380,7 +382,7 @@ class BlockSparse(StepFeature):
             ok[r, :, :m] = (p[..., None] * bs + tok) < kv_lens[r]  # the tail block is partly filled
         slots = table.gather(1, sel.view(B, -1)).view(B, H_kv, n)  # (B, H_kv, n) device slots
         heads = torch.arange(H_kv, device=q.device)[None, :, None].expand(B, H_kv, n)
-        k, v = cache.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
+        k, v = self._plan.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
         k, v = k.reshape(B, H_kv, n * bs, D), v.reshape(B, H_kv, n * bs, D)
         mask = ok.view(B, H_kv, 1, n * bs).repeat_interleave(g, dim=1)  # (B, H, 1, n*bs)
         bias = None

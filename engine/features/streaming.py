@@ -127,7 +127,7 @@ class StreamedAttention(StepFeature):
             locs, ks, vs = [], [], []
             if i == 0 and resident:
                 slots = torch.tensor([b.slot for b in resident], dtype=torch.long, device=self.cache.device)
-                k, v = self.cache.read_blocks(layer, slots)  # (n, H_kv, bs, D) each
+                k, v = self.plan.read_blocks(layer, slots)  # (n, H_kv, bs, D) each
                 locs.extend(resident), ks.append(k), vs.append(v)
                 for b in resident:
                     self._note(reads, b, "device", b.version)

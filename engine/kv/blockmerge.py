@@ -36,7 +36,7 @@ def merge_blocks(cache: PagedKVCache, blocks: Iterable[int], threshold: float) -
         return {}
     n = len(group)
     slots = torch.tensor([b.slot for b in group], dtype=torch.long, device=device)
-    k, v = zip(*(cache.read_blocks(layer, slots) for layer in range(L)))  # each (n, H, bs, D)
+    k, v = zip(*(cache.reads.read_blocks(layer, slots) for layer in range(L)))  # each (n, H, bs, D)
     ones = torch.ones(L, H, bs, dtype=torch.int16, device=device)
     merged = cache.merged
     looked = [merged.get(b.id) for b in group]

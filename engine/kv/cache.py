@@ -11,9 +11,10 @@ This class is a facade: each concept lives in a part of its own, and the methods
 - ``pool`` (``engine.kv.pool``): blocks, owners and each tier's slot table; ``mover`` (``engine.kv.mover``):
   swaps, prefetch and checksums between tiers; ``seqs`` (``engine.kv.sequences``): the sequences table and
   its lifecycle; ``step``: the clock and the sequences the current step pins until ``end_step``.
-- ``writes`` (``engine.kv.writes``) and ``reads`` (``engine.kv.reads``): the data path; ``layout``
-  (``engine.kv.rowlayout``): the device arena's rows, for callers that write and read it themselves;
-  ``mixed`` (``engine.kv.mixed``): blocks of several codecs on the device, and mixed resolution's demotion.
+- ``writes`` (``engine.kv.writes``) and ``reads`` (``engine.kv.readplan``): the data path, a step reading
+  through the one ``ReadPlan`` it gets from ``plan_reads``; ``layout`` (``engine.kv.readplan.RowLayout``): the
+  device arena's rows, for callers that write and read it themselves; ``mixed`` (``engine.kv.mixed``): blocks
+  of several codecs on the device, and mixed resolution's demotion.
 - ``prefix_reuse`` (``engine.kv.prefix_reuse``), ``longctx`` (``engine.kv.longctx``), ``fault_hooks``
   (``engine.kv.faulthooks``), ``usage`` (``engine.kv.cachestats``), and the environment's trace
   (``engine.kv.envtrace``: ``KVDOCTOR_TRACE``).
@@ -46,9 +47,7 @@ from .policy import Importance, make_policy
 from .pool import Block, BlockPool
 from .prefix import PrefixCache
 from .prefix_reuse import PrefixReuse
-from .readplan import ReadPlan
-from .reads import Reads
-from .rowlayout import RowLayout
+from .readplan import ReadPlan, Reads, RowLayout
 from .sequences import SeqState, SequenceTable, StepState
 from .staging import StagingArea
 from .storage import Arena, TensorArena, TierArenas
@@ -254,14 +253,16 @@ class PagedKVCache:
         returns the blocks that shrank, each with the (layer, head, slot) rows it gave up."""
         return merge_blocks(self, blocks, threshold)
 
-    # ---- reading (engine.kv.reads, engine.kv.longctx) ----
+    # ---- reading (engine.kv.readplan, engine.kv.longctx) ----
     def ensure_resident(self, seqs: Iterable[Any]) -> None:
         """Bring every block of ``seqs`` to the device (pinning them for this step). Raises ``OutOfBlocks`` when
         they cannot all fit, ``ChecksumMismatch`` when a copy coming back is corrupt (the block stays where it was)."""
         self.reads.ensure_resident(seqs)
 
     def plan_reads(self, seqs: Sequence[Any], q_lens: Sequence[int]) -> ReadPlan:
-        """This step's ``ReadPlan``, built once before the forward pass: where each row's blocks are read from."""
+        """This step's ``ReadPlan``, built once before the forward pass, after ``reserve``: every row's blocks made
+        resident (long context: where each is read from), and the block tables and row layout attention reads
+        them through. Valid until the step ends."""
         return self.longctx.plan_reads(seqs, q_lens)
 
     def book_streamed(self, reads: dict[Any, dict[int, tuple[str, int, int]]], device_rows: int, staged_rows: int,
@@ -279,11 +280,6 @@ class PagedKVCache:
         valid until the next allocation. Only for codecs that store the dtype as it is, while every device
         block is in the device's own arena: otherwise a ``ValueError`` says to use ``read_blocks``."""
         return self.reads.layer_kv(layer)
-
-    def read_rows(self, table: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-        """Element offsets of each block's keys and values per head in a layer's arena, ordered (K/V, row, head,
-        block), for ``table`` (B, blocks) of device slots, and their extent; None where ``layer_kv`` fails."""
-        return self.reads.read_rows(table)
 
     def read_blocks(self, layer: int, slots: torch.Tensor, heads: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

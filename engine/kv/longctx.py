@@ -4,7 +4,7 @@ and after a streamed step the events and counters of what attention read from wh
 A running sequence keeps only its sinks, its recent window and the block being appended to on the
 device; the rest may be demoted, and attention streams them through the staging area
 (``engine.kv.staging``, ``engine.features.streaming``). Without long context this part only hands the read plan
-over to ``ensure_resident``.
+over to the resident reads (``engine.kv.readplan``).
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ class LongContextBook:
         """This step's ``ReadPlan``, built once before the forward pass: where each row's blocks are read from.
 
         Without long context (or when every block is on the device) the blocks are made resident, as always,
-        and the plan is empty; with it, prefetches in flight land first, and each block is read where it is."""
+        and the plan reads them in place; with it, prefetches in flight land first, and each block is read where
+        it is."""
         cache = self.cache
         if cache.staging is None:
             cache.ensure_resident(seqs)
-            return ReadPlan((), 0)
+            return cache.reads.read_plan(seqs)
         rows = []
         step = cache.step
         step.tick += 1
@@ -71,9 +72,10 @@ class LongContextBook:
                 cache.mover.try_settle(b)  # a bad copy was dropped: the block is read where it was
                 locs.append(BlockLoc(pos, b.index, b.id, b.tier, b.slot, b.version, b.codec))
             rows.append((seq, cache.seqs.num_tokens(seq), q, locs))
-        plan = plan_reads(rows, cache.config.staging_blocks)
-        if not plan.streaming:
-            cache.ensure_resident(seqs)  # all on the device: the resident path reads them (prefetch hits counted there)
+        plan = plan_reads(rows, cache.config.staging_blocks, cache.reads)
+        if not plan.streaming:  # all on the device: the resident path reads them (prefetch hits counted there)
+            cache.ensure_resident(seqs)
+            return cache.reads.read_plan(seqs)
         return plan
 
     def book_streamed(self, reads: dict[Any, dict[int, tuple[str, int, int]]], device_rows: int, staged_rows: int,

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SlotCounts", "merge_rows", "DEAD_BIAS"]
+__all__ = ["SlotCounts", "key_bias", "merge_rows", "DEAD_BIAS"]
 
 # The score bias of a dead slot: finite, so attention statistics see a number (their -inf test stays for real
 # faults), half the float32 range, so adding it to a padding mask's lowest value cannot overflow.
@@ -57,6 +58,22 @@ class SlotCounts:
         once: a merged block never changes again, and every step's attention needs it)."""
         c = self.counts.float()
         return torch.where(c > 0, c.clamp_min(1).log(), torch.full_like(c, DEAD_BIAS))
+
+
+def key_bias(rows: Sequence[Sequence[SlotCounts | None]], *, num_layers: int, num_kv_heads: int, block_size: int,
+             width: int, device: torch.device | str) -> torch.Tensor | None:
+    """The score bias of each key slot for a batch whose row ``r`` reads blocks ``rows[r]`` (position order;
+    ``width`` blocks per row, short rows padded): ``log(count)`` of merged slots, ``DEAD_BIAS`` of dead ones, 0
+    elsewhere, as (L, B, H_kv, width * block_size) float32. None when no block of the batch shrank."""
+    if not any([m is not None and m.counts is not None for row in rows for m in row]):
+        return None
+    zero = torch.zeros(num_layers, num_kv_heads, block_size, device=device)
+    per_row = []
+    for row in rows:
+        blocks = [m.bias.to(device) if m is not None and m.counts is not None else zero for m in row]
+        blocks += [zero] * (width - len(blocks))
+        per_row.append(torch.stack(blocks, dim=2))  # (L, H_kv, width, bs)
+    return torch.stack(per_row, dim=1).view(num_layers, len(rows), num_kv_heads, width * block_size)
 
 
 def merge_rows(k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, threshold: float

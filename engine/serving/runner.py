@@ -25,13 +25,14 @@ from ...events import AttnStep, Batch, SeqId
 from ..bus import Bus
 from ..config import EngineConfig
 from ..features.importance import ImportanceEviction
-from ..features.merging import TokenMerging, key_bias
+from ..features.merging import TokenMerging
 from ..features.protocol import Step, StepFeature
 from ..features.sparse import BlockSparse
 from ..features.streaming import StreamedAttention
 from ..features.window import SlidingWindow
 from ..kv.cache import PagedKVCache
 from ..kv.prefix import model_salt
+from ..kv.readplan import BlockTable, ReadPlan
 from ..model.attention import AttnLayout, AttnStats, Newest, attend, hidden_keys, layer_stats
 from ..model.decode_layer import DecodeLayers, DecodeStep
 from ..model.matvec import load as load_matvec
@@ -72,11 +73,9 @@ class _Group:
     q_len: int
     lens: list[int]  # keys of each row
     sink_tokens: int
-    table: torch.Tensor  # (B, num_blocks) device-arena slots of each row's blocks, padded with slot 0
+    blocks: BlockTable  # the rows' device block table from the step's read plan, and where their K/V rows start
     kv_len: int  # keys of the longest row
     window_layout: AttnLayout | None = None  # the mask of sliding-window layers, when the model has them
-    kv_rows: torch.Tensor | None = None  # (2*B*H_kv*num_blocks,) where each block's keys, then values, start
-    kv_extent: int = 0  # rows of the strided arena view ``kv_rows`` indexes
     key_bias: torch.Tensor | None = None  # (L, B, H_kv, T) token merging's score bias of each key (engine.kv.merge)
 
     @functools.cached_property
@@ -84,7 +83,7 @@ class _Group:
         """The rows' padding and causal mask, built by the paths that use it: the compiled decode layers take
         each row's length instead (a layout costs 0.14 ms at batch 8, built after a step's weights stream)."""
         return AttnLayout.build([self.q_len] * len(self.rows), self.lens, sink_tokens=self.sink_tokens,
-                                device=self.table.device)
+                                device=self.blocks.slots.device)
 
 
 class Runner:
@@ -262,7 +261,7 @@ class Runner:
         dev = self.device
         ids = torch.tensor([t for _, toks in rows for t in toks], dtype=torch.long, device=dev)
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
-        groups = self._groups(seqs, n, kv_lens) if not streaming else []
+        groups = self._groups(plan, n, kv_lens) if not streaming else []
         stats = self.stats_due()
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
         observe = self._observe and self._stats_step()
@@ -275,16 +274,16 @@ class Runner:
         cos, sin = self._rope_table(x, pos, max(p + k for p, k in zip(positions, n)))  # (N, D) each
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[LayerScores] = [[] for _ in groups]
-        compiled = self._decode_step(groups, kv_lens, slots, observe, stats)
+        compiled = self._decode_step(plan, groups, kv_lens, slots, observe, stats)
         verify = None
         if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
             # a sampled read's block is verified by attention as it reads it, not by another pass afterwards
             verify = cache.sample_reads(seqs)
-            scores[0] = compiled.run(x, cos, sin, [cache.layer_kv(li) for li in range(self.num_layers)], verify) or []
+            scores[0] = compiled.run(x, cos, sin, plan.layer_kv, verify) or []
             if compiled.units is not None:
                 cache.stored(slots, compiled.units, compiled.shares)
         else:
-            x = self._layers_by_torch(x, cos, sin, slots, seqs, groups, starts, streaming,
+            x = self._layers_by_torch(x, cos, sin, slots, seqs, plan, groups, starts,
                                       scores if stats or observe else None)
         if compiled is not None and compiled.normed:  # x normalised already, one decode row each: all last tokens
             logits = self._lm_head.floats(x)  # (N, V)
@@ -302,12 +301,13 @@ class Runner:
         if observe:  # before commit and importance eviction change the block tables
             for g, per_layer in zip(groups, scores):
                 if _every_layer(per_layer, self.num_layers):
-                    self._observe_attention([seqs[i] for i in g.rows], per_layer.scores if isinstance(per_layer, Newest)
+                    self._observe_attention(plan, seqs, per_layer.scores if isinstance(per_layer, Newest)
                                             else torch.stack([n.scores for n in per_layer]), g)
+        booked = bus.enabled and not streaming  # a streamed step's reads are booked by the streaming feature
         for i, ((seq, toks), k) in enumerate(zip(rows, n)):
-            read = self._sparse.read_ids(seq) if self._sparse is not None and bus.enabled else None
+            read = self._sparse.read_ids(seq, plan.block_ids(i)) if self._sparse is not None and booked else None
             cache.commit(seq, k, tokens=toks)
-            if bus.enabled and not streaming:  # block-sparse attention lists only the blocks it read
+            if booked:  # block-sparse attention lists only the blocks it read
                 cache.emit_read(seq, read, checked=compiled.verified(i) if verify is not None else None)
         for feature in self._features:
             feature.after_commit(step)
@@ -320,11 +320,11 @@ class Runner:
         return logits
 
     def _layers_by_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                         seqs: list[SeqId], groups: list[_Group], starts: list[int], streaming: bool,
+                         seqs: list[SeqId], plan: ReadPlan, groups: list[_Group], starts: list[int],
                          scores: list[LayerScores] | None) -> torch.Tensor:
         """Every layer of a step by torch ops and the model's own modules (any step, any feature); appends each
         group's newest-query scores of every layer to ``scores`` when given."""
-        cache = self.cache
+        cache, streaming = self.cache, plan.streaming
         N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
             a = layer.self_attn
@@ -342,81 +342,57 @@ class Runner:
             if streaming:
                 out = self._streamer.attend(li, q, starts, a.scaling)
             else:
-                out = self._attend_groups(li, q, seqs, groups, a.scaling, scores, cache.score_hook(li))
+                out = self._attend_groups(li, q, seqs, plan, groups, a.scaling, scores, cache.score_hook(li))
             x = x + w.o(out)
             gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
         return x
 
-    def _decode_step(self, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor, keep_scores: bool,
-                     stats: bool) -> DecodeStep | None:
+    def _decode_step(self, plan: ReadPlan, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor,
+                     keep_scores: bool, stats: bool) -> DecodeStep | None:
         """The compiled layers' buffers for a step of decode rows only, over K/V the cache holds as the
         model's dtype and lets them store, with nothing that changes attention (no step feature, nor the
         attention-nan fault's hook); None: the torch path.
         ``keep_scores``: every layer's newest-query scores (the hybrid policy's); ``stats``: the statistics."""
-        if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].kv_rows is None
+        if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].blocks.kv_rows is None
                 or any(feature.changes_attention for feature in self._features)
-                or self.cache.layer_kv(0).dtype != self._decode.dtype
+                or plan.layer_kv[0].dtype != self._decode.dtype
                 or any(self.cache.score_hook(li) is not None for li in range(self.num_layers))):
             return None
         rows = self.cache.store_rows(slots)
         if rows is None:
             return None
         g = groups[0]
-        return self._decode.step(kv_lens, g.kv_rows, g.table.shape[1], self.block_size, rows, keep_scores,
+        return self._decode.step(kv_lens, g.blocks.kv_rows, g.blocks.slots.shape[1], self.block_size, rows, keep_scores,
                                  self.block_size if stats else None, self.per_head, self.cache.digest_weights())
 
-    def _groups(self, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[_Group]:
+    def _groups(self, plan: ReadPlan, n: list[int], kv_lens: list[int]) -> list[_Group]:
         """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""
         dev = self.device
         if all(k == 1 for k in n):
-            return [self._group(seqs, list(range(len(n))), slice(0, len(n)), 1, kv_lens)]
+            return [self._group(plan, list(range(len(n))), slice(0, len(n)), 1, kv_lens)]
         groups = []
         starts = [sum(n[:i]) for i in range(len(n))]
         decode = [i for i, k in enumerate(n) if k == 1]
         if decode:
             tokens = torch.tensor([starts[i] for i in decode], device=dev)
-            groups.append(self._group(seqs, decode, tokens, 1, kv_lens))
+            groups.append(self._group(plan, decode, tokens, 1, kv_lens))
         for i, k in enumerate(n):
             if k > 1:
-                groups.append(self._group(seqs, [i], slice(starts[i], starts[i] + k), k, kv_lens))
+                groups.append(self._group(plan, [i], slice(starts[i], starts[i] + k), k, kv_lens))
         return groups
 
-    def _group(self, seqs: list[SeqId], rows: list[int], tokens: slice | torch.Tensor, q_len: int,
+    def _group(self, plan: ReadPlan, rows: list[int], tokens: slice | torch.Tensor, q_len: int,
                kv_lens: list[int]) -> _Group:
         lens = [kv_lens[i] for i in rows]
-        tables = [self.cache.slot_table(seqs[i]) for i in rows]
-        width = max(t.numel() for t in tables)
-        # Short rows point their missing blocks at slot 0: the mask hides whatever is there.
-        table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True) if len(tables) > 1 else tables[0][None]
+        blocks = plan.table(rows)
         window = None
         if self._window is not None:
             window = AttnLayout.build([q_len] * len(rows), lens, sink_tokens=self.block_size, device=self.device,
                                       window=self._window.window)
-        kv_rows, extent = self.cache.read_rows(table)
-        bias = None
-        if self._merging is not None:
-            bias = key_bias([self.cache.slot_counts(seqs[i]) for i in rows], num_layers=self.num_layers,
-                            num_kv_heads=self.num_kv_heads, block_size=self.block_size, width=width,
-                            device=self.device)
-        return _Group(rows, tokens, q_len, lens, self.block_size, table, max(lens), window, kv_rows, extent,
+        bias = plan.key_bias(rows, blocks.slots.shape[1])
+        return _Group(rows, tokens, q_len, lens, self.block_size, blocks, max(lens), window,
                       bias[..., : max(lens)] if bias is not None else None)
-
-    def _gather_kv(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the group's rows at ``layer``, each (B, H_kv, T, D), T the longest row's keys."""
-        (B, nb), D, bs = g.table.shape, self.head_dim, self.block_size
-        if g.kv_rows is not None:
-            kv = self.cache.layer_kv(layer)
-            # Overlapping rows of one block of one head (bs*D elements), one starting at every element of
-            # the layer: a view, no copy.
-            rows = kv.as_strided((g.kv_extent, bs * D), (1, 1))
-            kv = rows.index_select(0, g.kv_rows).view(2, B, self.num_kv_heads, nb * bs, D).to(self._attn_dtype)
-            return kv[0, :, :, : g.kv_len], kv[1, :, :, : g.kv_len]
-        # Paged gather of every row's blocks at once, decoded by the cache's codec.
-        kb, vb = (b.to(self._attn_dtype) for b in self.cache.read_blocks(layer, g.table))  # (B, nb, H_kv, bs, D) each
-        k = kb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
-        v = vb.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, D)[:, :, : g.kv_len]
-        return k, v
 
     def _layout(self, g: _Group, layer: int) -> AttnLayout:
         windowed = self._window is not None and self._window.windows[layer] is not None
@@ -428,22 +404,22 @@ class Runner:
             return g.layout.keep
         if self._window.evicts:
             return g.window_layout.keep
-        B, T = g.table.shape[0], g.kv_len
+        B, T = g.blocks.slots.shape[0], g.kv_len
         full = torch.ones(B, T, dtype=torch.bool, device=self.device)
         return torch.stack([full if (k := self._layout(g, li).keep) is None else k for li in range(self.num_layers)])
 
-    def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], groups: list[_Group], scale: float,
-                       scores: list[LayerScores] | None, corrupt: Any) -> torch.Tensor:
+    def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], plan: ReadPlan, groups: list[_Group],
+                       scale: float, scores: list[LayerScores] | None, corrupt: Any) -> torch.Tensor:
         """Attention output of every token (N, H*D); appends each group's newest-query scores to ``scores``."""
         N, H, D = q.shape
         out = q.new_empty(N, H * D) if len(groups) > 1 else None
         for gi, g in enumerate(groups):
-            B = g.table.shape[0]
+            B = g.blocks.slots.shape[0]
             qg = q[g.tokens].view(B, g.q_len, H, D).transpose(1, 2)  # (B, H, S, D)
             if self._sparse is not None:
-                o, st = self._attend_sparse(layer, qg, [seqs[i] for i in g.rows], g, scale)
+                o, st = self._attend_sparse(layer, qg, [seqs[i] for i in g.rows], plan, g, scale)
             else:
-                k, v = self._gather_kv(layer, g)  # (B, H_kv, T, D) each
+                k, v = plan.gather(layer, g.blocks, g.kv_len, self._attn_dtype)  # (B, H_kv, T, D) each
                 o, st = attend(qg.to(self._attn_dtype), k, v, self._layout(g, layer), scale=scale,
                                scores=scores is not None, corrupt=corrupt,
                                key_bias=g.key_bias[layer] if g.key_bias is not None else None)
@@ -456,19 +432,18 @@ class Runner:
                 scores[gi].append(st)
         return out
 
-    def _attend_sparse(self, layer: int, qg: torch.Tensor, rows: list[SeqId], g: _Group, scale: float
-                       ) -> tuple[torch.Tensor, Newest | None]:
+    def _attend_sparse(self, layer: int, qg: torch.Tensor, rows: list[SeqId], plan: ReadPlan, g: _Group,
+                       scale: float) -> tuple[torch.Tensor, Newest | None]:
         """Block-sparse attention (and the attention mass importance eviction accumulates). On a statistics
         step it also returns the newest query's scores over the blocks it read (the rest at the lowest
         finite score: no probability), so ``attn`` events come from what attention really saw."""
         want_mass = self._importance is not None and self._importance.needs_mass
-        kv_lens = [self.cache.num_tokens(seq) for seq in rows]
-        o, mass, scores = self._sparse.attend(layer, qg, rows, g.table, g.layout, kv_lens, scale,
+        o, mass, scores = self._sparse.attend(layer, qg, rows, g.blocks.slots, g.layout, g.lens, scale,
                                               want_mass=want_mass, want_scores=self.stats_due(),
                                               key_bias=g.key_bias[layer] if g.key_bias is not None else None)
         if mass is not None:
-            for seq, m in zip(rows, mass):
-                self._importance.observe(seq, self.cache.block_table(seq), m)
+            for seq, row, m in zip(rows, g.rows, mass):
+                self._importance.observe(seq, plan.block_ids(row), m)
         return o, scores
 
     def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[LayerScores],
@@ -487,7 +462,7 @@ class Runner:
         """The ``attn_step`` event of ``rows`` from their statistics (L, B, ...): one event for the step."""
         self.bus.emit(AttnStep, seqs=list(rows), **st.fields())
 
-    def _observe_attention(self, rows: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
+    def _observe_attention(self, plan: ReadPlan, seqs: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
         """Feed the hybrid eviction policy and mixed resolution each row's attention mass per block: the
         newest query's probabilities summed over heads and over the block's positions, averaged over layers.
 
@@ -499,11 +474,11 @@ class Runner:
         # nan_to_num: a head broken by non-finite scores (the attention-nan fault) contributes nothing
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(0.0)
         per_token = probs.sum(dim=2).mean(dim=0)  # (B, T)
-        nb = g.table.shape[1]
+        nb = g.blocks.slots.shape[1]
         per_token = torch.nn.functional.pad(per_token, (0, nb * self.block_size - T))
         mass = per_token.view(B, nb, self.block_size).sum(dim=-1).tolist()  # (B, nb)
-        for seq, m in zip(rows, mass):
-            self.cache.observe_attention(seq, None, m[: len(self.cache.block_table(seq))])
+        for row, m in zip(g.rows, mass):
+            self.cache.observe_attention(seqs[row], None, m[: len(plan.block_ids(row))])
 
     # ---- whole requests ----
     def generate(self, prompts: Iterable[str | Sequence[int]], *, max_new_tokens: int = 32,

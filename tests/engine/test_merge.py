@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from kvdoctor.engine.model.attention import AttnLayout, attend
 from kvdoctor.engine.config import EngineConfig
 from kvdoctor.engine.features.protocol import Step
-from kvdoctor.engine.features.merging import key_bias
-from kvdoctor.engine.kv.merge import DEAD_BIAS, SlotCounts, merge_rows
+from kvdoctor.engine.kv.merge import DEAD_BIAS, SlotCounts, key_bias, merge_rows
 from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.engine.serving.runner import Runner
 from kvdoctor.engine.features.sparse import BlockSparse
@@ -214,12 +213,13 @@ def test_block_sparse_decode_and_masked_paths_weigh_merged_slots_alike(make_cach
     c = r.cache
     assert c.merge_tokens(c.block_table("a")[1:8], 0.2)
     sp = BlockSparse(c, k=2, sink_blocks=1, local_blocks=2)
-    sp.begin_step(Step(["a"]))
+    plan = c.plan_reads(["a"], [1])  # the step's read plan: its block table and the merged slots' bias
+    sp.begin_step(Step(["a"], c, plan))
     for layer in range(2):
         sp.after_store(layer, ["a"])
     q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3))
-    table = c.slot_table("a")[None]
-    bias = key_bias([c.slot_counts("a")], num_layers=2, num_kv_heads=2, block_size=4, width=10, device="cpu")[1]
+    table = plan.table([0]).slots
+    bias = plan.key_bias([0], 10)[1]
     # WHEN the decode path reads only the chosen blocks, and the masked path masks full attention to them
     out, _ = sp._decode(1, q, ["a"], table, [40], [10], 0.3, False, bias)
     fused, _, _ = sp._masked(1, q, ["a"], table, [40], [10], 0.3, False, False, bias)

@@ -50,11 +50,12 @@ def _summarised(make_cache, n: int, seed: int, **kw) -> tuple[Recorder, BlockSpa
     """``n`` cached tokens in blocks of 4, their summaries, a decode query (4 query heads on 2 KV heads), the table."""
     r = _filled(make_cache, n)
     sp = BlockSparse(r.cache, **kw)
-    sp.begin_step(Step(["a"]))
+    plan = r.cache.plan_reads(["a"], [1])
+    sp.begin_step(Step(["a"], r.cache, plan))
     for layer in range(2):
         sp.after_store(layer, ["a"])
     q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(seed))
-    return r, sp, q, r.cache.slot_table("a")[None]
+    return r, sp, q, plan.table([0]).slots
 
 
 def test_decode_reads_only_chosen_rows_and_matches_masked_attention(make_cache):
