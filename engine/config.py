@@ -100,11 +100,12 @@ class EngineConfig:
     disk_io: str = "auto"
     checksums: bool = True
     fault: str | None = None
-    # Content digests (engine.kv.digest): verify "full" (every read), "sample" (one read in every
-    # ``verify_every`` of each sequence's: its block verified longest ago) or "off"; None: $KVDOCTOR_VERIFY,
+    # Content digests (engine.kv.digest): verify "full" (every read), "sample" (a bounded sweep: every block a
+    # sequence reads is verified at least once in every ``verify_every`` of its reads, whatever its length, and
+    # a sequence's first read and a block's first after a fresh write at once) or "off"; None: $KVDOCTOR_VERIFY,
     # else "sample". Swaps are always verified.
     verify: str | None = None
-    verify_every: int = 16
+    verify_every: int = 32
     # How blocks are stored: one of codecs.CODECS (every tier), "mixed" (device; slower tiers at its high codec),
     # or per tier: {"device": "fp16", "host": "int8", "disk": "nf4"} or "device=fp16,host=int8,disk=nf4"
     # (a tier left out takes the next faster tier's). None: ``dtype`` as it is. Precision only goes down as

@@ -37,6 +37,10 @@ FAULTS: dict[str, str] = {
     "layer (an exponent bit for fp16/bf16/fp32, a code bit for int8/nf4)",
     "row-off-by-one": "once, from step 2 on: a step's first token is written one row further into its block "
     "(every layer), leaving its own row as it was",
+    "zeroed-block": "once, from step 2 on: a sequence's first block is zeroed at the middle layer, as a page "
+    "cleared under the cache would be",
+    "noise": "once, from step 2 on: the keys of a sequence's first block get small noise (about 1% of their "
+    "size) at the middle layer: nearly the right values, which attention statistics do not notice",
     # Prefix-cache faults (engine.kv.prefix): the cache hands a request K/V that is not its prefix's.
     "prefix-unsalted": "the prefix cache keys blocks by their tokens alone, leaving out the salt (model, weights, "
     "KV codec, rope scaling, adapter): a request under another adapter hits blocks computed under the first",
@@ -51,7 +55,8 @@ FAULTS: dict[str, str] = {
 }
 
 # Faults that corrupt stored K/V while the events stay right.
-CONTENT_FAULTS = ("overwrite-foreign", "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one")
+CONTENT_FAULTS = ("overwrite-foreign", "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one", "zeroed-block",
+                  "noise")
 
 _CONTENT_FROM_STEP = 2  # the content faults fire once, at the first chance from this step on
 _MISALIGN_EVERY = 8  # batch-misalign fires on the 1st, 9th, 17th ... step that has two or more rows

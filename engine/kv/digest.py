@@ -26,20 +26,32 @@ carry the digest recomputed over the stored bytes (and, on a mismatch, the first
 that differs). ``checks/integrity`` compares the two; it needs no torch and no engine
 internals, so another engine that emits digests of its own definition gets the same check.
 
-*Cost.* Records are kept only while someone listens on the bus (a block written while
-nobody listened has no record, and is not verified). Reads are verified in full
-(``verify="full"``, CI), on a sample (``"sample"``, the default: one read in every ``verify_every`` of each
-sequence's, staggered between sequences, verifies the block of that read verified longest ago), or not at
-all (``"off"``);
-swaps and re-encodes are verified whenever records are kept. A sampled read of the compiled decode
-layers is verified inside their attention, over the bytes it reads (``PagedKVCache.sample_reads``);
-only a mismatch is looked at again here, to name the layer.
+*Cost and latency.* Records are kept only while someone listens on the bus (a block written while
+nobody listened has no record, and is not verified). Reads are verified in full (``verify="full"``, CI),
+on a bounded sweep (``"sample"``, the default), or not at all (``"off"``); swaps and re-encodes are
+verified whenever records are kept, so a block swapped in is verified as it arrives.
+
+The sweep bounds how long corrupt bytes can be read unseen, whatever a sequence's length: each
+sequence earns ``blocks read / N`` verifications a read (``N`` = ``verify_every``; integer credit on
+``SeqState.reads``, its first due read staggered by the sequence's id) and spends them on the blocks of
+its read verified longest ago, so each block a sequence reads is verified at least once in every ``N``
+of its reads: within ``N`` steps while it decodes. On top, and without credit, the reads where
+corruption is likeliest are verified at once: a sequence's first read verifies every block it holds
+(its prefill, blocks a prefix-cache hit or a fork handed it), and a block with a record never verified
+(a fresh block, in a slot another block used before) is verified on its first read. The cost is about
+``blocks read / N`` block verifications a step: 1/N of what attention itself reads.
+
+A read of the compiled decode layers is verified inside their attention, over the bytes it reads
+(``PagedKVCache.sample_reads``), one block a row: the first of the read's picks, which puts credited picks
+before the never-verified ones; a pick left unverified keeps its stamp and comes first again at the next
+read. Only a mismatch is looked at again here, to name the layer.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import heapq
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
@@ -214,7 +226,7 @@ class BlockRecord:
                  verified: int = 0) -> None:
         self._units, self.filled, self.codec, self.shares = units, filled, codec, shares
         self._pending: dict[int, tuple[np.ndarray, int]] = {}
-        self.verified = verified  # the sampler's clock when a read last verified these bytes (0: never)
+        self.verified = verified  # the book's stamp when these bytes were last verified (0: never)
 
     @property
     def units(self) -> np.ndarray:
@@ -258,12 +270,6 @@ class _Staged:
     shares: np.ndarray | None = None  # (N, U) each token's digest share at every column of a record, with them
 
 
-def _verified_at(block: Any) -> tuple[int, int]:
-    """Sort key of a read's block for the sampler: blocks with a record first, those verified longest ago first."""
-    rec = None if block is None else block.digest
-    return (1, 0) if rec is None else (0, rec.verified)
-
-
 class DigestBook:
     """Records of blocks (kept on ``Block.digest``), staged writes, and the read sampler."""
 
@@ -279,7 +285,7 @@ class DigestBook:
         # flat slot -> (unit sums (L, N), column, the token's digest share at each record column or None)
         self._pos: dict[int, tuple[np.ndarray, int, list[int] | None]] = {}
         self._grp: dict[int, tuple[np.ndarray, int, None]] = {}
-        self._clock = 0  # advances with every sampled verification: the records' ``verified``
+        self._clock = 0  # advances with every verification: the records' ``verified`` stamps
 
     @property
     def recording(self) -> bool:
@@ -416,8 +422,10 @@ class DigestBook:
 
     # ---- the digest ----
     def recorded(self, rec: BlockRecord) -> int:
-        """``rec``'s digest, by its columns' shares: a record without them (a prefill's) gets them here, once,
-        so the next look at it is a sum of ints."""
+        """``rec``'s digest, for a reader that took the digest of its bytes itself (the compiled layers' attention)
+        and compares: the record is stamped verified. By its columns' shares: a record without them (a prefill's)
+        gets them here, once, so the next look at it is a sum of ints."""
+        self._stamp(rec)
         layout = self.layouts[rec.codec]
         if rec.shares is None and not layout.num_groups:
             rec.shares = self._shares(rec)
@@ -440,28 +448,30 @@ class DigestBook:
         return np.asarray(cols, dtype=np.int64)
 
     # ---- verification ----
-    def sample(self, blocks: Sequence[Any], seq: Any) -> list[int]:
-        """Indices of ``blocks`` (one read of ``seq``, a ``SeqState``) to verify under the mode.
+    def _stamp(self, rec: BlockRecord | None = None) -> int:
+        """A new stamp, later than every other (given ``rec``, it is stamped: its bytes were just verified)."""
+        self._clock += 1
+        if rec is not None:
+            rec.verified = self._clock
+        return self._clock
 
-        Sampled: one read in every ``every`` of each sequence's, so every sequence's blocks are looked at
-        whatever the batch (one count for all reads would fall on the same row of a batch of 8 every time);
-        the first falls at a point set by the sequence's id, so a batch's rows take their turns on different
-        steps; and it verifies the read's block verified longest ago, so each block of a sequence is verified
-        within ``every`` times its block count of the sequence's reads, a corruption found within that bound."""
+    def sample(self, blocks: Sequence[Any], seq: Any) -> list[int]:
+        """Indices of ``blocks`` (one read of ``seq``, a ``SeqState``) to verify under the mode: in the sweep,
+        the read's blocks verified longest ago that its credit pays for, then any never verified; every block
+        on the sequence's first read (module docstring). The picks are stamped when verified (``verify``,
+        ``recorded``), not here: a reader that verifies only the first leaves the others first in line."""
         if self.mode == "full":
             return list(range(len(blocks)))
         if self.mode == "off" or not blocks:
             return []
-        if seq.reads < 0:
+        held = [(b.digest.verified, i) for i, b in enumerate(blocks) if b is not None and b.digest is not None]
+        if seq.reads < 0:  # the first read: whatever it was handed, verified before it is trusted
             seq.reads = zlib.crc32(repr(seq.id).encode()) % self.every
-        seq.reads += 1
-        if seq.reads % self.every:
-            return []
-        oldest = min(range(len(blocks)), key=lambda i: _verified_at(blocks[i]))
-        if blocks[oldest] is not None and blocks[oldest].digest is not None:
-            self._clock += 1
-            blocks[oldest].digest.verified = self._clock
-        return [oldest]
+            return [i for _, i in held]
+        due, seq.reads = divmod(seq.reads + len(blocks), self.every)
+        never = [i for stamp, i in held if not stamp]  # verified at once, paid by no credit
+        picks = [i for _, i in heapq.nsmallest(due, (h for h in held if h[0]))] if due else []
+        return picks + never
 
     def verify(self, blocks: Sequence[Any], rows: Sequence[torch.Tensor | None]
                ) -> tuple[list[int | None], list[int | None]]:
@@ -479,6 +489,7 @@ class DigestBook:
             units = layout.stored_units([rows[i] for i in idx])  # (n, L, U)
             for i, u in zip(idx, units):
                 rec = blocks[i].digest
+                self._stamp(rec)
                 digests[i] = self._digest(u, rec.filled, layout)
                 if digests[i] == rec.digest_by_shares():
                     continue  # the bytes are what was meant: no layer to find, no booked column to copy in
@@ -502,6 +513,6 @@ class DigestBook:
             units = layout.stored_units([rows[i] for i in group])
             for i, u in zip(group, units):
                 b = blocks[i]
-                b.digest = BlockRecord(u.copy(), b.digest.filled, codec)
+                b.digest = BlockRecord(u.copy(), b.digest.filled, codec, verified=self._stamp())  # just read
                 out[i] = self._digest(b.digest.units, b.digest.filled, layout)
         return out

@@ -88,11 +88,23 @@ class FaultHooks:
                 return
             codec.scales(self.raw(b)[layer])[:, pos % c.block_size] *= 2  # (H, width) of the token
             f.fired(b.id, s.id, layer, step)
+        elif first.tier != Tier.DEVICE:
+            return
         elif f.content == "bit-flip":
-            if first.tier != Tier.DEVICE:
-                return
             row = self.raw(first)[layer, 0].view(torch.uint8)  # (R bytes) of head 0
             row[self.raw(first).element_size() - 1] ^= 0x40  # a high bit of element 0: exponent, or a code bit
+            f.fired(first.id, s.id, layer, step)
+        elif f.content == "zeroed-block":
+            self.raw(first)[layer].zero_()  # (H, R) of the layer: codes and scales alike
+            f.fired(first.id, s.id, layer, step)
+        elif f.content == "noise":
+            row = self.raw(first)[layer]  # (H, R) in the arena's dtype
+            keys = row[:, : c.block_size * c.config.head_dim]  # each head's K come first (codecs' layout)
+            if keys.dtype.is_floating_point:
+                gen = torch.Generator(device=keys.device).manual_seed(step)
+                keys += 0.01 * keys.abs().mean() * torch.randn(keys.shape, generator=gen, device=keys.device).to(keys.dtype)
+            else:  # codes: each one step up
+                keys.view(torch.uint8).add_(1)
             f.fired(first.id, s.id, layer, step)
 
     # ---- placement faults: the slots go wrong ----

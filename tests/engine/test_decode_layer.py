@@ -151,7 +151,8 @@ def test_the_compiled_layers_apply_only_to_plain_llama_layers(monkeypatch):
 def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tmp_path, fault, verify):
     # GIVEN a traced run whose decode steps store K/V from the compiled layers (the cache's direct-store rows),
     # with or without a bit flipped in a block after a write, every read verified against the blocks' digests
-    # (full), or one block of every read in turn (sample: attention takes that block's digest as it reads it)
+    # (full), or one block of every read in turn (the sweep at N = 1: attention takes that block's digest as it
+    # reads it)
     from tests.engine.engine_support import findings_of
 
     model = tiny_llama(hidden_size=128, intermediate_size=256).model
@@ -170,9 +171,12 @@ def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tm
     checked = [d for e in events if isinstance(e, Read) and e.step > 0 for d in e.digests or () if d is not None]
     if fault is None:
         assert findings == []
-        # AND sampled, every decode read carried one block's digest, taken by attention: only the prefill's
-        # reads (the torch path) were verified by a pass over the blocks afterwards
+        # AND swept, every decode read carried one block's digest, taken by attention: only the prefill's
+        # reads (the torch path; a sequence's first read verifies every block it holds) were verified by a pass
+        # over the blocks afterwards
         if verify == "sample":
-            assert len(checked) == 7 * len(PROMPTS) and looked == [1] * len(PROMPTS)
+            prefill = [e for e in events if isinstance(e, Read) and e.step == 0]
+            assert len(checked) == 7 * len(PROMPTS) and looked == [len(e.blocks) for e in prefill]
+            assert all(d is not None for e in prefill for d in e.digests)
     else:  # AND the flipped bit is found by the digests, as for K/V the cache stored itself
         assert [f.check for f in findings] == ["integrity"] and "bytes changed without a write" in findings[0].message

@@ -167,43 +167,87 @@ def test_the_compiled_unit_sums_give_numpys_digests(tmp_path, monkeypatch, codec
     assert sum(d is not None for _, d, _ in compiled) >= 5 and any(ds for _, _, ds in compiled)
 
 
-def test_sampled_reads_verify_one_read_in_every_n_of_a_sequence_the_block_verified_longest_ago(make_cache):
-    # GIVEN the sampled mode, one read in every 2, and a sequence of three blocks
-    rec = make_cache(verify="sample", verify_every=2, device_blocks=8)
+def _verified(rec: Recorder) -> list[list[tuple[object, int]]]:
+    """Per read event: the (sequence, block id) it verified."""
+    return [[(r.seq, b) for b, d in zip(r.blocks, r.digests or ()) if d is not None] for r in rec.kinds("read")]
+
+
+def _gaps(rec: Recorder, reads_per_step: int) -> dict[tuple[object, int], int]:
+    """Per (sequence, block): the most steps between two of its verifications (the first read counts as one),
+    to the last step read."""
+    last: dict[tuple[object, int], int] = {}
+    worst: dict[tuple[object, int], int] = {}
+    events = _verified(rec)
+    for n, picks in enumerate(events):
+        step = n // reads_per_step
+        for key in picks:
+            worst[key] = max(worst.get(key, 0), step - last.get(key, 0))
+            last[key] = step
+    end = (len(events) - 1) // reads_per_step
+    return {key: max(worst[key], end - last[key]) for key in worst}
+
+
+def test_the_sweep_verifies_a_first_read_whole_then_the_blocks_in_turn_at_their_share_of_n(make_cache):
+    # GIVEN the sweep with N = 6 and a sequence of three blocks, read seven times
+    rec = make_cache(verify="sample", verify_every=6, device_blocks=8)
     rec.add("a", 12)
-    for _ in range(6):
+    ids = [b.id for b in rec.cache.seqs["a"].blocks]
+    for _ in range(7):
         rec.cache.emit_read("a")
-    verified = [[i for i, d in enumerate(r.digests or ()) if d is not None] for r in rec.kinds("read")]
-    # THEN every other read verifies one block, and they take the blocks in turn, each before any twice
-    assert [bool(v) for v in verified] in ([True, False] * 3, [False, True] * 3)
-    assert [v for v in verified if v] == [[0], [1], [2]]
+    first, *rest = _verified(rec)
+    # THEN its first read verifies every block it holds, and after it one read in two (3 blocks / 6) verifies
+    # one block, the one verified longest ago: each block in turn
+    assert first == [("a", b) for b in ids]
+    assert [len(v) for v in rest] in ([1, 0] * 3, [0, 1] * 3)
+    assert [v[0][1] for v in rest if v] == ids
 
 
-def test_every_row_of_a_batch_gets_its_turn_and_every_block_within_the_bound(make_cache):
-    # GIVEN eight sequences of three blocks read once a step, as a batch of 8 is, sampled one read in 4
-    rec = make_cache(verify="sample", verify_every=4, device_blocks=32)
+@pytest.mark.parametrize("num_blocks", [3, 40])
+def test_every_block_of_every_row_is_verified_within_n_steps_whatever_its_length(make_cache, num_blocks):
+    # GIVEN a batch of 8 sequences read once a step with N = 8, short (3 blocks) or longer than N (40 blocks)
+    n = 8
+    rec = make_cache(verify="sample", verify_every=n, device_blocks=8 * num_blocks)
     names = [f"s{i}" for i in range(8)]
     for name in names:
-        rec.add(name, 12)
-    steps = 4 * 3  # the bound: verify_every times the blocks of a sequence
+        rec.add(name, 4 * num_blocks)
+    steps = 5 * n
     for _ in range(steps):
         for name in names:
             rec.cache.emit_read(name)
-    # THEN every block of every sequence was verified within the bound (one count for the whole batch would
-    # have verified the same two rows every time), and no more reads were verified than one in 4
-    seen = {(r.seq, i) for r in rec.kinds("read") for i, d in enumerate(r.digests or ()) if d is not None}
-    assert seen == {(name, i) for name in names for i in range(3)}
-    assert sum(r.digests is not None for r in rec.kinds("read")) == steps * len(names) // 4
+    # THEN no block of any row went more than N steps unverified, and the sweep verified about blocks / N a
+    # step after the first (one a row a step at most for the short ones: what the compiled layers verify)
+    gaps = _gaps(rec, len(names))
+    assert len(gaps) == 8 * num_blocks and max(gaps.values()) <= n
+    per_step = [sum(map(len, _verified(rec)[s * 8: s * 8 + 8])) for s in range(1, steps)]
+    assert sum(per_step) <= (steps - 1) * 8 * num_blocks / n + 8
+    if num_blocks < n:
+        assert all(len(v) <= 1 for v in _verified(rec)[8:])
 
 
-def test_the_sampled_mode_finds_a_corrupt_block_within_a_turn_of_its_sequence(make_cache):
-    rec = make_cache(verify="sample", verify_every=2, device_blocks=8)
+def test_a_block_never_verified_is_verified_on_its_first_read_without_waiting_its_turn(make_cache):
+    # GIVEN a sequence read once (its blocks verified), with a large N, then given a new block
+    rec = make_cache(verify="sample", verify_every=1000, device_blocks=8)
+    rec.add("a", 8)
+    rec.cache.emit_read("a")
+    rec.write("a", 1)
+    new = rec.cache.seqs["a"].blocks[-1].id
+    for _ in range(10):
+        rec.cache.emit_read("a")
+    # THEN the read after the write verifies the new block (a fresh slot: the likeliest to hold wrong bytes),
+    # and of the next ten at most one verifies anything (credit for one block in 333 reads)
+    after = _verified(rec)[1:]
+    assert ("a", new) in after[0] and sum(map(len, after[1:])) <= 1
+
+
+def test_the_sweep_finds_a_corrupt_block_within_n_reads(make_cache):
+    rec = make_cache(verify="sample", verify_every=4, device_blocks=8)
     suite = make_suite()
     rec.cache.bus.subscribe(suite.observe_many)
     rec.add("a", 12)
+    rec.cache.emit_read("a")  # the first read: every block verified, clean
     blk = rec.cache.seqs["a"].blocks[2]
     rec.cache.fault_hooks.raw(blk)[1, 0, 5] += 1.0  # one element of layer 1 changes under the cache
-    for _ in range(2 * 3):  # the bound: verify_every times the sequence's blocks
+    for _ in range(4):  # the bound: N reads
         rec.cache.emit_read("a")
     rec.cache.bus.flush()
     [f] = suite.findings
