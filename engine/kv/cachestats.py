@@ -5,6 +5,7 @@ prefetch and swaps).
 
 from __future__ import annotations
 
+from operator import mul
 from typing import TYPE_CHECKING, Any
 
 from ...events import Usage
@@ -19,12 +20,15 @@ class CacheStats:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.peak_kv_bytes = 0  # the most KV bytes resident (every tier, each block in its codec) at a step's end
+        layout = cache.config.layout
+        # per tier, the bytes a block takes in each of its arenas (their codecs): a step's count is one product
+        self._block_bytes = {t: [layout(name).bytes_per_block for name in a.codecs] for t, a in cache.tier_arenas.items()}
 
     def end_step(self) -> None:
         """Book the step's peak, and emit each tier's usage while someone listens."""
         c = self.cache
         slots = c.pool.slots
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(self.used_bytes(t) for t in slots))
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(map(self.used_bytes, slots)))
         if not c.bus.enabled:
             return
         landing = {t: 0 for t in slots}  # slots held for prefetches still in flight
@@ -44,8 +48,7 @@ class CacheStats:
 
     def used_bytes(self, tier: str) -> int:
         """Bytes the blocks in ``tier`` take, each in its own codec's layout (padding included)."""
-        layout = self.cache.config.layout
-        return sum(n * layout(c).bytes_per_block for c, n in self._blocks_by_codec(tier).items())
+        return sum(map(mul, self.cache.pool.slots[tier].used_by, self._block_bytes[tier]))
 
     def stats(self) -> dict[str, Any]:
         c = self.cache

@@ -177,11 +177,13 @@ class RowLayout:
         self.native = native  # the device's codec stores the dtype as it is (rows of K/V, not codes)
         self._kv: list[torch.Tensor] | None = None  # per-layer views of the device arena
         self._plan: tuple[torch.Tensor, StorePlan] | None = None  # the last ``slots`` planned and its plan
+        self._strides: tuple[tuple[int, int, int, int] | None] | None = None  # (row_strides,): None is an answer too
 
     def forget(self) -> None:
         """The device arena reallocated: every view and plan points into the old tensor."""
         self._kv = None
         self._plan = None
+        self._strides = None
 
     def views(self) -> list[torch.Tensor]:
         """``(num_slots, H, 2, block_size, D)`` views of the device arena, one per layer."""
@@ -230,12 +232,12 @@ class RowLayout:
     def row_strides(self) -> tuple[int, int, int, int] | None:
         """The device arena's strides in rows of D elements (block, head, K/V, position), the layout both the
         store plan and ``read_rows`` index; None where a layer's arena is not such rows."""
-        kv = self.layer_kv(0)  # (P, H, 2, bs, D)
-        D, strides = kv.shape[-1], kv.stride()
-        if strides[-1] != 1 or strides[-2] != D or any(st % D for st in strides[:-1]):
-            return None
-        s_blk, s_head, s_kv, s_pos = (st // D for st in strides[:-1])
-        return s_blk, s_head, s_kv, s_pos
+        if self._strides is None:
+            kv = self.layer_kv(0)  # (P, H, 2, bs, D)
+            D, strides = kv.shape[-1], kv.stride()
+            rows = strides[-1] == 1 and strides[-2] == D and not any(st % D for st in strides[:-1])
+            self._strides = (tuple(st // D for st in strides[:-1]) if rows else None,)
+        return self._strides[0]
 
 
 # ---- the cache's reads ----

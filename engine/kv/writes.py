@@ -52,8 +52,10 @@ class Writes:
         first_new = (last.index + 1) if last is not None else 0
         num_new = max((end - 1) // bs + 1 - first_new, 0)
         need = num_new + int(cow) + int(tail is not None and tail.tier != Tier.DEVICE)
-        keep = {b.id for b in s.blocks} if c.staging is None else c.longctx.hold(s, tail)
-        c.mover.make_room(Tier.DEVICE, need, keep)
+        keep = c.longctx.hold(s, tail) if c.staging is not None else None
+        if need:  # the sequence's own blocks are never the room made for it
+            keep = keep if keep is not None else {b.id for b in s.blocks}
+            c.mover.make_room(Tier.DEVICE, need, keep)
         if tail is not None:
             if tail.tier != Tier.DEVICE:
                 c.mover.move([tail], Tier.DEVICE, exclude=keep)
@@ -67,11 +69,12 @@ class Writes:
             step.held.add(s.blocks[-1].id)
             if c.faults.content == "stale-slot":
                 hooks.stale_slot(s.blocks[-1], seq)
-        s.index_cache = None
+        if num_new or cow:  # its block table changed (a moved block changes the pool's epoch instead)
+            s.index_cache = None
         writes: list[tuple[Block, int, int]] = []
         slots: list[int] = []
         by_index = {b.index: b for b in s.blocks[-(num_new + 1):]}
-        misaligned = hooks.misaligned_target(seq, n)
+        misaligned = hooks.misaligned_target(seq, n) if c.faults.batch_misalign else None
         pos = start
         while pos < end:
             b = misaligned or by_index[pos // bs]

@@ -14,6 +14,7 @@ through ``.data`` advances no counter; ``Runner.update_weights`` reports what it
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from ...events import Weights
@@ -22,6 +23,8 @@ from ..kv.cache import PagedKVCache
 from ..kv.prefix import model_salt
 
 __all__ = ["WeightsWatch"]
+
+_VERSION = attrgetter("_version")  # a parameter's in-place version counter, read without a Python frame per parameter
 
 
 class WeightsWatch:
@@ -36,7 +39,7 @@ class WeightsWatch:
         self._counters = self._counted()
 
     def _counted(self) -> int:
-        return sum(p._version for p in self._params)
+        return sum(map(_VERSION, self._params))
 
     def check(self) -> None:
         """Before a step: parameters edited in place since the last look are a change."""
