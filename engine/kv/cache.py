@@ -88,8 +88,9 @@ class PagedKVCache:
         self.pool = BlockPool(config, self.bus, {t: self._grower(t) for t in config.tiers})
         # side tables of what features know of some blocks, by block id, forgotten when a block goes
         self.importance = Importance()  # the attention mass the hybrid policy and mixed resolution rank by
-        self.pool.track(self.importance.mass)
-        self.merged: dict[int, SlotCounts] = self.pool.track({})  # token merging: what it left in a block
+        self.merged: dict[int, SlotCounts] = {}  # token merging: what it left in a block
+        self.pool.track(self.importance.forget)
+        self.pool.track(lambda block_id: self.merged.pop(block_id, None))
         self.dev_slots = self.pool.slots[Tier.DEVICE]
         self.step = StepState(long_context=config.long_context)
         self.seqs = SequenceTable(self)

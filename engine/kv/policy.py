@@ -35,6 +35,9 @@ class Importance:
     def of(self, b: Block) -> float:
         return self.mass.get(b.id, 0.0)
 
+    def forget(self, block_id: int) -> None:
+        self.mass.pop(block_id, None)
+
 
 class EvictionPolicy(Protocol):
     name: str

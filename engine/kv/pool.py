@@ -109,13 +109,16 @@ class BlockPool:
         self._free_ids: list[int] = []
         self._next_id = 0
         self.epoch = 0  # advances whenever a block's slot changes or a block goes, so slot tables can be cached
-        self._side_tables: list[dict[int, Any]] = []  # features' facts of blocks, by id (``track``)
+        self._forgets: list[Callable[[int], Any]] = []  # features' side tables letting go of a block (``track``)
+        self._held: list[Callable[[], Iterable[tuple[str, int]]]] = []
 
-    def track(self, table: dict[int, Any]) -> dict[int, Any]:
-        """Have ``table`` (block id -> a feature's fact of that block) forget each block the pool drops, so a
-        reused id starts with nothing; returns it."""
-        self._side_tables.append(table)
-        return table
+    def track(self, forget: Callable[[int], Any], held: Callable[[], Iterable[tuple[str, int]]] | None = None) -> None:
+        """A feature's side table (block id -> what it knows of that block) joins the pool: ``forget(block_id)``
+        for each block the pool drops, so a reused id starts with nothing; ``held()``: the (tier, slot) pairs the
+        table holds in the pool's tiers besides the blocks' own, which ``check`` counts."""
+        self._forgets.append(forget)
+        if held is not None:
+            self._held.append(held)
 
     def lookup(self, ids: Iterable[int]) -> list[Block]:
         """The blocks of ``ids``; a ``ValueError`` names the first one not allocated."""
@@ -165,8 +168,8 @@ class BlockPool:
             self.slots[blk.retained[0]].give(blk.retained[1])
             blk.retained = None
         del self.blocks[blk.id]
-        for table in self._side_tables:
-            table.pop(blk.id, None)
+        for forget in self._forgets:
+            forget(blk.id)
         heapq.heappush(self._free_ids, blk.id)
 
     def free(self, blk: Block) -> None:
@@ -187,6 +190,7 @@ class BlockPool:
             held = [b.slot for b in self.blocks.values() if b.tier == name]
             held += [b.retained[1] for b in self.blocks.values() if b.retained and b.retained[0] == name]
             held += [b.inflight.slot for b in self.blocks.values() if b.inflight is not None and b.inflight.dst == name]
+            held += [slot for table in self._held for tier, slot in table() if tier == name]
             assert ts.used == len(held) <= ts.capacity, f"tier {name}: used={ts.used} but {len(held)} slots held"
             assert len(set(held)) == len(held), f"tier {name}: a slot holds two blocks: {sorted(held)}"
             for b in self.blocks.values():

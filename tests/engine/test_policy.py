@@ -36,7 +36,7 @@ def test_importance_decays_each_observation_and_forgets_a_freed_block():
     pool = BlockPool(EngineConfig(num_layers=1, num_kv_heads=1, head_dim=8, device_blocks=4, host_blocks=0),
                      Bus(), {"device": lambda arena: range(4)})
     mass = Importance()
-    pool.track(mass.mass)
+    pool.track(mass.forget)
     b = pool.alloc("device", "s", 0)
     # WHEN the block is observed twice
     mass.observe([b], [1.0])
