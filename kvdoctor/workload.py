@@ -297,6 +297,7 @@ class WorkloadSession:
         self._t0_base: int | None = None
         self._last_scan = 0.0
         self._unusable_named = 0  # the set's unusable traces already named
+        self._handed = 0  # findings already handed out by ``new_findings``
 
     # ---- running ---------------------------------------------------------------------
 
@@ -550,6 +551,12 @@ class WorkloadSession:
     def add(self, findings: list[Finding]) -> None:
         """Findings about the workload itself (its exit status)."""
         self._accept(None, findings, across=False)
+
+    def new_findings(self) -> list[Finding]:
+        """The findings since the last call, per trace and across traces, each naming its trace: what a live
+        view adds as the workload goes on (iterating yields only a trace's own findings with its events)."""
+        start, self._handed = self._handed, len(self._found)
+        return [self._named(i, f) for i, f in self._found[start:]]
 
     @property
     def findings(self) -> list[Finding]:

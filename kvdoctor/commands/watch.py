@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("source (exactly one)")
     src.add_argument("--demo", action="store_true",
                      help="run the embedded SmolLM2 serving a continuous stream of chat requests")
-    src.add_argument("--trace", metavar="FILE", help="follow a trace file that another process is writing")
+    src.add_argument("--trace", metavar="FILE", nargs="+",
+                     help="follow a trace file that another process is writing; several files or a directory: a "
+                     "workload's traces, every one checked, one shown at a time (t / T switch)")
     src.add_argument("--pid", type=int, metavar="PID",
                      help="attach to a running process whose kvdoctor engine runs steps: its first cache traces from "
                      "its next step's end (a snapshot of what it holds first) until the screen closes")
@@ -91,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
 
         if args.fault not in FAULTS:
             raise UsageError(f"unknown fault {args.fault!r}: choose one of {', '.join(FAULTS)}")
+    if args.trace and not isinstance(args.trace, str):  # --trace as given: one file, several, a directory
+        if len(args.trace) > 1 or os.path.isdir(args.trace[0]):
+            return _watch_workload(args)
+        args.trace = args.trace[0]
     if args.trace and is_stdin(args.trace):
         raise UsageError("--trace: standard input is the screen's keyboard, so it cannot carry the trace: give a file, or a FIFO (mkfifo)")
     if args.trace:
@@ -153,6 +159,25 @@ def _watch_process(args: argparse.Namespace) -> int:
         return run(args)
     finally:
         source.close()
+
+
+def _watch_workload(args: argparse.Namespace) -> int:
+    """``--trace`` naming several traces or a directory: every trace checked, on its own and across the others;
+    the screen shows one trace's state at a time and the findings of all of them."""
+    from ..config import load_config
+    from ..errors import UsageError
+    from ..tui.app import KvdoctorApp
+    from ..tui.traces import WorkloadFeed
+    from ..workload import TraceSet, WorkloadSession
+
+    if args.metrics_port is not None:
+        raise UsageError("--metrics-port serves one trace's metrics; for a workload's traces run "
+                         "kvdoctor check --trace DIR --follow --metrics-port N")
+    config = load_config(args.config)
+    traces = TraceSet.open(args.trace, wait_s=args.wait if args.wait is not None else 10.0)
+    session = WorkloadSession(traces, config, name_traces=True)
+    KvdoctorApp(lambda publish: WorkloadFeed(session, publish, limits=config.limits)).run()
+    return 0
 
 
 def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: Any) -> None:

@@ -25,6 +25,7 @@ from .feed import BusFeed, CheckerFactory, Feed, ReplayFeed, all_checks
 from .details import block_story_of, describe_block, describe_finding, describe_seq, seq_story_of
 from .screens import DetailScreen, HelpScreen, PromptScreen
 from .state import Monitor, Snapshot
+from .traces import WorkloadFeed
 from .widgets.attention import AttentionView
 from .widgets.blockmap import LEGEND, BlockMap
 from .widgets.eventlog import EventLog
@@ -33,6 +34,7 @@ from .widgets.gauges import TierGauges
 from .widgets.header import StatusHeader
 from .widgets.memory import MemoryView
 from .widgets.output import OutputView
+from .widgets.traces import TraceBar
 from .workload import Workload
 
 __all__ = ["KvdoctorApp", "SnapshotReady", "bus_app", "watch_bus"]
@@ -63,6 +65,8 @@ class KvdoctorApp(App[int]):
         Binding("n", "step(1)", "Next step"),
         Binding("b", "step(-1)", "Prev step"),
         Binding("g", "seek", "Go to step"),
+        Binding("t", "trace(1)", "Next trace"),
+        Binding("T", "trace(-1)", "Prev trace", show=False),
         *(Binding(str(i + 1), f"tab('{name}')", name.title(), show=False) for i, name in enumerate(TABS)),
     ]
 
@@ -87,6 +91,7 @@ class KvdoctorApp(App[int]):
 
     def compose(self) -> ComposeResult:
         yield StatusHeader(show_pid=self.show_pid).data_bind(KvdoctorApp.snapshot, KvdoctorApp.paused)
+        yield TraceBar().data_bind(KvdoctorApp.snapshot)
         with TabbedContent(initial="overview"):
             with TabPane("1 Overview", id="overview"):
                 gauges = TierGauges(id="tiers", classes="panel").data_bind(KvdoctorApp.snapshot)
@@ -154,13 +159,18 @@ class KvdoctorApp(App[int]):
         if self.paused and not self.replay:
             self._held = message.snapshot
             return
+        before = self.snapshot is not None and len(self.snapshot.traces) > 1
         self.snapshot = message.snapshot
+        if before != (len(message.snapshot.traces) > 1):
+            self.refresh_bindings()  # the trace keys appear with a workload's second trace
 
     # ---- actions ----------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("step", "seek"):
             return self.replay
+        if action == "trace":  # shown only over a workload of several traces
+            return self.snapshot is not None and len(self.snapshot.traces) > 1
         return True
 
     def action_pause(self) -> None:
@@ -174,6 +184,11 @@ class KvdoctorApp(App[int]):
     def action_step(self, delta: int) -> None:
         if isinstance(self.feed, ReplayFeed):
             self.feed.step(delta)
+
+    def action_trace(self, delta: int) -> None:
+        """Show another trace of the workload: its block map, tiers, attention, memory and events."""
+        if isinstance(self.feed, WorkloadFeed):
+            self.feed.select(delta)
 
     def action_seek(self) -> None:
         def done(value: str | None) -> None:
@@ -265,8 +280,10 @@ class KvdoctorApp(App[int]):
         return self.feed.query(fn) if self.feed is not None else None
 
     def _describe(self, f: Finding) -> Text:
-        block_story = self._query(lambda m: block_story_of(m, f.block)) if f.block is not None else None
-        seq_story = self._query(lambda m: seq_story_of(m, f.seq)) if f.seq is not None else None
+        # a block's and a sequence's story are the shown trace's: told only for that trace's findings
+        here = not isinstance(self.feed, WorkloadFeed) or self.feed.shows(f.trace)
+        block_story = self._query(lambda m: block_story_of(m, f.block)) if f.block is not None and here else None
+        seq_story = self._query(lambda m: seq_story_of(m, f.seq)) if f.seq is not None and here else None
         return describe_finding(f, block_story, seq_story)
 
 

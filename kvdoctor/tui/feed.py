@@ -173,12 +173,16 @@ class Feed(threading.Thread):
         self.failed = message
         self._set_status(message)
 
+    def _snapshot(self) -> Snapshot:
+        """What the screen shows now (under the lock)."""
+        return self.monitor.snapshot(status=self.status, ended=self.failed, output=self.output)
+
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
         if not self._dirty or (not force and now - self._last_publish < self._interval):
             return
         with self.lock:
-            snap = self.monitor.snapshot(status=self.status, ended=self.failed, output=self.output)
+            snap = self._snapshot()
         self._last_publish = now
         self._dirty = False
         self.last_serial = snap.serial

@@ -24,6 +24,7 @@ HELP = """\
 [b]↑↓[/b] [b]jk[/b]    move;  [b]tab[/b] next pane;  the mouse works too
 [b]?[/b]        this help;  [b]q[/b] quit (stops a workload kvdoctor started)
 [b]n b g[/b]    replay: next step, previous step, go to step
+[b]t T[/b]      a workload of several traces: show the next, the previous one
 
 [green]█[/]dev [dodger_blue1]▓[/]host [magenta]▒[/]disk [b]▞[/]shared \
 [bold white on red]L[/]leaked [bold black on yellow]S[/]stale ·free

@@ -92,6 +92,16 @@ class LayerView:
 
 
 @dataclass(frozen=True)
+class TraceView:
+    """One trace of a workload on screen: its place in the workload, its name, and who wrote it in words
+    (instance, role, ranks), which the selector and the findings list show."""
+
+    index: int
+    name: str
+    label: str
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything the screens draw, copied out of the monitor at one instant."""
 
@@ -118,6 +128,8 @@ class Snapshot:
     prefix_lookups: int = 0                # ... and served or computed; 0: no prefix cache seen
     steps_done: int = 0                    # step_end events so far: 0 while a workload loads its model
     output: str = ""                       # the end of the output of a workload kvdoctor started (the demo's answers)
+    traces: tuple[TraceView, ...] = ()     # a workload of several traces: each (none: one trace)
+    shown: int = 0                         # the place in ``traces`` of the one whose state this is
 
     @property
     def prefix_hit_rate(self) -> float | None:

@@ -27,11 +27,13 @@ class FindingsList(LineList):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._findings: tuple[Finding, ...] = ()
+        self._labels: dict[str, str] = {}
 
     def watch_snapshot(self, snapshot: Snapshot | None) -> None:
         new = snapshot.findings if snapshot is not None else ()
         if new is self._findings:
             return
+        self._labels = labels_of(snapshot)
         grown = len(new) - len(self._findings)
         self._findings = new
         if self.cursor > 0 and grown > 0:
@@ -55,17 +57,27 @@ class FindingsList(LineList):
     def row_text(self, row: int, width: int) -> Text:
         f = self.finding(row)
         assert f is not None
-        line = _line(f)
+        line = _line(f, self._labels)
         line.no_wrap, line.overflow = True, "ellipsis"
         return line
 
 
-def _line(f: Finding) -> Text:
-    """One finding as the lists show it: severity, step, check/rule, message."""
+def labels_of(snapshot: Snapshot | None) -> dict[str, str]:
+    """Trace name -> its label, in a workload of several traces (none: findings need not name one)."""
+    if snapshot is None or len(snapshot.traces) < 2:
+        return {}
+    return {v.name: v.label for v in snapshot.traces}
+
+
+def _line(f: Finding, labels: dict[str, str]) -> Text:
+    """One finding as the lists show it: severity, step, the trace it came from (in a workload of several),
+    check/rule, message."""
     style = SEVERITY_STYLE.get(f.severity, "")
     line = Text()
     line.append(f"{_TAG.get(f.severity, '?')} ", style)
     line.append(f"{'-' if f.step is None else f.step:>5} ", "dim")
+    if labels:
+        line.append(f"[{labels.get(f.trace, 'workload') if f.trace is not None else 'workload'}] ", "cyan")
     line.append(f"{f.check}/{f.rule} ", style)
     line.append(f.message)
     return line
@@ -89,7 +101,8 @@ class RecentFindings(Static):
         if not new:
             self.update(Text("no findings yet", "dim"))
             return
-        text = Text("\n").join(_line(f) for f in reversed(new[-_RECENT:]))
+        labels = labels_of(snapshot)
+        text = Text("\n").join(_line(f, labels) for f in reversed(new[-_RECENT:]))
         self.update(text)
 
 
