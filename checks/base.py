@@ -140,7 +140,7 @@ class CheckSuite:
         self.severity = dict(severity or {})
         self.max_per_rule = max_per_rule
         self.findings: list[Finding] = []
-        self.causes = Causes()
+        self.causes = Causes(self.ledger)
         self.counts: dict[str, int] = {}  # "check/rule" -> findings raised, kept or not (cascades apart)
         self.num_events = 0
         self._step = 0

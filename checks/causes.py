@@ -9,8 +9,11 @@ and stands for it; a later finding of the same cause is folded into the first's
 ``evidence["cascade"]`` (how many, which rules, sequences, layers, steps) instead of being
 reported. What makes one cause is the rule's family and, where it matters, the block or tier:
 
-- ``attention/nonfinite``: one cause per trace; its first finding names the first layer that went
-  non-finite (the layers above it only inherit the NaN);
+- ``attention/nonfinite``: one cause per source of NaN; its first finding names the first layer that
+  went non-finite. A NaN flows up the layers and on to later steps, never down, and reaches the
+  sequences that share its blocks: a later NaN in the same sequence, in one sharing its blocks, or
+  first showing at the cause's layer or above is counted under it; one first showing below every
+  cause so far is another source, reported on its own;
 - ``batch/batch-position`` and ``batch/write-position``: one cause per trace (a sequence whose length
   went wrong once, as after an uncut rollback, is off at every later step);
 - ``stale/stale-swap-in``, ``stale/stale-read``, ``stale/stale-swap-out``, ``integrity/swap-mismatch``
@@ -35,7 +38,6 @@ _SAMPLES = 16  # sequences named in a cascade's evidence; the rest are counted
 _TRACKED = 65536  # sequences a cause remembers, to count each once: past it, a long run's memory stays flat
 
 _FAMILY: dict[str, Callable[[Finding], tuple | None]] = {
-    "attention/nonfinite": lambda f: ("nonfinite",),
     "batch/batch-position": lambda f: ("position",),
     "batch/write-position": lambda f: ("position",),
     "stale/stale-swap-in": lambda f: ("copy", f.block, f.seq),
@@ -50,16 +52,21 @@ _FAMILY: dict[str, Callable[[Finding], tuple | None]] = {
 class Causes:
     """The causes seen so far in one stream of findings, by family key -> the finding that stands for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: Any = None) -> None:
+        self.ledger = ledger  # who shares which blocks, to follow a NaN from sequence to sequence
         self._roots: dict[tuple, Finding] = {}
         self._seqs: dict[tuple, set] = {}  # the sequences each cause reached, beyond its root's
 
     def absorb(self, f: Finding) -> bool:
         """True when ``f`` belongs to a cause already reported: it is counted in that finding's cascade."""
-        family = _FAMILY.get(f"{f.check}/{f.rule}")
-        if family is None:
-            return False
-        key = family(f)
+        rule = f"{f.check}/{f.rule}"
+        if rule == "attention/nonfinite":
+            key = self._spread_of(f)
+        else:
+            family = _FAMILY.get(rule)
+            if family is None:
+                return False
+            key = family(f)
         root = self._roots.get(key)
         if root is None:
             self._roots[key] = f
@@ -67,6 +74,28 @@ class Causes:
             return False
         self._count(key, root, f)
         return True
+
+    def _spread_of(self, f: Finding) -> tuple:
+        """The NaN cause ``f`` belongs to: its sequence's, one whose sequences share a block with its sequence,
+        or one that first went non-finite at ``f``'s layer or below (a NaN flows up the layers and on to later
+        steps, never down); else, first showing below every cause so far, a cause of its own."""
+        below = None
+        for key, root in self._roots.items():
+            if key[0] != "nonfinite":
+                continue
+            seqs = self._seqs[key]
+            if f.seq in seqs or self._shares(f.seq, seqs):
+                return key
+            if root.layer is not None and f.layer is not None and root.layer <= f.layer:
+                below = below or key
+        return below or ("nonfinite", f.layer)
+
+    def _shares(self, seq: Any, seqs: set) -> bool:
+        ledger = self.ledger
+        state = ledger.seqs.get(seq) if ledger is not None else None
+        if state is None:
+            return False
+        return any(not seqs.isdisjoint(ledger.owners.get(block, ())) for block in state.blocks)
 
     def _count(self, key: tuple, root: Finding, f: Finding) -> None:
         """Fold ``f`` into ``root``'s cascade (the root's evidence is its own dict, updated in place so a

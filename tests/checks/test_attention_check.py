@@ -70,6 +70,43 @@ def test_nonfinite_scores_are_an_error_at_once(trace):
                                      "num_sequences": 1, "layers": [5, 5], "steps": [0, 0]}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["independent", "through-a-shared-block"])
+def test_a_nan_below_every_earlier_one_is_a_cause_of_its_own(trace, shared):
+    # GIVEN a NaN in A from layer 7 at step 0, and later one in C from layer 3: a sequence of its own, or one
+    # sharing A's block
+    trace.start("A", 4)
+    trace.alloc(0, "A")
+    trace.start("C", 4)
+    if shared:
+        trace.share(0, "C")
+    else:
+        trace.alloc(1, "C")
+    trace.attn("A", 7, nonfinite=2)
+    trace.attn("A", 8, nonfinite=2)  # A's layers above it: the same NaN
+    for _ in range(5):
+        trace.end_step()
+    trace.attn("C", 3, nonfinite=1)
+    trace.end_step()
+    found = trace.run(disabled=["batch", "leak"], attention=SETTINGS)
+    # THEN a NaN that A's could have reached is counted under it; one it could not (a layer below, nothing
+    # shared) is an error of its own
+    assert [(f.seq, f.layer) for f in found] == ([("A", 7)] if shared else [("A", 7), ("C", 3)])
+
+
+def test_a_nan_at_the_same_layer_or_above_in_another_request_is_the_same_cause(trace):
+    # GIVEN requests that share nothing: A non-finite from layer 15, later B from 15 and C from 18 only
+    for step, seq, layer in ((0, "A", 15), (20, "B", 15), (30, "C", 18)):
+        while trace.step < step:
+            trace.end_step()
+        trace.attn(seq, layer, nonfinite=3)
+        trace.attn(seq, layer + 1, nonfinite=3)
+    trace.end_step()
+    found = trace.run(disabled=["batch", "leak"], attention=SETTINGS)
+    # THEN one error, at the lowest layer: the others are what a NaN flowing up the layers leaves
+    assert [(f.seq, f.layer) for f in found] == [("A", 15)]
+    assert found[0].evidence["cascade"]["sequences"] == ["B", "C"]
+
+
 # ---- near misses: healthy behaviour that the first version of this check reported --------------------
 
 
