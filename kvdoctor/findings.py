@@ -18,9 +18,10 @@ from .events import Event, Unknown
 
 __all__ = ["Severity", "SEVERITIES", "Finding", "Check", "severity_rank", "split_frame", "drawn_id"]
 
-# A request id a server drew at random (vLLM's "cmpl-<uuid hex>-0", a uuid4): 8 or more hex digits with a
-# letter and a digit among them; a counter ("3", "req-12") or a name ("gen1.row0") is kept as it is
-_DRAWN = re.compile(r"(?=[0-9a-f-]*[a-f])(?=[0-9a-f-]*[0-9])[0-9a-f][0-9a-f-]{7,}", re.IGNORECASE)
+# A request id drawn at random or from the clock (vLLM's "0-3fa2b91c", "cmpl-<uuid hex>-0", a uuid4, a time
+# stamp): 8 or more hex digits in a row, a decimal digit among them; a counter ("3", "req-12"), a name
+# ("gen1.row0") or a word ("deadbeef") is kept as it is
+_DRAWN = re.compile(r"(?=[0-9a-f]*[0-9])[0-9a-f]{8,}", re.IGNORECASE)
 
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")  # most severe first

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, UsageError
-from kvdoctor.findings import Finding
+from kvdoctor.findings import Finding, drawn_id
 from kvdoctor.report import (
     FORMATS, Report, apply_baseline, load_baseline, render, summary_line, write_baseline,
 )
@@ -166,6 +166,9 @@ def test_a_fingerprint_names_a_random_request_id_by_its_place_in_the_trace():
     assert leak_of(first) == leak_of(second) and leak_of(first) and "seq=#1/" in leak_of(first)[0]
     # AND an id the workload chose itself (a counter, a name) stays in the fingerprint as it is
     assert "seq=req-1/" in leak_of(["req-0", "req-1", "req-2"])[0]
+    # AND vLLM 0.32's own ids (the caller's id and 8 random hex digits) count as drawn, however they fall
+    assert [drawn_id(s) for s in ("0-3fa2b91c", "12-90817263", "0-abcdef12", "gen1.row0", "deadbeef", 7)] == [
+        True, True, True, False, False, False]
 
 
 def test_an_unknown_format_is_a_usage_error_naming_the_formats():
