@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..events import Alloc, Batch, Evict, Free, Header, Read, Release, SeqEnd, SeqStart, Share, StepEnd
+from ..events import Alloc, Batch, Evict, Free, Header, Read, Release, SeqEnd, SeqStart, Share, StepEnd, Write
 from ..findings import Finding
 
 from .across import AcrossCheck, TraceTag
@@ -24,7 +24,10 @@ __all__ = ["RanksCheck"]
 
 # What every rank of an engine must agree on at start-up; ``layers`` only among ranks of one pipeline stage.
 _SHARED_FACTS = ("block_size", "kernel_block_size", "kv_layout", "num_layers", "dp_size", "tp_size", "pp_size")
-_DECISIONS = (SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Batch)
+# What every rank records alike: the scheduler's decisions, and the writes and block-table reads they make
+# (a rank's slot mapping and block table are its own copies: a rank skipping a write or reading another table
+# diverges here). A read at one layer is a stage's own and is judged by ``foreign-layer`` instead.
+_DECISIONS = (SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Batch, Write, Read)
 _PENDING_STEPS = 4096  # steps one rank may run ahead of a lagging one before its oldest are dropped unjudged
 
 
@@ -40,7 +43,27 @@ def _decision(ev: Any) -> tuple:
         return (ev.__struct_config__.tag, ev.block, ev.tier, getattr(ev, "seq", None))
     if type(ev) in (Share, Release):
         return (ev.__struct_config__.tag, ev.block, ev.seq)
+    if type(ev) is Write:
+        return ("write", ev.block, ev.seq, ev.pos, ev.n)
+    if type(ev) is Read:
+        return ("read", ev.seq, tuple(ev.blocks))
     return ("free", ev.block)
+
+
+def _block_and_seq(decision: tuple | None) -> tuple[Any, Any]:
+    """The block and the request a decision is about (None where it names none)."""
+    if decision is None:
+        return None, None
+    kind = decision[0]
+    if kind in ("alloc", "evict"):
+        return decision[1], decision[-1]
+    if kind in ("share", "release", "write"):
+        return decision[1], decision[2]
+    if kind == "free":
+        return decision[1], None
+    if kind == "read":
+        return (decision[2][0] if decision[2] else None), decision[1]
+    return None, (decision[1] if kind in ("seq_start", "seq_end") else None)
 
 
 def _say(decision: tuple | None) -> str:
@@ -92,7 +115,7 @@ class RanksCheck(AcrossCheck):
     def wants(self, tag: TraceTag) -> tuple[type, ...]:
         if tag.engine_key is None:
             return ()
-        return (*_DECISIONS, StepEnd, Read) if tag.header.layers is not None else (*_DECISIONS, StepEnd)
+        return (*_DECISIONS, StepEnd)
 
     def trace_added(self, tag: TraceTag) -> Sequence[Finding]:
         key = tag.engine_key
@@ -151,7 +174,7 @@ class RanksCheck(AcrossCheck):
         if kind is StepEnd:
             rank.close_step()
             return [*out, *self._judge(tag.engine_key)]
-        if kind is Read:
+        if kind is Read and event.layer is not None:
             return [*out, *self._layer(rank, event)]
         rank.current.append(_decision(event))
         return out
@@ -202,10 +225,9 @@ class RanksCheck(AcrossCheck):
             b = theirs[i] if i < len(theirs) else None
             if not self.once("divergence", other.tag.index):
                 continue
-            block = next((d[1] for d in (b, a) if d is not None and d[0] in ("alloc", "share", "release", "free", "evict")),
-                         None)
-            seq = next((d[-1] if d[0] in ("alloc", "evict") else d[2] for d in (b, a)
-                        if d is not None and d[0] in ("alloc", "share", "release")), None)
+            named = [_block_and_seq(d) for d in (b, a)]
+            block = next((blk for blk, _ in named if blk is not None), None)
+            seq = next((sq for _, sq in named if sq is not None), None)
             out.append(self.found(
                 other.tag, "divergence",
                 f"at step {step}, {other.tag.who} recorded {_say(b)} where {ref.tag.who} recorded {_say(a)} "

@@ -31,31 +31,27 @@ to CPU, the bytes a KV connector moves.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import itertools
 import os
-import sys
 import time
 import weakref
 from array import array
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-import msgspec
-
 from .. import knobs
 from .. import callsite
 from ..events import (
-    Alloc, Batch, Evict, Free, Header, ObserverError, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
+    Alloc, Batch, Evict, Free, Header, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd,
     TierSpec, TransferDone, TransferFailed, TransferStart, Usage, Weights, Write,
 )
-from ..trace import TraceWriter
 from ..trace_names import claim
-from . import vllm_connector
+from . import vllm_connector, vllm_ranks
 from .guard import Call, Guard
 from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
 from .vllm_lora import watch_adapters
+from .vllm_trace import BufferedTrace, warn
 from .vllm_weights import patch_engine_core
 
 __all__ = ["register", "VllmTracer", "PREFIX_CACHE", "SUPPORTED"]
@@ -64,13 +60,6 @@ PREFIX_CACHE = "prefix-cache"  # the owner a prefix cache holds its registered b
 INTERNAL = "vllm"  # the owner of blocks vLLM holds outside any request (copy-on-write copies, deferred frees)
 
 
-def _warn(message: str) -> None:
-    """One line for the person running vLLM, never a traceback from inside vLLM's start-up."""
-    try:
-        sys.stderr.write(f"kvdoctor: {message}\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
 
 
 def _pool_of(block: Any) -> Any:
@@ -86,7 +75,7 @@ def register() -> None:
         if path:
             _patch_scheduler(path)
     except Exception as exc:
-        _warn(f"not tracing vLLM ({type(exc).__name__}: {exc}); vLLM runs without kvdoctor")
+        warn(f"not tracing vLLM ({type(exc).__name__}: {exc}); vLLM runs without kvdoctor")
 
 
 def _patch_scheduler(path: str) -> None:
@@ -94,18 +83,23 @@ def _patch_scheduler(path: str) -> None:
         import vllm
         from vllm.v1.core.sched.scheduler import Scheduler
     except ImportError as exc:
-        _warn(f"not tracing vLLM: its v1 scheduler is not importable ({exc})")
+        warn(f"not tracing vLLM: its v1 scheduler is not importable ({exc})")
         return
     version = getattr(vllm, "__version__", "unknown")
     if not is_supported(version):
-        _warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
+        warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
               f"{', '.join(SUPPORTED.values())}: {POLICY}); tracing what still matches")
     # a worker in this process (any process vLLM starts) records its connector's saves and loads, in a trace
     # numbered from 2: the path itself stays the engine core's, which a user checking one file wants
     try:
         vllm_connector.patch_example_connector(path, f"vllm {version}", lambda p: claim(p, 2)[0])
     except Exception as exc:
-        _warn(f"not tracing vLLM's KV connector ({type(exc).__name__}: {exc})")
+        warn(f"not tracing vLLM's KV connector ({type(exc).__name__}: {exc})")
+    # a worker of an engine with several ranks writes its rank's view of the cache, in a trace numbered likewise
+    try:
+        vllm_ranks.patch_model_runner(path, f"vllm {version}")
+    except Exception as exc:
+        warn(f"not tracing vLLM's tensor- and pipeline-parallel ranks ({type(exc).__name__}: {exc})")
     if getattr(Scheduler, "_kvdoctor_patched", False):
         return
     original_init = Scheduler.__init__
@@ -122,7 +116,7 @@ def _patch_scheduler(path: str) -> None:
             patch_engine_core(EngineCore)
             watch_adapters(self._kvdoctor, EngineCore)
         except Exception as exc:  # the trace could not even start (an unwritable path): vLLM goes on
-            _warn(f"not tracing vLLM ({type(exc).__name__}: {exc})")
+            warn(f"not tracing vLLM ({type(exc).__name__}: {exc})")
 
     Scheduler.__init__ = __init__
     Scheduler._kvdoctor_patched = True
@@ -156,20 +150,16 @@ _HEADER_FACTS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-class VllmTracer:
+class VllmTracer(BufferedTrace):
     """Writes one scheduler's KV-cache story; every method runs on vLLM's scheduler thread."""
 
     def __init__(self, scheduler: Any, path: str, *, engine: str, methods: Methods = Methods()) -> None:
+        super().__init__()
         self.scheduler = scheduler
-        self._t0 = time.perf_counter_ns()
-        self.step = 0
-        self._buf: list = []
         self._wrapped: list[tuple[Any, str]] = []
-        self.writer: TraceWriter | None = None
         self.guard = Guard("vllm", self._record_error, self._stop)
         self.header = self._header(scheduler, engine)
-        self.writer = TraceWriter(claim(path)[0], self.header)
-        atexit.register(self.close)
+        self._open(claim(path)[0], self.header)
         self.guard.attempt("start-up", self._start, scheduler, methods)
         if self.guard.live:
             vllm_connector.attach(self, getattr(scheduler, "connector", None))  # it records the loads it schedules
@@ -238,25 +228,6 @@ class VllmTracer:
         self._wrapped = []
 
     # ---- output ---------------------------------------------------------------------
-
-    def _emit(self, cls: type, **fields: Any) -> None:
-        self._buf.append(cls(t=time.perf_counter_ns() - self._t0, step=self.step, **fields))
-
-    def _record_error(self, event: ObserverError) -> None:
-        """The guard's record: the error is the trace's last event."""
-        self._buf.append(msgspec.structs.replace(event, t=time.perf_counter_ns() - self._t0, step=self.step))
-        self.close()
-
-    def close(self) -> None:
-        """Write what is buffered and close the trace; at exit too, so it must not raise."""
-        try:
-            atexit.unregister(self.close)
-            if self.writer is not None and not self.writer.closed:
-                self.writer.write_many(self._buf)
-                self._buf = []
-                self.writer.close()
-        except Exception as exc:
-            _warn(f"the trace could not be closed ({type(exc).__name__}: {exc})")
 
     def _owner(self) -> Any:
         return self._request.request_id if self._request is not None else INTERNAL
@@ -438,6 +409,17 @@ class VllmTracer:
             failed = request.request_id in self.scheduler.failed_recving_kv_req_ids
             self._transfer_end(request.request_id, "vLLM reported the load failed" if failed else None)
 
+        def transfers_finished(call: Call) -> None:
+            # the workers' word that transfers ended, before vLLM frees what they held: a send, and a load of a
+            # request that ended meanwhile (a live request's load ends when vLLM takes it in, failed or not)
+            output = call["kv_connector_output"]
+            for seq in output.finished_sending or ():
+                self._transfer_end(seq)
+            for seq in output.finished_recving or ():
+                request = requests.get(seq)
+                if request is not None and request.is_finished():
+                    self._transfer_end(seq)
+
         def after_receipt(call: Call, _: Any, __: Any) -> None:
             request = call["request"]
             self._count_back(request.request_id, request.num_computed_tokens)
@@ -452,8 +434,8 @@ class VllmTracer:
         by_request = self._in_request(lambda call: call["request"])
         return {"add_request": {"after": add_request},
                 "_free_request": self._in_request(lambda call: call["request"], free_request),
-                "_free_blocks": self._in_request(lambda call: call["request"], free_blocks,
-                                                 lambda request: self._transfer_end(request.request_id)),
+                "_free_blocks": self._in_request(lambda call: call["request"], free_blocks),
+                "_update_from_kv_xfer_finished": {"before": transfers_finished},
                 "_update_waiting_for_remote_kv": self._in_request(lambda call: call["request"], after_receipt, received),
                 "_preempt_request": by_request,
                 "schedule": {"after": schedule}, "update_from_output": {"after": update_from_output}}
@@ -559,6 +541,4 @@ class VllmTracer:
         used = self.capacity - pool.get_num_free_blocks() + cached_idle
         self._emit(Usage, tier="device", used_blocks=used, capacity_blocks=self.capacity)
         self._emit(StepEnd, num_tokens=num_tokens)
-        self.writer.write_many(self._buf)
-        self._buf = []
-        self.step += 1
+        self._write_step()

@@ -26,7 +26,8 @@ class Methods:
                              "_remove_cached_block_hashes", "move_block_hashes", "reset_prefix_cache")
     manager: tuple[str, ...] = ("allocate_slots", "free", "remove_skipped_blocks", "pop_blocks_for_free")
     scheduler: tuple[str, ...] = ("schedule", "update_from_output", "add_request", "_free_request", "_free_blocks",
-                                  "_preempt_request", "_update_waiting_for_remote_kv")
+                                  "_preempt_request", "_update_waiting_for_remote_kv",
+                                  "_update_from_kv_xfer_finished")
     essential: tuple[str, ...] = ("BlockPool.get_new_blocks", "BlockPool.touch", "BlockPool.free_blocks",
                                   "KVCacheManager.allocate_slots", "KVCacheManager.free", "Scheduler.schedule",
                                   "Scheduler.update_from_output", "Scheduler.add_request", "Scheduler._free_request")

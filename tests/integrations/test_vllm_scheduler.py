@@ -424,3 +424,29 @@ def test_a_shared_block_freed_twice_is_named_when_its_reader_reads_it(harness, m
     assert hit, "no shared block was freed"
     named = [f for f in findings if f.block == hit[0] and f.rule in ("read-not-owned", "read-freed")]
     assert named and named[0].seq == "reader", findings
+
+
+def test_blocks_freed_while_their_load_is_in_flight_are_named(harness, monkeypatch):
+    # GIVEN vLLM's abort path freeing a request's blocks at once even while a KV connector still loads into them
+    # (the bug class of vLLM PR #56104 and #50754: the load then writes blocks another request may hold)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler._free_request
+    monkeypatch.setattr(Scheduler, "_free_request",
+                        lambda self, request, delay_free_blocks=False: original(self, request, delay_free_blocks=False))
+    h = harness(connector=True)
+    h.connector.external["loading"] = 3 * BS
+    h.connector.load_async.add("loading")
+    h.request("loading", _prompt(1, prefix=[600] * (3 * BS)), max_tokens=4)
+    h.request("other", _prompt(2), max_tokens=4)
+    h.step()
+    assert h.scheduler.requests["loading"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # WHEN the loading request is aborted before its load finished
+    h.abort("loading")
+    assert "loading" not in h.scheduler.requests, "vLLM held the blocks: the patch did not take"
+    h.run()
+    findings, _ = h.findings()
+    # THEN the transfer check names the request and each block freed under its load
+    freed = [f for f in findings if f.rule == "freed-in-flight"]
+    assert freed and {f.seq for f in freed} == {"loading"}, findings
+    assert all(f.block is not None and "load" in f.message for f in freed), [f.message for f in freed]

@@ -1,0 +1,264 @@
+"""Tensor- and pipeline-parallel ranks: each vLLM worker's own view of the KV cache, in a trace of its own.
+
+vLLM schedules once per engine (in the engine core) and sends every worker the same scheduler output; each
+worker keeps its own copy of every request's block table, computes its own slot mapping from it, and its
+attention writes and reads K/V through those. A rank that drops a request's slots (its tokens written
+nowhere) or holds another block table than its peers computes wrong K/V while the engine core's trace looks
+healthy (vLLM PR #50653, LMCache #1807). With ranks to compare (tensor or pipeline parallel size above 1)
+the plugin wraps the model runner, class-level, in every worker process, and each rank writes a trace of its
+own beside the engine core's (``run.N.kvtrace``), tagged with its instance, data/tensor/pipeline rank and
+the layers its stage holds:
+
+- ``seq_start`` when a request first enters the rank's batch, ``seq_end`` when the scheduler says it ended;
+- the blocks as the rank's cache holds them: a block first seen is ``alloc``ated to the request whose row
+  holds it and shared by the rank's cache (``seq="vllm"``), which never frees it (a worker cannot tell a
+  prefix-cache hit from a reuse, which the engine core's trace judges); a later request ``share``s the
+  blocks in its row of the rank's block table, and each ``release``s them when it leaves the row;
+- per forward pass the ``batch`` the rank computes, a ``write`` per block its slot mapping fills (a slot of
+  -1 writes nothing, so nothing is recorded), and the ``read`` of the request's block-table row.
+
+Every rank of an engine must record the same story; ``ranks/divergence`` compares them step by step (a step
+is a forward pass: every rank runs one per scheduler output). Every wrapper runs vLLM's method as called; a
+failure of the bookkeeping records one ``observer_error`` and stops this rank's trace, and vLLM goes on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import numpy as np
+
+from ..events import Alloc, Batch, Header, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd, TierSpec, Write
+from ..trace_names import claim
+from .guard import Call, Guard, positions
+from .vllm_trace import BufferedTrace, warn
+
+__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE"]
+
+RANK_CACHE = "vllm"  # the owner a rank's cache holds every block it has seen as
+_TRACE = "_kvdoctor_rank"  # the attribute a model runner's trace hangs on
+
+
+def patch_model_runner(path: str, engine: str) -> None:
+    """Wrap vLLM's ``GPUModelRunner`` (the CPU runner inherits it) once per process that builds a worker (vLLM
+    loads plugins there before it imports the worker's class; other processes skip the import). A runner of an
+    engine with several ranks starts its rank's trace beside ``path`` at its first forward pass; one rank alone,
+    nothing."""
+    if "vllm.v1.worker.worker_base" not in sys.modules:  # no worker is built here: the runner is not imported
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_kvdoctor_patched", False):
+        return
+    for name, after in (("_update_states", _updated), ("_prepare_inputs", _prepared)):
+        setattr(GPUModelRunner, name, _watched(getattr(GPUModelRunner, name), name, after, path, engine))
+    GPUModelRunner._kvdoctor_patched = True
+
+
+def _watched(original: Callable, name: str, after: Callable[..., None], path: str, engine: str) -> Callable:
+    arguments = positions(original)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        trace = self.__dict__.get(_TRACE)
+        if trace is None:
+            trace = self.__dict__[_TRACE] = _start(self, path, engine)
+        if trace and trace.guard.live:
+            trace.guard.attempt(f"GPUModelRunner.{name}", after, trace, self, Call(arguments, (self, *args), kwargs))
+        return result
+
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    return method
+
+
+def _start(runner: Any, path: str, engine: str) -> RankTrace | bool:
+    """This runner's rank trace, or False where there are no ranks to compare (or the trace cannot start)."""
+    try:
+        parallel = runner.vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size < 2:
+            return False
+        return RankTrace(runner, _claim_locked(path), engine)
+    except Exception as exc:  # the trace could not even start: the rank runs untraced
+        warn(f"not tracing this vLLM rank ({type(exc).__name__}: {exc})")
+        return False
+
+
+def _claim_locked(path: str) -> str:
+    """The next free ``run.N.kvtrace`` (N ≥ 2), created under a lock on its folder: ranks start at the same
+    moment, and two claiming the same name would write one file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        mine = claim(path, 2)[0]
+        open(mine, "wb").close()  # written since the run began: the next rank's claim passes it by
+        return mine
+    finally:
+        os.close(fd)  # closing the folder releases the lock
+
+
+class RankTrace(BufferedTrace):
+    """One rank's view of the KV cache, forward pass by forward pass (runs on the worker's thread)."""
+
+    def __init__(self, runner: Any, path: str, engine: str) -> None:
+        super().__init__()
+        self.block_size = runner.cache_config.block_size
+        self._seen: set[int] = set()  # blocks this rank has seen (its cache holds them from then on)
+        self._rows: dict[str, list[int]] = {}  # request -> the blocks it holds in this rank's block table
+        self._versions: dict[str, int] = {}  # request -> tokens written for it, all lives (the write versions)
+        self._length: dict[str, int] = {}  # request -> where its writes end
+        self._block_version: dict[int, int] = {}  # block -> version of the last write into it
+        self.guard = Guard("vllm", self._record_error, lambda: None)
+        self._open(path, _rank_header(runner, engine, self._t0))
+
+    def flush(self, num_tokens: int = 0) -> None:
+        """The step ends: what it recorded goes to the file (a killed worker loses at most its last step)."""
+        self._emit(StepEnd, num_tokens=num_tokens)
+        self._write_step()
+
+    # ---- the rows ------------------------------------------------------------------------
+
+    def hold(self, seq: str, row: list[int]) -> None:
+        """``seq``'s row of the block table now holds ``row``: blocks new to it shared, blocks gone released."""
+        held = self._rows.setdefault(seq, [])
+        if held == row[:len(held)]:
+            new = row[len(held):]
+        else:  # a row replaced (a resumed request): what it no longer holds goes back first
+            kept = set(row)
+            for b in held:
+                if b not in kept:
+                    self._emit(Release, block=b, seq=seq)
+            new = [b for b in row if b not in set(held)]
+        for b in new:
+            if b in self._seen:
+                self._emit(Share, block=b, seq=seq)
+            else:  # first sight: the request's, and the rank's cache's from now on
+                self._seen.add(b)
+                self._emit(Alloc, block=b, tier="device", seq=seq)
+                self._emit(Share, block=b, seq=RANK_CACHE)
+        self._rows[seq] = list(row)
+
+    def leave(self, seq: str) -> None:
+        """The scheduler ended ``seq``: the rank's row goes, its blocks stay its cache's."""
+        for b in self._rows.pop(seq, ()):
+            self._emit(Release, block=b, seq=seq)
+        if seq in self._versions:
+            self._emit(SeqEnd, seq=seq, reason="finished")
+        for table in (self._versions, self._length):
+            table.pop(seq, None)
+
+    def compute(self, seq: str, pos: int, slots: np.ndarray, row: list[int]) -> None:
+        """``seq``'s tokens from ``pos`` go to ``slots`` (one a token, -1: nowhere); then it reads its row."""
+        length = self._length.get(seq, 0)
+        if pos < length:  # vLLM counted tokens back (rejected drafts, a preemption): so does the trace
+            version = self._versions[seq] = self._versions[seq] + 1
+            self._emit(Rollback, seq=seq, n=length - pos, version=version)
+        bs = self.block_size
+        blocks = slots // bs
+        cuts = (np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist()
+        version = self._versions[seq]
+        for start, stop in zip([0, *cuts], [*cuts, len(slots)]):
+            block = int(blocks[start])
+            if block < 0:
+                continue
+            version += stop - start
+            self._block_version[block] = version
+            self._emit(Write, block=block, seq=seq, pos=pos + start, n=stop - start, version=version)
+        self._versions[seq] = version
+        self._length[seq] = pos + len(slots)
+        read = row[:-(-(pos + len(slots)) // bs)]
+        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read])
+
+
+def _updated(trace: RankTrace, runner: Any, call: Call) -> None:
+    """The runner took the scheduler output in: ended requests leave, new ones start."""
+    output = call["scheduler_output"]
+    for seq in sorted(output.finished_req_ids):  # a set: each process iterates it in its own hash order
+        trace.leave(seq)
+    for new in output.scheduled_new_reqs:
+        if new.req_id not in trace._versions:
+            trace._versions[new.req_id] = 0
+            trace._emit(SeqStart, seq=new.req_id, prompt_len=len(new.prompt_token_ids or ()))
+    if not output.total_num_scheduled_tokens:  # nothing to compute: no forward pass, the step ends here
+        trace.flush()
+
+
+def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
+    """The runner built this forward's inputs: its batch, the slots each row writes, the rows it reads; the
+    step ends."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    rows = batch.req_ids[:num_reqs]
+    counts = [int(n) for n in call["num_scheduled_tokens"][:num_reqs]]
+    positions = [int(p) for p in batch.num_computed_tokens_cpu[:num_reqs]]
+    table = batch.block_table[0]
+    slots = table.slot_mapping.np
+    trace._emit(Batch, rows=list(rows), positions=positions, n=counts)
+    start = 0
+    for i, seq in enumerate(rows):
+        row = [int(b) for b in table.block_table.np[i, :table.num_blocks_per_row[i]] if b]
+        trace.hold(seq, row)
+        trace.compute(seq, positions[i], slots[start:start + counts[i]], row)
+        start += counts[i]
+    trace.flush(start)
+
+
+def _rank_header(runner: Any, engine: str, t0_perf: int) -> Header:
+    """Who this rank is and what its cache holds; a fact this vLLM does not offer is left out."""
+    config = runner.vllm_config
+    parallel = config.parallel_config
+    facts: dict[str, Callable[[], Any]] = {
+        "num_layers": lambda: config.model_config.get_total_num_hidden_layers(),
+        "model": lambda: str(config.model_config.model),
+        "instance": lambda: config.kv_transfer_config.engine_id,
+        "dp_rank": lambda: parallel.data_parallel_rank,
+        "dp_size": lambda: parallel.data_parallel_size,
+        "tp_size": lambda: parallel.tensor_parallel_size,
+        "pp_size": lambda: parallel.pipeline_parallel_size,
+        "tp_rank": _tp_rank,
+        "pp_rank": _pp_rank,
+        "layers": lambda: _stage_layers(config),
+        "capacity": lambda: runner.kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
+        "kv_layout": lambda: _layout(runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec),
+    }
+    fields: dict[str, Any] = {}
+    for name, get in facts.items():
+        try:
+            fields[name] = get()
+        except Exception:
+            pass
+    return Header(block_size=runner.cache_config.block_size, num_layers=fields.pop("num_layers", 0),
+                  tiers=[TierSpec(name="device", capacity_blocks=fields.pop("capacity", 0))],
+                  engine=f"{engine} rank", pid=os.getpid(),
+                  created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  t0=time.time_ns() - (time.perf_counter_ns() - t0_perf),
+                  **{k: v for k, v in fields.items() if v is not None})
+
+
+def _layout(spec: Any) -> str:
+    return f"{type(spec).__name__}(kv_heads={spec.num_kv_heads}, head_size={spec.head_size}, dtype={spec.dtype})"
+
+
+def _stage_layers(config: Any) -> list[int]:
+    from vllm.distributed.utils import get_pp_indices
+
+    total = config.model_config.get_total_num_hidden_layers()
+    start, end = get_pp_indices(total, _pp_rank(), config.parallel_config.pipeline_parallel_size)
+    return list(range(start, end))
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _pp_rank() -> int:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group
