@@ -47,7 +47,7 @@ from ..events import (
     TierSpec, TransferDone, TransferFailed, TransferStart, Usage, Weights, Write,
 )
 from ..trace_names import claim
-from . import vllm_connector, vllm_ranks
+from . import vllm_connector, vllm_ranks, vllm_stacks
 from .guard import Call, Guard
 from .vllm_versions import POLICY, SUPPORTED, Methods, is_supported, methods_for
 from .vllm_lora import watch_adapters
@@ -85,6 +85,7 @@ def _patch_scheduler(path: str) -> None:
     except ImportError as exc:
         warn(f"not tracing vLLM: its v1 scheduler is not importable ({exc})")
         return
+    vllm_stacks.carry_stacks()  # in the process that adds requests: their user's frames go with them
     version = getattr(vllm, "__version__", "unknown")
     if not is_supported(version):
         warn(f"vLLM {version} is not a release kvdoctor was built against (supported: "
@@ -389,7 +390,9 @@ class VllmTracer(BufferedTrace):
             if request.request_id in self._versions:  # a streaming update of a live request, not a new one
                 return
             self._versions[request.request_id] = 0
-            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens, stack=callsite.user_stack())
+            # the user's frames travel with the request from the process that added it (vllm_stacks)
+            stack = vllm_stacks.stack_of(request) or callsite.user_stack()
+            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens, stack=stack)
 
         def free_request(call: Call, _: Any, __: Any) -> None:
             request = call["request"]

@@ -1,5 +1,6 @@
 """The vLLM tracer records the user's stack on a request's start and end, when vLLM's scheduler runs in the
-user's own process (an in-process engine, or vLLM's own tests): the line that added or aborted it."""
+user's own process (an in-process engine, or vLLM's own tests): the line that added or aborted it; and, when
+the scheduler runs in an engine-core process of its own, the line that added it travels with the request."""
 
 from __future__ import annotations
 
@@ -42,3 +43,29 @@ def test_a_request_carries_the_lines_that_added_and_aborted_it(tmp_path):
     assert Path(split_frame(start.stack[0])[0]).name == "vllm_harness.py"
     assert lines_here(start.stack) == [added]
     assert end.reason == "aborted" and lines_here(end.stack) == [aborted]
+
+
+def test_a_request_carries_its_users_frames_to_an_engine_core_in_another_process():
+    import types
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from kvdoctor.integrations.vllm_stacks import STACK_HEADER, carry_stacks, stack_of
+
+    # GIVEN the plugin in the process that adds requests (the front end of a multiprocess LLM or server)
+    carry_stacks()
+    carry_stacks()  # a second plugin load patches nothing twice
+    # WHEN vLLM gives a request its id there (a stand-in for the EngineCoreRequest it builds)
+    request = types.SimpleNamespace(request_id="7", external_req_id=None, trace_headers={"traceparent": "00-x"})
+    added = sys._getframe().f_lineno + 1
+    InputProcessor.assign_request_id(request)
+    # THEN vLLM's own id is assigned as before, the caller's OpenTelemetry context is kept beside the frames,
+    # and the engine core reads back this test's line
+    assert request.external_req_id == "7" and request.request_id.startswith("7-")
+    assert request.trace_headers["traceparent"] == "00-x" and STACK_HEADER in request.trace_headers
+    frames = stack_of(request)
+    assert any(Path(split_frame(f)[0]).name == Path(__file__).name and split_frame(f)[1] == added for f in frames)
+    # AND a request that carries none, or garbage, gives None rather than an error
+    assert stack_of(types.SimpleNamespace(trace_headers=None)) is None
+    assert stack_of(types.SimpleNamespace(trace_headers={STACK_HEADER: "not json"})) is None
+
