@@ -8,6 +8,12 @@ asynchronous store still reads them (vLLM #52360, sglang #32564), freed while RD
 free waiting for a completion that never comes (vLLM #46283). ``transfer_start`` opens a transfer over
 its blocks, ``transfer_done``/``transfer_failed`` close it; the rules judge what happens to the blocks
 in between, and after a failed load.
+
+What a transfer does to its blocks is its ``op``: a ``save`` reads them out, a ``load`` writes K/V from
+outside into them (until done they hold nothing valid, and a failed load leaves them so), a ``move`` copies
+blocks the engine keeps between its own tiers (a prefetch, an asynchronous swap: they stay valid where they
+were until it is done, and a failed move leaves them there, so reading them is no error). Every op's blocks
+must not be freed, handed out or written while it is in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from .base import NO_FINDINGS, CheckBase, Rule
 __all__ = ["TransferCheck", "DEFAULT_LEASE_STEPS"]
 
 DEFAULT_LEASE_STEPS = 500  # steps an open transfer may take when its producer names no lease
+_DOES = {"save": "reads it out", "load": "writes it in", "move": "copies it between tiers"}  # what each op does
 
 
 class TransferCheck(CheckBase):
@@ -69,7 +76,7 @@ class TransferCheck(CheckBase):
 
     def _failed(self, ev: TransferFailed) -> Sequence[Finding]:
         start = self._close(ev.transfer)
-        if start is not None and start.op == "load":
+        if start is not None and start.op == "load":  # a save or a move failing loses nothing of the blocks
             for block in start.blocks:
                 self.failed[block] = ev
         return NO_FINDINGS
@@ -81,6 +88,8 @@ class TransferCheck(CheckBase):
     def _gone(self, ev: Free | Evict | Alloc) -> Sequence[Finding]:
         self.failed.pop(ev.block, None)
         start = self._flight(ev.block)
+        # the id names another block from here on: the transfer's claim stays with the block that was freed
+        self.in_flight.pop(ev.block, None)
         if start is None or not self.once("freed-in-flight", start.transfer, ev.block):
             return NO_FINDINGS
         what = {"free": "freed", "evict": "evicted", "alloc": f"handed to {getattr(ev, 'seq', None)!r}"}[ev.__struct_config__.tag]
@@ -131,7 +140,7 @@ class TransferCheck(CheckBase):
         return out
 
     def _finding(self, rule: str, start: TransferStart, ev, block: int, what: str) -> Finding:
-        direction = "reads it out" if start.op == "save" else "writes it in"
+        direction = _DOES.get(start.op, "uses it")
         return self.finding(
             rule,
             f"{what} while {start.op} {start.transfer!r} (started at step {start.step}"

@@ -26,6 +26,9 @@ FAULTS: dict[str, str] = {
     "first row's sequence's tail block instead of its own",
     "attention-nan": "from step 2 on, one head's newest score at the middle layer becomes NaN "
     "(the runner applies it through Faults.corrupt_scores)",
+    "free-during-prefetch": "a prefetch's copy is slow (it waits until a step needs the block); a block dropped "
+    "or demoted while its copy is in flight is not waited for: its reserved device slot goes back to the pool "
+    "while the copy still lands there, and the transfer never ends",
     # Content faults: the bytes go wrong while every event stays right; only digests (integrity) see them.
     "overwrite-foreign": "once, from step 2 on: right after a sequence's write, another live sequence's newest "
     "block is copied over the first block of the sequence written",
@@ -89,6 +92,7 @@ class Faults:
         self.prefix_overwritten = name == "prefix-overwritten"
         self.prefix_freed_in_use = name == "prefix-freed-in-use"
         self.rollback_uncut = name == "spec-rollback-uncut"
+        self.free_during_prefetch = name == "free-during-prefetch"
         self.nan_layer = num_layers // 2
         self._batched_steps = 0
         self._misalign_step = -1

@@ -29,6 +29,11 @@ blocks of a file cut short are *lost*: their slots are remembered, every later m
 refused with a ``StorageError`` naming them (so a scheduler fails their requests), and the slots
 become usable again once something new is written there. A failed prefetch only leaves its blocks
 where they were.
+
+Each prefetch is also a transfer in the trace's vocabulary (``transfer_start`` with ``op`` ``move``, closed by
+``transfer_done`` or ``transfer_failed`` when the first of its blocks is settled: ``transfers``), so a block
+freed, written or handed out while its copy is in flight is visible to ``checks/transfer`` as on any engine. A
+move's blocks stay valid where they were until it is done, and a failed one leaves them there.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from .digest import DigestBook
 from .policy import EvictionPolicy
 from .pool import Block, BlockPool
 from .storage import Arena, DiskArena, TierArenas
+from .transfers import Transfer, Transfers
 
 __all__ = ["TierMover"]
 
@@ -65,6 +71,7 @@ class _Inflight:
     dst: str
     slot: int  # reserved in dst
     i: int  # this block's index in the job's result
+    transfer: Transfer
 
 
 class TierMover:
@@ -98,6 +105,7 @@ class TierMover:
         self._worker: ThreadPoolExecutor | None = None
         self._stream = torch.cuda.Stream(device=config.device) if config.is_cuda else None
         self.inflight: dict[int, Block] = {}
+        self.transfers = Transfers(bus, held=faults.free_during_prefetch)
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.moved: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [blocks, seconds]
@@ -477,12 +485,13 @@ class TierMover:
                 ready.record()
             # arenas are resolved (and made) here: the worker only copies
             pairs = self._arena_pairs(src, [b.slot for b in group], dst, slots)
-            fut = self._worker.submit(self._copy_job, pairs, len(group), ready)
-            for i, (b, slot) in enumerate(zip(group, slots)):
-                b.inflight = _Inflight(fut, src, dst, slot, i)
-                self.inflight[b.id] = b
             if self.bus.enabled:
                 self.bus.emit(Prefetch, blocks=[b.id for b in group], src=src, dst=dst)
+            transfer = self.transfers.start(group, src, dst)
+            fut = self._worker.submit(self._copy_job, pairs, len(group), ready, transfer.gate)
+            for i, (b, slot) in enumerate(zip(group, slots)):
+                b.inflight = _Inflight(fut, src, dst, slot, i, transfer)
+                self.inflight[b.id] = b
         return len(blocks)
 
     def _arena_pairs(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
@@ -495,9 +504,11 @@ class TierMover:
         return [(sa.get(si), [src_slots[i] & sa.mask for i in idx], da.get(di), [dst_slots[i] & da.mask for i in idx],
                  idx) for (si, di), idx in pairs.items()]
 
-    def _copy_job(self, pairs: list[tuple[Arena, list[int], Arena, list[int], list[int]]], n: int, ready: Any
-                  ) -> list[int | None]:
+    def _copy_job(self, pairs: list[tuple[Arena, list[int], Arena, list[int], list[int]]], n: int, ready: Any,
+                  gate: Any) -> list[int | None]:
         """Runs on the worker thread: bytes only, no bookkeeping."""
+        if gate is not None:
+            gate.wait()
         check = self.config.checksums
         out: list[int | None] = [None] * n
         for sa, s_, _, _, _ in pairs:  # a spill file cut since the prefetch was queued would fault the copy
@@ -524,11 +535,15 @@ class TierMover:
         job: _Inflight = b.inflight
         b.inflight = None
         del self.inflight[b.id]
+        if job.transfer.gate is not None:
+            job.transfer.gate.set()  # free-during-prefetch: a copy a step waits for goes ahead
         try:
             got = job.future.result()[job.i]
         except (OSError, StorageError) as exc:  # the copy failed: its slot goes back, the block stays behind
             self.pool.slots[job.dst].give(job.slot)
+            self.transfers.finished(job.transfer, f"{type(exc).__name__}: {exc}")
             raise self._failed(exc, job.src, "read") from None
+        self.transfers.finished(job.transfer)
         err = self._arrive(b, job.src, job.dst, job.slot, got)
         if err is not None:
             raise err
@@ -541,19 +556,35 @@ class TierMover:
         where it was. False when that happened."""
         if b.inflight is None:
             return True
+        if b.inflight.transfer.gate is not None and not b.inflight.future.done():
+            self._abandon(b)
+            return False
         try:
             self.settle(b)
         except (ChecksumMismatch, StorageError):
             return False
         return True
 
+    def _abandon(self, b: Block) -> None:
+        """free-during-prefetch: ``b``'s copy still in flight is not waited for: its reserved slot goes back to the
+        pool while the copy will still land there, and its transfer is never closed (the fault)."""
+        job: _Inflight = b.inflight
+        b.inflight = None
+        del self.inflight[b.id]
+        self.pool.slots[job.dst].give(job.slot)
+        self.transfers.abandon(job.transfer)
+        if self.faults.hit is None:
+            self.faults.fired(b.id, b.owners[0] if b.owners else None, None, self.bus.step)
+
     def poll(self) -> None:
         """Book every prefetch that has finished (a bad or failed copy stays behind; its next swap-in reports it)."""
+        self.transfers.release()
         for b in [b for b in self.inflight.values() if b.inflight.future.done()]:
             self.try_settle(b)
 
     def drain(self) -> None:
         """Wait for every copy in flight without booking it (before an arena reallocates)."""
+        self.transfers.release(every=True)
         wait([b.inflight.future for b in self.inflight.values()])  # a failed copy is booked when settled
 
     @property
@@ -562,6 +593,7 @@ class TierMover:
         return self.prefetch_hits / total if total else None
 
     def close(self) -> None:
+        self.drain()  # no copy left held at a gate (free-during-prefetch) when the worker is shut down
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

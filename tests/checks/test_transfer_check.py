@@ -79,3 +79,21 @@ def test_a_transfer_still_open_when_the_trace_ends_within_its_lease_is_not_judge
     _start(trace, [b0])
     trace.end_step()
     assert trace.run() == []
+
+
+def test_a_move_that_failed_leaves_its_blocks_readable_and_one_freed_in_flight_is_named(trace):
+    # GIVEN a prefetch (a move) over two blocks that failed, and a second one in flight
+    b0, b1 = trace.sequence_with_blocks("r1", 2)
+    _start(trace, [b0], op="move")
+    trace._emit(TransferFailed, transfer="t1", reason="checksum mismatch, copy discarded")
+    _start(trace, [b1], op="move", transfer="t2")
+    # WHEN the first is read (its copy stayed where it was) and the second is freed before its copy landed
+    trace.read("r1", [b0])
+    trace.end("r1")
+    trace.free(b0)
+    trace.free(b1)
+    trace.end_step()
+    # THEN only the free in flight is a finding, naming the block, its sequence and what the move does
+    (f,) = trace.run()
+    assert (f.rule, f.block, f.seq) == ("freed-in-flight", b1, "r1")
+    assert "while move 't2'" in f.message and "copies it between tiers" in f.message
