@@ -3,18 +3,22 @@
 Attention reads every slot its mask lets through. A slot no write produced holds whatever the memory held:
 zeros of a reset that only zeroed (transformers #48509), tokens a crop kept (transformers #47433), a fresh
 block's leftovers or NaN that 0 x NaN spreads through the softmax (vllm PR #43990, flash-attention #1745).
-Nothing crashes; the model attends to garbage. Two rules:
+Nothing crashes; the model attends to garbage. Three rules:
 - ``unwritten-read``: a ``read`` with a ``span`` of positions, some of which no ``write`` into the listed
   blocks produced since they were allocated (named: the sequence, the block, the positions, the layer, the step);
 - ``cut-length``: a ``truncate`` after which the cache reports another length than the cut asked to leave,
-  so the next pass appends after stale slots.
+  so the next pass appends after stale slots;
+- ``padding-nonfinite``: a ``padding`` event saying a pass wrote non-finite K/V into a row's padding slots
+  (transformers #46765, flash-attention #1745: a half-precision overflow at pad tokens). Attention masks
+  those slots, but 0 x NaN in its weighted sum turns the row's output NaN a layer later: this names the row,
+  the slots, the layer and the step where the NaN was written, not where it surfaced.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..events import Alloc, Evict, Free, Read, Snapshot, Truncate, Write
+from ..events import Alloc, Evict, Free, Padding, Read, Snapshot, Truncate, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -42,6 +46,8 @@ class SlotsCheck(CheckBase):
              "a read covered positions that no write into its blocks produced since they were allocated"),
         Rule("cut-length", "error",
              "after a crop or reset the cache reports another length than the cut asked to leave"),
+        Rule("padding-nonfinite", "error",
+             "a pass wrote non-finite K/V into a row's padding slots, which attention masks but multiplies by 0"),
     )
 
     def __init__(self, ledger=None) -> None:
@@ -50,7 +56,7 @@ class SlotsCheck(CheckBase):
 
     def handlers(self):
         return {Alloc: self._gone, Free: self._gone, Evict: self._gone, Write: self._write, Read: self._read,
-                Truncate: self._truncate, Snapshot: self._snapshot}
+                Truncate: self._truncate, Snapshot: self._snapshot, Padding: self._padding}
 
     def _gone(self, ev: Alloc | Free | Evict) -> Sequence[Finding]:
         self.written.pop(ev.block, None)
@@ -115,4 +121,17 @@ class SlotsCheck(CheckBase):
             f"but the cache reports {ev.length}{where}: {effect} ({_REPORTS.get(ev.op, ev.op)})",
             step=ev.step, layer=ev.layer, keep=ev.keep, length=ev.length, cache=ev.cache,
             events=[self.event_dict(ev)],
+        )]
+
+    def _padding(self, ev: Padding) -> Sequence[Finding]:
+        if not ev.nonfinite or not self.once("padding-nonfinite", ev.seq):
+            return NO_FINDINGS
+        where = f" at layer {ev.layer}" if ev.layer is not None else ""
+        return [self.finding(
+            "padding-nonfinite",
+            f"sequence {ev.seq!r}'s row got {ev.nonfinite} non-finite K/V value(s) written into its padding slots "
+            f"{_ranges(sorted(ev.slots)) if ev.slots else '(unnamed)'}{where} at step {ev.step}: attention masks padding, but 0 x NaN in its "
+            f"weighted sum makes the row's output NaN (transformers #46765: a half-precision overflow at pad tokens)",
+            seq=ev.seq, step=ev.step, layer=ev.layer, slots=list(ev.slots)[:64], nonfinite=ev.nonfinite,
+            cache=ev.cache, events=[self.event_dict(ev)],
         )]

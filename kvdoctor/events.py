@@ -19,7 +19,7 @@ __all__ = [
     "SeqEnd", "Alloc", "Share", "Release", "Free", "Evict", "Write", "Read", "SwapOut", "SwapIn", "Recode",
     "Rollback", "Batch", "Attn", "AttnStep", "attn_rows", "Usage", "Mem", "StepEnd", "ChecksumError", "IoError",
     "Prefetch", "Stage", "PrefetchUse", "Merge", "TraceEnd", "ObserverError", "Weights", "TransferStart",
-    "TransferDone", "TransferFailed", "Adapter", "Truncate", "Snapshot", "SnapSeq", "SnapBlock", "Unknown",
+    "TransferDone", "TransferFailed", "Adapter", "Truncate", "Padding", "Snapshot", "SnapSeq", "SnapBlock", "Unknown",
     "KNOWN_EVENTS", "KINDS", "encode", "encode_lines", "decode", "from_dict", "to_dict",
 ]
 
@@ -476,6 +476,19 @@ class SnapBlock(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     hash: str | None = None  # prefix-cache key, where the cache registered it
 
 
+class Padding(Event, tag="padding"):
+    """A pass wrote K/V into padding slots of ``seq``'s batch row (v1.x): slots a padded batch fills for a row
+    that has no token there (left padding, a shorter prompt), which attention masks out. ``nonfinite`` counts
+    the non-finite values written there at ``layer``, the first layer with any (0: none at any layer): masked
+    or not, a NaN there turns the row's attention output NaN (0 x NaN in the weighted sum of V)."""
+
+    seq: SeqId
+    slots: list[int]  # the row's padding slots this pass wrote (indices into the cache's row)
+    nonfinite: int = 0
+    layer: int | None = None
+    cache: str | None = None  # the producer's name for the cache, when it watches several
+
+
 class Snapshot(Event, tag="snapshot"):
     """The live state of a cache when its trace starts mid-run (v1.x; ``kvdoctor watch|check --pid`` attached to a
     running process at a step's end): its sequences and allocated blocks, as the events it did not trace would
@@ -500,7 +513,7 @@ KNOWN_EVENTS: tuple[type[Event], ...] = (
     SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Write, Read, SwapOut, SwapIn, Recode,
     Rollback, Batch, Attn, AttnStep, Usage, Mem, StepEnd, ChecksumError, IoError, Prefetch, Stage, PrefetchUse, Merge,
     TraceEnd, ObserverError, Weights, TransferStart, TransferDone, TransferFailed, Adapter, Truncate,
-    Snapshot,
+    Padding, Snapshot,
 )
 KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KNOWN_EVENTS}
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import msgspec
 
 from .. import callsite, knobs
-from ..events import Attn, Batch, Event, Header, ObserverError, StepEnd, TierSpec, Truncate, Weights
+from ..events import Attn, Batch, Event, Header, ObserverError, Padding, StepEnd, TierSpec, Truncate, Weights
 from ..trace import TraceWriter
 from ..trace_names import claim
 from .guard import Call, Guard
@@ -322,11 +322,21 @@ class Observer:
         past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         self._ctx = (cache, past, ids, first.shape[0], first.shape[1], kwargs.get("attention_mask"),
                      kwargs.get("position_ids"), pending)
-        self.tap.begin()
+        self.tap.begin(self._padding_written(past, first.shape[1], kwargs.get("attention_mask"), pending))
         if cache is not None and past:
             seen = self._seen(cache)
             if seen.rows.rows and first.shape[0] != len(seen.rows.rows):
                 self._batch_mismatch(seen, cache)
+
+    @staticmethod
+    def _padding_written(past: int, new: int, mask: Any, pending: tuple | None) -> tuple[int, Any] | None:
+        """(first new slot, (B, new) bool of the new slots that are padding) when the pass writes padding: only a
+        pass of several tokens (a padded prefill) is looked at, so a decode step pays nothing."""
+        mask2d = pending[2] if pending is not None else (mask if mask is not None and mask.dim() == 2 else None)
+        if new < 2 or mask2d is None or mask2d.shape[-1] < new:
+            return None
+        pad = mask2d[:, -new:] == 0
+        return (past, pad) if bool(pad.any()) else None
 
     def _look_at_weights(self) -> None:
         """A ``weights`` event when the model's parameters changed since the last pass that looked: K/V a
@@ -413,6 +423,7 @@ class Observer:
             rows.write(row, tokens[b], real[b], pos[b])
         rows.num_slots = past + new
         self._reads(rows, cache)
+        self._padding(rows, past, real)
         stats = self.tap.finish()
         if stats:  # layers x rows events: built directly, with one time for the step's statistics
             t, step, writers = time.perf_counter_ns() - trace.t0, trace.step, [row.writer for row in rows.rows]
@@ -423,6 +434,17 @@ class Observer:
         trace.emit(StepEnd, num_tokens=sum(counts))
         trace.flush()
         trace.step += 1
+
+    def _padding(self, rows: CacheRows, past: int, real: list[list[bool]]) -> None:
+        """A ``padding`` event for each row whose padding slots this pass wrote, with the non-finite K/V there."""
+        written = self.tap.padding()
+        if written is None:
+            return
+        for row, is_real, (nonfinite, layer) in zip(rows.rows, real, written):
+            slots = [past + i for i, r in enumerate(is_real) if not r]
+            if slots:
+                self.trace.emit(Padding, seq=row.writer, slots=slots, nonfinite=int(nonfinite), layer=layer,
+                                cache=rows.label)
 
     def _start(self, rows: CacheRows, pending: tuple | None, mask2d: Any, batch: int, past: int,
                real: list[list[bool]]) -> None:

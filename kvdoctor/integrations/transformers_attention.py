@@ -8,7 +8,9 @@ mask are summarised together (the mask read once): the largest scaled score, the
 heads, the mass on the first ``block_size`` keys the query may see (the sequence's first block;
 padding is masked out), and the count of non-finite scores, made only when a statistic is non-finite.
 Per step that is a fixed number of operations and one copy to Python, whatever the number of layers.
-The wrapped function is called with exactly the arguments it would have had, so outputs do not change."""
+On a pass that writes padding slots (a padded batch's prefill) it also counts, per layer, the non-finite
+K/V written there (``padding``). The wrapped function is called with exactly the arguments it would have
+had, so outputs do not change."""
 
 from __future__ import annotations
 
@@ -38,13 +40,19 @@ class AttentionTap:
         self.kv_len: dict[int, int] = {}  # layer -> keys its attention saw this pass
         self.shape: list[int] | None = None  # K shape of the first layer this pass, (B, H_kv, T, D)
         self._scores: list[tuple] = []  # (layer, (B*H_kv, G, T) scores, 4D mask or None, scale, B, H)
+        self._pad: tuple[int, torch.Tensor] | None = None  # (first new slot, (B, new) bool: padding) this pass
+        self._pad_bad: list[tuple[int, torch.Tensor]] = []  # (layer, (B,) non-finite K/V values in padding slots)
         self.on_error: Callable[[str, BaseException], None] = lambda part, exc: None  # the observer's guard
 
-    def begin(self) -> None:
+    def begin(self, padding: tuple[int, torch.Tensor] | None = None) -> None:
+        """A pass starts; ``padding``: (its first new slot, (B, new) bool of the new slots that are padding),
+        when it writes any."""
         self.active = True
         self.kv_len.clear()
         self.shape = None
         self._scores.clear()
+        self._pad = padding
+        self._pad_bad.clear()
 
     def wrap(self, original: str) -> Callable[..., Any]:
         """The attention function to register: ``original``'s, with the newest query's scores kept aside."""
@@ -58,6 +66,8 @@ class AttentionTap:
             out = fn(module, query, key, value, attention_mask, *args, **kwargs)
             if self.active:
                 try:
+                    if self._pad is not None:
+                        self._padding(module, key, value)
                     self._observe(module, query, key, attention_mask, kwargs.get("scaling"))
                 except Exception as exc:  # never into the model: the observer records it and stops
                     self.active = False
@@ -80,6 +90,28 @@ class AttentionTap:
         scores = torch.bmm(q, key.reshape(B * Hkv, T, D).transpose(1, 2))  # (B*H_kv, G, T), unscaled
         scale = scaling if scaling is not None else getattr(module, "scaling", D ** -0.5)
         self._scores.append((layer, scores, mask if isinstance(mask, torch.Tensor) else None, float(scale), B, H))
+
+    def _padding(self, module: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Count the non-finite K/V this layer's pass wrote into each row's padding slots."""
+        first, pad = self._pad
+        n, T = pad.shape[1], key.shape[2]
+        lo = first if first + n <= T else T - n  # a sliding layer may hold only the newest slots
+        bad = (~torch.isfinite(key[:, :, lo: lo + n])).sum(dim=(1, 3)) + \
+            (~torch.isfinite(value[:, :, lo: lo + n])).sum(dim=(1, 3))  # (B, new)
+        self._pad_bad.append((getattr(module, "layer_idx", len(self._pad_bad)), (bad * pad).sum(dim=1)))
+
+    def padding(self) -> list[tuple[int, int | None]] | None:
+        """Per row, (non-finite K/V values written into its padding slots at the first layer with any, that
+        layer) or (0, None); None when the pass wrote no padding."""
+        if self._pad is None or not self._pad_bad:
+            return None
+        layers = [layer for layer, _ in self._pad_bad]
+        counts = torch.stack([c for _, c in self._pad_bad]).tolist()  # (L, B): one copy to Python
+        out: list[tuple[int, int | None]] = []
+        for b in range(len(counts[0])):
+            hit = next(((c[b], layer) for layer, c in zip(layers, counts) if c[b]), (0, None))
+            out.append(hit)
+        return out
 
     def finish(self) -> list[tuple[int, list[list[float]]]]:
         """Per layer: per row [max_logit, entropy, sink, nonfinite] of the newest query; ends the pass.

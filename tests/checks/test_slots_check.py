@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tracebuilder import rules
 
-from kvdoctor.events import Truncate
+from kvdoctor.events import Padding, Truncate
 
 
 def test_a_read_past_what_was_written_names_sequence_block_positions_layer_and_step(trace):
@@ -70,3 +70,16 @@ def test_a_reset_that_leaves_the_old_length_is_a_cut_length_finding(trace):
     (f,) = trace.run()
     assert (f.check, f.rule, f.layer, f.step) == ("slots", "cut-length", 0, 0)
     assert "should leave 0 slots per row, but the cache reports 14" in f.message and "#48509" in f.message
+
+
+def test_nan_written_into_padding_slots_is_named_where_written_and_clean_padding_is_not(trace):
+    # GIVEN a padded batch: row "a" padded in slots 0-3 with finite K/V, row "b" in slots 0-2 with NaN from layer 1
+    trace.start("a")
+    trace.start("b")
+    trace._emit(Padding, seq="a", slots=[0, 1, 2, 3], nonfinite=0, cache="c1")
+    trace._emit(Padding, seq="b", slots=[0, 1, 2], nonfinite=6, layer=1, cache="c1")
+    trace.end_step()
+    # THEN only row "b" is named, with its slots, the layer and the step the NaN was written at
+    (f,) = [f for f in trace.run() if f.check == "slots"]
+    assert (f.rule, f.seq, f.layer, f.step) == ("padding-nonfinite", "b", 1, 0)
+    assert "padding slots 0-2 at layer 1" in f.message and f.evidence["nonfinite"] == 6

@@ -79,6 +79,7 @@ def _strategy(cls: type[E.Event]) -> st.SearchStrategy[E.Event]:
         E.Adapter: dict(op=st.sampled_from(["load", "reload", "unload"]), name=st.text(max_size=10),
                         adapter_id=seq_ids, load=ints, path=st.none() | st.text(max_size=10)),
         E.Truncate: dict(op=st.sampled_from(["crop", "reset"]), keep=ints, length=ints, layer=st.none() | ints),
+        E.Padding: dict(seq=seq_ids, slots=int_lists, nonfinite=ints, layer=st.none() | ints),
         E.Snapshot: dict(
             seqs=st.lists(st.builds(E.SnapSeq, seq=seq_ids, prompt_len=ints, length=ints, version=ints,
                                     adapter=st.none() | st.text(max_size=8)), max_size=3),

@@ -168,9 +168,12 @@ def test_nan_in_padding_slots_reaching_a_real_row_is_found_naming_the_row(tiny, 
     if not nan_padding:
         assert findings == [], findings
         return
-    # THEN the padded row's attention turns non-finite (0 x NaN through the masked slots), named with its step
-    (f,) = findings
-    assert (f.check, f.rule, f.seq, f.step) == ("attention", "nonfinite", "c1.gen1.row1", 0)
+    # THEN the NaN is named where it was written: the padded row, its four padding slots, the first layer and the
+    # step; and its effect after, the row's attention turning non-finite (0 x NaN through the masked slots)
+    written, seen = findings
+    assert (written.rule, written.seq, written.step, written.layer) == ("padding-nonfinite", "c1.gen1.row1", 0, 0)
+    assert written.evidence["slots"] == [0, 1, 2, 3] and "padding slots 0-3 at layer 0" in written.message
+    assert (seen.check, seen.rule, seen.seq, seen.step) == ("attention", "nonfinite", "c1.gen1.row1", 0)
 
 
 def test_a_right_padded_batch_in_generate_computes_the_short_row_at_wrong_positions(tiny, tmp_path):
