@@ -21,8 +21,9 @@ share the CPUs equally); beside a copy of itself, 2. Workloads:
   to the app having handled it and gone idle, median and worst of ``--presses``; the goal is 0.2 s.
 
 kvdoctor's workloads run under each thread policy (``KVDOCTOR_THREADS``: ``adaptive``, the default, sizes
-the team to the CPUs others leave; ``fixed`` keeps it). Every (condition, policy, workload) runs once per
-repeat, in the same order each repeat, so a drift in the machine's load hits them alike; the report is
+the team to the CPUs others leave; ``fixed`` keeps it; either may add OpenMP settings: ``policy_env``). Every
+(condition, policy, workload) runs once per repeat, in the same order each repeat, so a drift in the machine's
+load hits them alike; the report is
 the median over repeats of each time and its ratio to the same policy's quiet time. Beside every run: the
 load average before it and the CPUs' worth of time processes other than the benchmark's took during it
 ("others' CPUs", from ``/proc/stat`` less the benchmark's own, its workloads' and its loops' CPU time): on a shared
@@ -30,7 +31,7 @@ machine, a run with others above ~0.3 ran beside more than its condition says. U
 
     .venv/bin/python benchmarks/contention.py [--repeats 3] [--conditions quiet,loops1,loops2,loops4,omp]
         [--workloads serve,decode,decode8,demo,generate,generate+policy] [--policies adaptive,fixed] [--tokens 64]
-        [--json]
+        [--wait-quiet S] [--json]
 """
 
 from __future__ import annotations
@@ -120,9 +121,17 @@ def _seconds(workload: str, proc: subprocess.CompletedProcess[str], wall: float)
     return float(proc.stdout.strip().splitlines()[-1])
 
 
+def policy_env(policy: str) -> dict[str, str]:
+    """The environment of a policy: ``adaptive`` or ``fixed`` (``KVDOCTOR_THREADS``), then any ``+VAR=VALUE``
+    the workload starts with (``fixed+OMP_WAIT_POLICY=PASSIVE``, ``fixed+OMP_NUM_THREADS=1``: the static
+    settings; ``adaptive+GOMP_SPINCOUNT=10000``: a bounded spin)."""
+    threads, *settings = policy.split("+")
+    return {"KVDOCTOR_THREADS": threads, **dict(s.split("=", 1) for s in settings)}
+
+
 def _run(workload: str, tokens: int, policy: str, copies: int) -> float:
     """Mean figure of ``copies`` instances of the workload started together."""
-    env = {**os.environ, "KVDOCTOR_THREADS": policy}
+    env = {**os.environ, **policy_env(policy)}
     t0 = time.perf_counter()
     procs = [subprocess.Popen(_command(workload, tokens), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(copies)]
@@ -161,6 +170,18 @@ def others(before: tuple[float, float, float], after: tuple[float, float, float]
     """CPUs' worth of time processes other than the benchmark's took between two readings: the machine's noise
     beside a figure (the other engineers' work on a shared machine), 0 on a machine left to the benchmark."""
     return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0])
+
+
+def wait_quiet(most: float, running: list[int], limit: float = 0.3) -> float:
+    """Wait (up to ``most`` seconds) until processes other than the benchmark's take under ``limit`` CPUs over
+    two seconds: on a shared machine a run then starts in a quiet moment. The last window's reading."""
+    deadline = time.monotonic() + most
+    while True:
+        before = reading(running)
+        time.sleep(2.0)
+        busy = others(before, reading(running))
+        if busy < limit or time.monotonic() >= deadline:
+            return busy
 
 
 def _loops(condition: str) -> int:
@@ -240,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode tokens of the decode and generate workloads; the demo's steps")
     ap.add_argument("--tui", action="store_true", help="also the TUI's key latency beside each condition but omp")
     ap.add_argument("--presses", type=int, default=20)
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each run, wait up to S seconds for the others' load to drop under 0.3 CPUs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     conditions, workloads, policies = (s.split(",") for s in (args.conditions, args.workloads, args.policies))
@@ -252,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 for workload in workloads:
                     for policy in (policies if not workload.startswith("generate") else ["-"]):
                         copies = 2 if condition == "omp" else 1
+                        if args.wait_quiet:
+                            wait_quiet(args.wait_quiet, loops.pids)
                         load, before = os.getloadavg()[0], reading(loops.pids)
                         x = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies)
                         busy = others(before, reading(loops.pids))

@@ -10,7 +10,7 @@ time the process ran at all (CPU time / wall time / team). A sample is a thread 
 by a busy loop leaves no sample, so "libgomp" is the CPU the team burned waiting, not the time it lost.
 
     .venv/bin/python benchmarks/contention_profile.py [--conditions quiet,loops2] [--policies fixed,adaptive]
-        [--batch 1] [--seconds 6] [--spincount N] [--regions] [--json]
+        [--batch 1] [--seconds 6] [--spincount N] [--wait-quiet S] [--regions] [--json]
 
 ``--spincount N`` starts the child with ``GOMP_SPINCOUNT=N`` (how long libgomp spins at a barrier before it
 sleeps, read when the runtime loads).
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contention import ROOT, BusyLoops, _loops, others, reading  # noqa: E402
+from contention import ROOT, BusyLoops, _loops, others, reading, wait_quiet  # noqa: E402
 
 _LIBGOMP = Path(importlib.util.find_spec("torch").submodule_search_locations[0]) / "lib/libgomp.so.1"  # torch's runtime
 _CHILD = """
@@ -102,7 +102,7 @@ def shares(report: str, pauses: list[int]) -> tuple[dict[str, float], list[tuple
 
 
 def _decode_under_perf(condition: str, policy: str, batch: int, seconds: float, spincount: int | None,
-                      perf_args: list[str], data: str) -> dict:
+                      perf_args: list[str], data: str, quiet_wait: float = 0.0) -> dict:
     """Run the decode child beside ``condition``'s loops with ``perf record PERF_ARGS`` on it while it decodes;
     the child's figures, the load before and the CPUs others took meanwhile."""
     env = {**os.environ, "KVDOCTOR_THREADS": policy}
@@ -117,6 +117,8 @@ def _decode_under_perf(condition: str, policy: str, batch: int, seconds: float, 
         perf = subprocess.Popen(["perf", "record", "-q", *perf_args, "-o", data, "-p", str(child.pid)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # perf attaches to every thread before the child starts decoding
+        if quiet_wait:
+            wait_quiet(quiet_wait, loops.pids + [child.pid, perf.pid])
         running = loops.pids + [child.pid, perf.pid]
         load, before = os.getloadavg()[0], reading(running)
         child.stdin.write("\n")
@@ -130,11 +132,13 @@ def _decode_under_perf(condition: str, policy: str, batch: int, seconds: float, 
             "load_before": round(load, 2), "others_cpus": round(busy, 2), **result}
 
 
-def profile(condition: str, policy: str, batch: int, seconds: float, spincount: int | None) -> dict:
+def profile(condition: str, policy: str, batch: int, seconds: float, spincount: int | None,
+            quiet_wait: float = 0.0) -> dict:
     """Where the step's CPU samples fall (``places``), with the step's wall and CPU time."""
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
-        r = _decode_under_perf(condition, policy, batch, seconds, spincount, ["-e", "cpu-clock", "-F", "997"], data)
+        r = _decode_under_perf(condition, policy, batch, seconds, spincount, ["-e", "cpu-clock", "-F", "997"], data,
+                               quiet_wait)
         report = subprocess.run(["perf", "report", "-i", data, "--sort", "dso,sym", "--stdio", "--no-children"],
                                 capture_output=True, text=True).stdout
     places, top = shares(report, spin_loops(str(_LIBGOMP)))
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--spincount", type=int, default=None)
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="once the child is ready, wait up to S seconds for the others' load to drop under 0.3 CPUs")
     ap.add_argument("--regions", action="store_true",
                     help="count the parallel regions and barriers of a quiet step instead (uprobes on libgomp)")
     ap.add_argument("--json", action="store_true")
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for condition in args.conditions.split(","):
         for policy in args.policies.split(","):
-            r = profile(condition, policy, args.batch, args.seconds, args.spincount)
+            r = profile(condition, policy, args.batch, args.seconds, args.spincount, args.wait_quiet)
             if args.json:
                 print(json.dumps(r), flush=True)
                 continue
