@@ -5,13 +5,15 @@ holds, exactly like its tokens. Engines key their prefix caches by the adapter's
 - two adapters registered under one name with different ids share blocks (vllm #30931);
 - an adapter reloaded in place under the same name and path (the RL LoRA sync, ``load_inplace``) hits K/V of
   its previous contents (vllm PR #42495, #42125; ms-swift resets the cache after a LoRA-only sync for this);
-- key parts appended untagged let a cache salt equal to an adapter's name (or a crafted extra key) reach that
-  adapter's blocks from the base model (vllm #44701, sglang #24638).
+- key parts appended untagged let a cache salt equal to an adapter's name (vllm #44701), or a crafted extra key
+  equal to an adapter's id (sglang #24638), reach that adapter's blocks from the base model.
 A block remembers the adapter identity of its first write since allocation: the name and id its writer runs
 under (``seq_start``) and the load number (and contents' digest) the latest ``adapter`` event gave that id;
 two identities with one name and the same digest compute the same K/V, whatever their ids. A hit (``share`` with a
-``hash``) by a sequence of another identity is an error; when the two differ only because one's salt
-equals the other's adapter name, the cause is the key's untagged parts, and the rule says so. A request that
+``hash``) by a sequence of another identity is an error; when the two sides' key parts (``seq_start``'s
+salt, extra keys, adapter name and id) read the same once joined untagged, in either order engines join them
+(vLLM: adapter name, extra keys, salt; sglang: salt, extra key, adapter id), the cause is the key's untagged
+parts, and the rule says so. A request that
 reads its own blocks computed before its adapter was reloaded with other contents (it ran across the reload)
 mixes two adapters' K/V: a warning, as ``weights/stale-read`` is for a weights update.
 """
@@ -59,7 +61,7 @@ class AdaptersCheck(CheckBase):
              "hitting sequence runs under"),
         Rule("key-collision", "error",
              "a prefix-cache hit across adapter identities whose key parts coincide untagged: a cache salt equal to "
-             "an adapter's name"),
+             "an adapter's name, an extra key equal to an adapter's id"),
         Rule("stale-read", "warning",
              "a request read K/V it computed under its adapter's previous contents: the adapter was reloaded with "
              "other contents while the request ran"),
@@ -70,6 +72,7 @@ class AdaptersCheck(CheckBase):
         self.loads: dict[Any, tuple[int, Adapter]] = {}  # adapter id -> (its load number, the event that set it)
         self.seqs: dict[Any, SeqStart] = {}  # live sequences that run under an adapter or carry a salt
         self.written_under: dict[int, tuple[Identity, Any]] = {}  # block -> (identity, writer) of its first write
+        self.keyed_by: dict[int, SeqStart] = {}  # block -> its first writer's key parts (it may have ended since)
         self._hits: dict[Any, list[int]] = {}  # seq -> foreign blocks it hit (evidence of its one finding)
 
     def handlers(self):
@@ -81,7 +84,7 @@ class AdaptersCheck(CheckBase):
         return NO_FINDINGS
 
     def _start(self, ev: SeqStart) -> Sequence[Finding]:
-        if ev.adapter is not None or ev.adapter_id is not None or ev.salt is not None:
+        if ev.adapter is not None or ev.adapter_id is not None or ev.salt is not None or ev.extra_keys:
             self.seqs[ev.seq] = ev
         return NO_FINDINGS
 
@@ -101,10 +104,13 @@ class AdaptersCheck(CheckBase):
     def _write(self, ev: Write) -> Sequence[Finding]:
         if ev.block not in self.written_under:
             self.written_under[ev.block] = (self._identity(ev.seq), ev.seq)
+            if ev.seq in self.seqs:
+                self.keyed_by[ev.block] = self.seqs[ev.seq]
         return NO_FINDINGS
 
     def _gone(self, ev: Free | Evict) -> Sequence[Finding]:
         self.written_under.pop(ev.block, None)
+        self.keyed_by.pop(ev.block, None)
         return NO_FINDINGS
 
     def _read(self, ev: Read) -> Sequence[Finding]:
@@ -139,7 +145,7 @@ class AdaptersCheck(CheckBase):
             hits.append(ev.block)
             return NO_FINDINGS
         hits = self._hits[ev.seq] = [ev.block]
-        collision = self._collision(ev.seq, mine, writer, theirs)
+        collision = self._collision(ev.seq, writer, self.keyed_by.get(ev.block))
         rule = "key-collision" if collision else "foreign-hit"
         cause = collision or self._cause(mine, theirs)
         return [self.finding(
@@ -157,13 +163,15 @@ class AdaptersCheck(CheckBase):
         keys = {i[1] for i in identities if i is not None}
         return [self.loads[k][1] for k in keys if k in self.loads]
 
-    def _collision(self, seq: Any, mine: Identity, writer: Any, theirs: Identity) -> str | None:
-        """The cause when one side's cache salt equals the other side's adapter name, else None."""
-        for a, b, b_id in ((seq, writer, theirs), (writer, seq, mine)):
-            start = self.seqs.get(a)
-            if b_id is not None and start is not None and start.salt == b_id[0]:
-                return (f"{a!r}'s cache_salt {start.salt!r} equals the adapter name of {b!r}: the engine's prefix "
-                        f"key does not keep its parts apart (tag each part: vllm #44701, sglang #24638)")
+    def _collision(self, seq: Any, writer: Any, keyed: SeqStart | None) -> str | None:
+        """The cause when the hitting request's key parts and those of the block's writer (``keyed``) read the same
+        joined untagged, else None."""
+        for order, report in ((_VLLM_ORDER, "vllm #44701"), (_SGLANG_ORDER, "sglang #24638")):
+            ours, other = _parts(self.seqs.get(seq), order), _parts(keyed, order)
+            if ours != other and "".join(v for _, v in ours) == "".join(v for _, v in other):
+                return (f"their prefix-key parts differ ({_tagged(ours) or 'none'} for {seq!r}, {_tagged(other) or 'none'} "
+                        f"for {writer!r}) but read the same joined untagged: the engine's prefix key does not keep its "
+                        f"parts apart (tag each part: {report})")
         return None
 
     @staticmethod
@@ -178,6 +186,27 @@ class AdaptersCheck(CheckBase):
             return (f"two adapters share the name {mine[0]!r} (ids {theirs[1]} and {mine[1]}): the key holds the "
                     f"name, not the id (vllm #30931)")
         return "the prefix key does not tell these adapters apart"
+
+
+_VLLM_ORDER = ("adapter", "extra_keys", "salt")  # the order engines join a request's key parts in
+_SGLANG_ORDER = ("salt", "extra_keys", "adapter_id")
+
+
+def _parts(start: SeqStart | None, order: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``start``'s prefix-key parts, tagged, in ``order``: (tag, value) for each part it has."""
+    if start is None:
+        return []
+    out: list[tuple[str, str]] = []
+    for tag in order:
+        value = getattr(start, tag)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v != "":
+                out.append((tag, str(v)))
+    return out
+
+
+def _tagged(parts: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{tag}={value!r}" for tag, value in parts)
 
 
 def _identity_dict(identity: Identity) -> dict | None:

@@ -90,6 +90,9 @@ class SeqStart(Event, tag="seq_start"):
     adapter: str | None = None
     adapter_id: int | str | None = None
     salt: str | None = None
+    # the request's other prefix-cache key parts, each as the caller gave it (sglang's extra_key, multimodal hashes):
+    # tagged apart here, whatever the engine does with them, so a check can see parts that coincide untagged
+    extra_keys: list[str] | None = None
 
 
 class SeqEnd(Event, tag="seq_end"):

@@ -12,10 +12,11 @@ def _load(trace, name, key, load=1, op="load", digest=None):
                 digest=digest)
 
 
-def _start(trace, seq, adapter=None, adapter_id=None, salt=None):
+def _start(trace, seq, adapter=None, adapter_id=None, salt=None, extra_keys=None):
     trace.seq_version[seq] = 0
     trace.seq_len[seq] = 0
-    trace._emit(SeqStart, seq=seq, prompt_len=4, adapter=adapter, adapter_id=adapter_id, salt=salt)
+    trace._emit(SeqStart, seq=seq, prompt_len=4, adapter=adapter, adapter_id=adapter_id, salt=salt,
+                extra_keys=extra_keys)
 
 
 def _cached_block(trace, block, seq, key="k0", **adapter):
@@ -69,8 +70,29 @@ def test_a_cache_salt_equal_to_an_adapter_name_reaching_its_blocks_is_a_key_coll
     (f,) = _hit(trace, 5, "base", salt="COLLIDE")
     # THEN the cause is the key's untagged parts
     assert (f.check, f.rule, f.seq, f.block) == ("adapters", "key-collision", "base", 5)
-    assert "cache_salt 'COLLIDE' equals the adapter name" in f.message and "#44701" in f.message
+    assert "salt='COLLIDE' for 'base', adapter='COLLIDE' for 'lora'" in f.message and "#44701" in f.message
     assert f.evidence["hit_under"] is None
+
+
+def test_a_crafted_extra_key_equal_to_an_adapters_id_reaching_its_blocks_is_a_key_collision(trace):
+    # GIVEN a block computed under LoRA "alpha", whose engine id is "lora-7f3a" (sglang keys by the id)
+    _load(trace, "alpha", "lora-7f3a")
+    _cached_block(trace, 5, "lora", adapter="alpha", adapter_id="lora-7f3a")
+    # WHEN a base-model request whose extra key is that id hits it (sglang #24638)
+    (f,) = _hit(trace, 5, "base", extra_keys=["lora-7f3a"])
+    # THEN the cause is the key's untagged parts, named tag by tag
+    assert (f.rule, f.seq, f.block) == ("key-collision", "base", 5)
+    assert "extra_keys='lora-7f3a' for 'base', adapter_id='lora-7f3a' for 'lora'" in f.message
+    assert "sglang #24638" in f.message
+
+
+def test_requests_whose_extra_keys_differ_from_an_adapters_parts_hit_nothing_of_it_and_twins_share(trace):
+    # GIVEN a LoRA block and a base-model block, each cached
+    _load(trace, "alpha", "lora-7f3a")
+    _cached_block(trace, 5, "lora", key="k5", adapter="alpha", adapter_id="lora-7f3a")
+    _cached_block(trace, 6, "b1", key="k0", extra_keys=["tenant-1"])
+    # WHEN a base request with the same extra key hits the base block THEN nothing is found
+    assert _hit(trace, 6, "b2", extra_keys=["tenant-1"]) == []
 
 
 def test_a_base_model_request_hitting_an_adapters_block_is_foreign(trace):

@@ -187,5 +187,5 @@ def test_a_cache_salt_equal_to_an_adapters_name_reaches_its_blocks_when_parts_ar
     findings, _ = traced()
     # THEN adapters/key-collision names the salt and the adapter (the prefix check sees the content keys differ too)
     (f,) = [f for f in findings if f.check == "adapters"]
-    assert f.rule == "key-collision" and "cache_salt 'COLLIDE' equals the adapter name" in f.message
+    assert f.rule == "key-collision" and "salt='COLLIDE'" in f.message and "adapter='COLLIDE'" in f.message
     assert f.evidence["hit_under"] is None and f.evidence["computed_under"]["name"] == "COLLIDE"
