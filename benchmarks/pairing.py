@@ -61,9 +61,9 @@ def runner_decode(runner: Any, prompts: list[list[int]], new_tokens: list[int]) 
     sched = prefilled(runner, prompts, new_tokens)
     t0 = clocks()
     sched.run()
-    rates = rates(sum(n - 1 for n in new_tokens), t0)
+    measured = rates(sum(n - 1 for n in new_tokens), t0)
     assert sorted(len(g.token_ids) for g in sched.done.values()) == sorted(new_tokens)
-    return rates
+    return measured
 
 
 def median(xs: list[float]) -> float:
