@@ -96,7 +96,8 @@ FAULT = _text_knob(
     config_field="EngineConfig.fault")
 VERIFY = Knob(
     "KVDOCTOR_VERIFY", "choice", "sample", "how the engine verifies the content digests of the blocks it reads: "
-    "every read (full), one block of every 16th read (sample) or none (off); swaps are always verified",
+    "every read (full), a bounded sweep (sample: every block a sequence reads within 32 of its reads, "
+    "a first read at once) or none (off); swaps are always verified",
     f"one of {', '.join(VERIFY_MODES)}", _choice(*VERIFY_MODES), config_field="EngineConfig.verify")
 PROBES = _flag_knob(
     "KVDOCTOR_PROBES", None, "memory probes (mem events) in a workload that builds kvdoctor's engine with a trace. "
