@@ -10,11 +10,10 @@ Nothing here may fail the engine: an error stops the listening with one line on 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ... import attach
 from ...events import PREFIX_CACHE, SnapBlock, Snapshot, SnapSeq
-from .envtrace import trace_path
 
 if TYPE_CHECKING:
     from .cache import PagedKVCache
@@ -49,8 +48,9 @@ class AttachedTrace:
     """The trace a standing attach request asks of one cache: opened at a step's end, closed when the request
     goes (or the cache closes)."""
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, name: Callable[[str], str]) -> None:
         self.cache = cache
+        self._name = name  # the file a trace asked to go to ``path`` takes (the run's next, as the environment's)
         self._writer: Any = None
         self._key: str | None = None  # the request the open trace answers
         self._failed = False
@@ -76,7 +76,7 @@ class AttachedTrace:
 
         self.close("detached")  # a trace for an earlier request
         cache = self.cache
-        path = trace_path(request.trace)
+        path = self._name(request.trace)
         writer = TraceWriter(path, cache.header())
         snap = snapshot(cache)
         writer.write_many([snap])  # first, before anything the bus carries

@@ -18,6 +18,7 @@ from ... import knobs
 from ...events import Header, TierSpec
 from ...trace_names import claim
 from ..config import Tier
+from .attached import AttachedTrace
 
 if TYPE_CHECKING:
     from .cache import PagedKVCache
@@ -69,9 +70,7 @@ class EnvTrace:
         self.cache = cache
         self._writer: Any = None
         self._attached: list[Any] = []  # what the hooks attached; each has detach()
-        from .attached import AttachedTrace
-
-        self.on_request = AttachedTrace(cache)  # the trace ``kvdoctor watch|check --pid`` may ask for while it runs
+        self.on_request = AttachedTrace(cache, trace_path)  # the trace ``kvdoctor watch|check --pid`` may ask for
 
     def open(self) -> None:
         """Start the trace and call the hooks if ``KVDOCTOR_TRACE`` names a file (once the cache is whole)."""
