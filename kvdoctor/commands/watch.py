@@ -144,40 +144,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _watch_process(args: argparse.Namespace) -> int:
-    """``--pid``: the screen follows the trace the process's first cache writes once attached; closing the
-    screen takes the request back, so the process stops tracing."""
+    """``--pid``: the screen shows the traces the process's caches write once attached (a selector when it has
+    several, as for a workload's traces); closing the screen takes the request back, so the process stops
+    tracing."""
     from ..errors import UsageError
     from ..pid_source import ProcessTraces
 
-    if args.fault or args.keep_trace or args.model or args.codec or args.prefix_cache:
-        raise UsageError("--fault, --keep-trace, --model, --codec and --prefix-cache apply to a workload kvdoctor "
-                         "starts; a process attached to runs as it was started")
+    if args.fault or args.keep_trace or args.model or args.codec or args.prefix_cache or args.metrics_port:
+        raise UsageError("--fault, --keep-trace, --model, --codec, --prefix-cache and --metrics-port apply to a "
+                         "workload kvdoctor starts or a trace; a process attached to runs as it was started")
     source = ProcessTraces(args.pid, wait_s=10.0)
     try:
-        answers = source.attach(args.wait if args.wait is not None else 10.0)
-        args.trace, args.pid = answers[0]["trace"], None  # from here on: a trace another process writes
-        return run(args)
+        source.attach(args.wait if args.wait is not None else 10.0)
+        _show_workload(source, args)
     finally:
         source.close()
+    return 0
 
 
 def _watch_workload(args: argparse.Namespace) -> int:
     """``--trace`` naming several traces or a directory: every trace checked, on its own and across the others;
     the screen shows one trace's state at a time and the findings of all of them."""
-    from ..config import load_config
     from ..errors import UsageError
-    from ..tui.app import KvdoctorApp
-    from ..tui.traces import WorkloadFeed
-    from ..workload import TraceSet, WorkloadSession
+    from ..workload import TraceSet
 
     if args.metrics_port is not None:
         raise UsageError("--metrics-port serves one trace's metrics; for a workload's traces run "
                          "kvdoctor check --trace DIR --follow --metrics-port N")
+    _show_workload(TraceSet.open(args.trace, wait_s=args.wait if args.wait is not None else 10.0), args)
+    return 0
+
+
+def _show_workload(traces: Any, args: argparse.Namespace) -> None:
+    """A screen over every trace of ``traces``, each checked on its own and across the others."""
+    from ..config import load_config
+    from ..tui.app import KvdoctorApp
+    from ..tui.traces import WorkloadFeed
+    from ..workload import WorkloadSession
+
     config = load_config(args.config)
-    traces = TraceSet.open(args.trace, wait_s=args.wait if args.wait is not None else 10.0)
     session = WorkloadSession(traces, config, name_traces=True)
     KvdoctorApp(lambda publish: WorkloadFeed(session, publish, limits=config.limits)).run()
-    return 0
 
 
 def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: Any) -> None:
