@@ -31,8 +31,6 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-import numpy as np
-
 from ..events import Alloc, Batch, Header, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd, TierSpec, Write
 from ..trace_names import claim
 from .guard import Call, Guard, positions
@@ -126,6 +124,8 @@ class RankTrace(BufferedTrace):
     def hold(self, seq: str, row: list[int]) -> None:
         """``seq``'s row of the block table now holds ``row``: blocks new to it shared, blocks gone released."""
         held = self._rows.setdefault(seq, [])
+        if held == row:  # a decode step within its blocks: nothing changed
+            return
         if held == row[:len(held)]:
             new = row[len(held):]
         else:  # a row replaced (a resumed request): what it no longer holds goes back first
@@ -152,26 +152,28 @@ class RankTrace(BufferedTrace):
         for table in (self._versions, self._length):
             table.pop(seq, None)
 
-    def compute(self, seq: str, pos: int, slots: np.ndarray, row: list[int]) -> None:
+    def compute(self, seq: str, pos: int, slots: list[int], row: list[int]) -> None:
         """``seq``'s tokens from ``pos`` go to ``slots`` (one a token, -1: nowhere); then it reads its row."""
         length = self._length.get(seq, 0)
         if pos < length:  # vLLM counted tokens back (rejected drafts, a preemption): so does the trace
             version = self._versions[seq] = self._versions[seq] + 1
             self._emit(Rollback, seq=seq, n=length - pos, version=version)
-        bs = self.block_size
-        blocks = slots // bs
-        cuts = (np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist()
+        bs, n = self.block_size, len(slots)
         version = self._versions[seq]
-        for start, stop in zip([0, *cuts], [*cuts, len(slots)]):
-            block = int(blocks[start])
-            if block < 0:
-                continue
-            version += stop - start
-            self._block_version[block] = version
-            self._emit(Write, block=block, seq=seq, pos=pos + start, n=stop - start, version=version)
+        start = 0
+        while start < n:  # one write per run of slots in one block (a decode step: one slot, one write)
+            block = slots[start] // bs  # -1 (nowhere) stays negative
+            stop = start + 1
+            while stop < n and slots[stop] // bs == block:
+                stop += 1
+            if block >= 0:
+                version += stop - start
+                self._block_version[block] = version
+                self._emit(Write, block=block, seq=seq, pos=pos + start, n=stop - start, version=version)
+            start = stop
         self._versions[seq] = version
-        self._length[seq] = pos + len(slots)
-        read = row[:-(-(pos + len(slots)) // bs)]
+        self._length[seq] = pos + n
+        read = row[:-(-(pos + n) // bs)]
         self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read])
 
 
@@ -194,18 +196,20 @@ def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     rows = batch.req_ids[:num_reqs]
-    counts = [int(n) for n in call["num_scheduled_tokens"][:num_reqs]]
-    positions = [int(p) for p in batch.num_computed_tokens_cpu[:num_reqs]]
+    counts = call["num_scheduled_tokens"][:num_reqs].tolist()
+    positions = batch.num_computed_tokens_cpu[:num_reqs].tolist()
     table = batch.block_table[0]
-    slots = table.slot_mapping.np
+    total = sum(counts)
+    slots = table.slot_mapping.np[:total].tolist()  # one conversion a step: the rows below read plain ints
+    blocks, per_row = table.block_table.np, table.num_blocks_per_row
     trace._emit(Batch, rows=list(rows), positions=positions, n=counts)
     start = 0
     for i, seq in enumerate(rows):
-        row = [int(b) for b in table.block_table.np[i, :table.num_blocks_per_row[i]] if b]
+        row = [b for b in blocks[i, :per_row[i]].tolist() if b]
         trace.hold(seq, row)
         trace.compute(seq, positions[i], slots[start:start + counts[i]], row)
         start += counts[i]
-    trace.flush(start)
+    trace.flush(total)
 
 
 def _rank_header(runner: Any, engine: str, t0_perf: int) -> Header:
