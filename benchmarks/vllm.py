@@ -16,6 +16,12 @@ alike; the figure is the median of per-pair ratios with quartiles. On a shared m
 scatter by tens of percent, so the plugin's cost is also timed in place: the tracer's own work (its
 batch, write/read and step-end records, content keys, the trace writes) by the wall clock around its
 entry points, as a share of the same run's time, which load slows alike.
+
+The plugin is on as users run it (``KVDOCTOR_TRACE``: every hook it installs is in place); the pairs pause
+and resume its tracing. ``--tp 2`` serves a small random Llama (head size 64, 4 heads, 2 KV heads) at tensor
+parallel size 2, each worker bound to a core: the plugin then also writes each rank's trace in its worker
+process, and the pairs pause those too (``LLM.collective_rpc``); each rank's bookkeeping is timed in place
+as a share of the same run. The runner comparison is made at ``--tp 1`` only.
 """
 
 from __future__ import annotations
@@ -83,6 +89,49 @@ def tracer_share(llm, tracer, prompts: list[list[int]], new_tokens: int) -> floa
     return spent[0] / (time.perf_counter() - t0)
 
 
+def tiny_llama_dir(folder: str) -> str:
+    """A small random Llama (seed 0) vLLM's CPU attention runs at tensor parallel size 2 (head size 64, 4 heads,
+    2 KV heads: one a rank), saved with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from kvdoctor.engine.model.model import convert_embedded, tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(str(convert_embedded()))
+    tiny_llama(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2,
+               vocab_size=len(tok), max_position_embeddings=1024).model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _rank_live(worker, live: bool) -> None:
+    """In a worker: pause or resume its rank's tracing (the wrappers stay, as when a trace stops)."""
+    trace = worker.model_runner.__dict__.get("_kvdoctor_rank")
+    if trace:
+        trace.guard.live = live
+
+
+def _rank_clock(worker, start: bool) -> float:
+    """In a worker: start timing its rank's bookkeeping (every part runs through its guard), or return the
+    seconds spent since."""
+    trace = worker.model_runner.__dict__.get("_kvdoctor_rank")
+    if not trace:
+        return 0.0
+    if start:
+        attempt, spent = type(trace.guard).attempt.__get__(trace.guard), [0.0]
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return attempt(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        trace.guard.attempt, trace._bench_spent = timed, spent
+        return 0.0
+    vars(trace.guard).pop("attempt", None)
+    return trace.__dict__.pop("_bench_spent", [0.0])[0]
+
+
 class RunnerProcess:
     """kvdoctor's runner in a child process (this file with ``--serve-runner``): each ``decode`` call runs
     one timed decode there and returns its (wall, CPU) tokens/s, measured in the child."""
@@ -130,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-runs", type=int, default=3, help="traced runs timing the plugin's code in place")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both engines")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel size; above 1 a small random Llama, each rank's trace timed too")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve-runner", metavar="DIR", help=argparse.SUPPRESS)  # the runner's child process
     args = ap.parse_args(argv)
@@ -143,56 +194,95 @@ def main(argv: list[str] | None = None) -> int:
     from kvdoctor.engine.model.model import convert_embedded
     from kvdoctor.integrations.vllm import VllmTracer
 
-    directory = str(convert_embedded())
-    runner = RunnerProcess(directory, args.dtype)  # started first, so it binds to nothing vLLM set up
+    trace_dir = tempfile.mkdtemp(prefix="kvd-vllm-bench-")
+    os.environ["KVDOCTOR_TRACE"] = os.path.join(trace_dir, "plugin.kvtrace")  # the plugin on, as users run it
+    runner = None
+    if args.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(args.tp)))
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with this file's functions
+        directory = tiny_llama_dir(os.path.join(trace_dir, "model"))
+    else:
+        directory = str(convert_embedded())
+        runner = RunnerProcess(directory, args.dtype)  # started first, so it binds to nothing vLLM set up
     llm = LLM(model=directory, dtype=args.dtype, enforce_eager=True, max_model_len=1024, block_size=32,
-              max_num_seqs=8, enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.2)
+              max_num_seqs=8, enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.2,
+              tensor_parallel_size=args.tp)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     batch8 = _prompts(AutoTokenizer.from_pretrained(directory), [24, 40, 56, 72, 88, 104, 120, 136])
     batch1 = [batch8[len(batch8) // 2]]
-    trace_dir = tempfile.mkdtemp(prefix="kvd-vllm-bench-")
     N = args.new_tokens
+
+    def ranks(live: bool) -> None:
+        if args.tp > 1:
+            llm.collective_rpc(_rank_live, args=(live,))
 
     def traced(prompts, share=False):
         tracer = VllmTracer(scheduler, os.path.join(trace_dir, f"run{vllm_decode.calls}.kvtrace"), engine="vllm")
+        ranks(True)
         try:
-            return tracer_share(llm, tracer, prompts, N) if share else vllm_decode(llm, prompts, N)
+            if not share:
+                return vllm_decode(llm, prompts, N)
+            if args.tp > 1:
+                llm.collective_rpc(_rank_clock, args=(True,))
+            t0 = time.perf_counter()
+            ours = tracer_share(llm, tracer, prompts, N)
+            wall = time.perf_counter() - t0
+            rank = max(llm.collective_rpc(_rank_clock, args=(False,))) / wall if args.tp > 1 else 0.0
+            return ours, rank
         finally:
             tracer.detach()
+            ranks(False)
 
-    vllm_decode(llm, batch8, 4)  # warm both engines before timing anything
-    runner.decode(batch8, 4)
-    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "threads": __import__("torch").get_num_threads(),
-               "runner_threads": runner.info["threads"], "runner_matvec": runner.info["matvec"],
-               "load_before": os.getloadavg()[0]}
+    vllm_decode(llm, batch8, 4)  # warm the engine (and start each rank's trace) before timing anything
+    if getattr(scheduler, "_kvdoctor", None) is not None:
+        scheduler._kvdoctor.detach()  # the plugin's own tracer: each traced run below attaches one afresh
+    ranks(False)
+    if runner is not None:
+        runner.decode(batch8, 4)
+    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "tp": args.tp,
+               "threads": __import__("torch").get_num_threads(), "load_before": os.getloadavg()[0]}
+    if runner is not None:
+        results |= {"runner_threads": runner.info["threads"], "runner_matvec": runner.info["matvec"]}
     for name, prompts in (("batch1", batch1), ("batch8", batch8)):
         plugin = paired(lambda p=prompts: vllm_decode(llm, p, N), lambda p=prompts: traced(p), args.pairs)
-        engines = paired(lambda p=prompts: vllm_decode(llm, p, N),
-                         lambda p=prompts: runner.decode(p, N), args.pairs)
         shares = sorted(traced(prompts, share=True) for _ in range(args.share_runs))
-        results[name] = {"plugin_share": round(_pairing.median(shares), 5),
-                         "plugin_share_range": [round(shares[0], 5), round(shares[-1], 5)]}
+        ours, rank = sorted(s[0] for s in shares), sorted(s[1] for s in shares)
+        results[name] = {"plugin_share": round(_pairing.median(ours), 5),
+                         "plugin_share_range": [round(ours[0], 5), round(ours[-1], 5)]}
+        if args.tp > 1:
+            results[name] |= {"rank_share": round(_pairing.median(rank), 5),
+                              "rank_share_range": [round(rank[0], 5), round(rank[-1], 5)]}
         results[name] |= {
             clock: {"vllm": plugin[clock]["a"], "vllm_traced": plugin[clock]["b"],
                     "plugin_cost": round(1 - plugin[clock]["ratio"], 4),
-                    "plugin_cost_q": [round(1 - plugin[clock]["ratio_q3"], 4), round(1 - plugin[clock]["ratio_q1"], 4)],
-                    "runner": engines[clock]["b"], "runner_vs_vllm": engines[clock]["ratio"],
-                    "runner_vs_vllm_q": [engines[clock]["ratio_q1"], engines[clock]["ratio_q3"]]}
+                    "plugin_cost_q": [round(1 - plugin[clock]["ratio_q3"], 4), round(1 - plugin[clock]["ratio_q1"], 4)]}
             for clock in ("wall", "cpu")}
+        if runner is not None:
+            engines = paired(lambda p=prompts: vllm_decode(llm, p, N),
+                             lambda p=prompts: runner.decode(p, N), args.pairs)
+            for clock in ("wall", "cpu"):
+                results[name][clock] |= {"runner": engines[clock]["b"], "runner_vs_vllm": engines[clock]["ratio"],
+                                         "runner_vs_vllm_q": [engines[clock]["ratio_q1"], engines[clock]["ratio_q3"]]}
     results["load_after"] = os.getloadavg()[0]
-    runner.close()
+    if runner is not None:
+        runner.close()
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for name in ("batch1", "batch8"):
             r = results[name]["wall"]
-            print(f"{name}: plugin code {100 * results[name]['plugin_share']:.2f}% of the traced run (in place)")
+            ranks_said = (f"; each rank's {100 * results[name]['rank_share']:.2f}% (worst rank)"
+                          if args.tp > 1 else "")
+            print(f"{name}: plugin code {100 * results[name]['plugin_share']:.2f}% of the traced run (in place, "
+                  f"the engine core's){ranks_said}")
+            versus = f"; kvdoctor runner {r['runner']} tok/s = {r['runner_vs_vllm']:.2f}x vLLM" if runner else ""
             print(f"{name}: vLLM {r['vllm']} tok/s, traced {r['vllm_traced']} (plugin cost {100 * r['plugin_cost']:+.1f}%, "
-                  f"quartiles {100 * r['plugin_cost_q'][0]:+.1f}..{100 * r['plugin_cost_q'][1]:+.1f}%); kvdoctor runner "
-                  f"{r['runner']} tok/s = {r['runner_vs_vllm']:.2f}x vLLM")
-        print(f"runner (own process): {results['runner_threads']} threads, decode kernel "
-              f"{'on' if results['runner_matvec'] else 'off (F.linear)'}")
-        print(f"dtype {args.dtype}, threads {results['threads']}, load {results['load_before']:.1f} -> {results['load_after']:.1f}")
+                  f"quartiles {100 * r['plugin_cost_q'][0]:+.1f}..{100 * r['plugin_cost_q'][1]:+.1f}%){versus}")
+        if runner is not None:
+            print(f"runner (own process): {results['runner_threads']} threads, decode kernel "
+                  f"{'on' if results['runner_matvec'] else 'off (F.linear)'}")
+        print(f"tp {args.tp}, dtype {args.dtype}, threads {results['threads']}, "
+              f"load {results['load_before']:.1f} -> {results['load_after']:.1f}")
     return 0
 
 
