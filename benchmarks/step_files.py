@@ -3,13 +3,14 @@
 A structural measurement, not a timing: the step is traced with ``sys.setprofile`` and every Python call whose
 code lies in the engine's folder is booked by file. It counts what a reader following a decode step must open:
 the distinct files, and the crossings (a call whose callee's file is not its caller's); for the whole step, and
-for its read of K/V alone (everything under the cache methods the runner reads through, ``READS``, and under
-attention). The step is a batch of
-four rows on a small random Llama with every feature off, after two warm steps, on the torch path (the compiled
-decode layers run in C and would hide the Python path) and on the default path. It imports only the engine's
-public names (``kvdoctor.engine``), so it runs unchanged on an older commit's checkout. Usage::
+for its read of K/V alone (everything under the functions ``READS`` names: the block tables and row offsets a
+step reads by, its read plan's since there is one, each layer's gather, attention, the cache's read methods).
+The step is a batch of four rows on a small random Llama with every feature off (``--features``: top-k, merging
+and hybrid eviction on), after two warm steps, on the torch path (the compiled decode layers run in C and would
+hide the Python path; ``--compiled``: the default path). It imports only the engine's public names
+(``kvdoctor.engine``), so it runs unchanged on an older commit's checkout. Usage::
 
-    .venv/bin/python benchmarks/step_files.py [--json]
+    .venv/bin/python benchmarks/step_files.py [--features] [--compiled] [--json]
 """
 
 from __future__ import annotations

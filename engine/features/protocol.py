@@ -24,7 +24,7 @@ class Step:
 
     seqs: Sequence[SeqId]  # the step's rows, in order
     cache: Any = None  # the ``PagedKVCache`` the step reads and writes
-    plan: Any = None  # the cache's ``ReadPlan``: where every row's blocks are read from
+    plan: Any = None  # the cache's ``ReadPlan``: where every row's blocks are read from; a feature reads through it
     want_mass: bool = False  # the placement policy ranks blocks by the attention they get this step
     want_scores: bool = False  # attention statistics are taken this step
 
