@@ -12,6 +12,10 @@ process, which reports its wall and CPU time and its peak resident memory (``VmH
 - ``workload``: every copy, as ``kvdoctor check --trace DIR`` reads them (each trace checked on its own,
   merged by wall-clock time for the rules across traces).
 
+With ``--floor``, also what bounds a faster check: ``read``, the single trace read and decoded with nothing
+checked (the floor of one process), and ``split``, the copies' per-trace checks (no rules across traces) in
+two processes at once, half the traces each (what checking traces in parallel processes could gain at most).
+
 With ``--follow``, also ``kvdoctor check --trace DIR --follow`` while one writer process per rank writes its
 copy live, step by step, as fast as it can: whether the check keeps up (how long after the last writer it ends).
 
@@ -73,6 +77,52 @@ def measure(paths: list[str]) -> dict:
             "events_per_s": round(session.num_events / wall), "events_per_cpu_s": round(session.num_events / cpu),
             "peak_rss_mb": _peak_rss_mb(),
             "findings": len(session.findings)}
+
+
+def read_only(paths: list[str]) -> dict:
+    """Read and decode ``paths`` with nothing checked: the floor of a check in one process."""
+    from kvdoctor.session import TraceSource
+
+    t0, c0, n = time.perf_counter(), time.process_time(), 0
+    for path in paths:
+        for batch in TraceSource(path).batches():
+            n += len(batch)
+    return _rates(n, t0, c0)
+
+
+def per_trace(paths: list[str]) -> dict:
+    """Every check of each of ``paths`` on its own, as ``kvdoctor check --trace FILE`` runs them, one after
+    another in this process (no rules across traces)."""
+    from kvdoctor.config import Config
+    from kvdoctor.session import TraceSource
+
+    t0, c0, n = time.perf_counter(), time.process_time(), 0
+    for path in paths:
+        source = TraceSource(path)
+        suite = Config().make_suite(source.wait_header().model)
+        for batch in source.batches():
+            suite.observe_many(batch)
+            n += len(batch)
+        suite.finish()
+    return _rates(n, t0, c0)
+
+
+def _rates(events: int, t0: float, c0: float) -> dict:
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"events": events, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "events_per_s": round(events / wall),
+            "events_per_cpu_s": round(events / cpu)}
+
+
+def split(ranks: list[Path], processes: int = 2) -> dict:
+    """The per-trace checks of ``ranks`` in ``processes`` processes at once: events/s over the wall time of all."""
+    t0 = time.perf_counter()
+    parts = [ranks[i::processes] for i in range(processes)]
+    children = [subprocess.Popen([sys.executable, __file__, "--per-trace", *map(str, part)], stdout=subprocess.PIPE,
+                                 text=True) for part in parts]
+    results = [json.loads(c.communicate()[0]) for c in children]
+    wall = time.perf_counter() - t0
+    events = sum(r["events"] for r in results)
+    return {"processes": processes, "events": events, "wall_s": round(wall, 2), "events_per_s": round(events / wall)}
 
 
 def write_live(source: str, target: str) -> None:
@@ -139,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--follow", action="store_true",
                     help="also: check --follow while one live writer process per trace writes it")
+    ap.add_argument("--floor", action="store_true",
+                    help="also: the trace read and decoded alone, and the per-trace checks split over 2 processes")
     ap.add_argument("--measure", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
+    ap.add_argument("--read-only", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
+    ap.add_argument("--per-trace", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
     ap.add_argument("--write", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
@@ -148,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         write_live(*args.write)
         return 0
+    if args.read_only or args.per_trace:
+        print(json.dumps(read_only(args.read_only) if args.read_only else per_trace(args.per_trace)))
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvdoctor-bench-workload-") as tmp:
         t0 = time.perf_counter()
         source, *ranks = make_workload(Path(tmp), args.events, args.traces)
@@ -155,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         result = {"cpu": _cpu(), "load": os.getloadavg()[0], "recorded_s": round(recorded_s, 1),
                   "trace_mb": round(source.stat().st_size / 1e6, 1),
                   "one_trace": _in_child([source]), "workload": _in_child([ranks[0].parent])}
+        if args.floor:
+            result["read"] = json.loads(subprocess.run([sys.executable, __file__, "--read-only", str(source)],
+                                                       check=True, capture_output=True, text=True).stdout)
+            result["split"] = split(ranks)
         if args.follow:
             result["follow"] = follow(ranks, Path(tmp))
     if args.json:
@@ -166,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         r = result["follow"]
         print(f"follow     {r['traces']} live writers, {r['events']} events: writers done in {r['writers_s']} s, "
               f"the check {r['lag_s']} s later ({r['events_per_s'] / 1e3:.0f}k events/s)")
+    if "read" in result:
+        r, sp = result["read"], result["split"]
+        print(f"read       1 trace, {r['events']} events read and decoded, nothing checked: "
+              f"{r['events_per_s'] / 1e3:.0f}k events/s wall, {r['events_per_cpu_s'] / 1e3:.0f}k per CPU-second")
+        print(f"split      {len(ranks)} traces' own checks in {sp['processes']} processes at once (no rules across "
+              f"traces): {sp['events_per_s'] / 1e3:.0f}k events/s wall")
     for name in ("one_trace", "workload"):
         r = result[name]
         print(f"{name:10} {r['traces']} trace(s), {r['events']} events: {r['events_per_s'] / 1e3:.0f}k events/s wall, "
