@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..events import Alloc, Evict, Free, Read, StepEnd, TransferDone, TransferFailed, TransferStart, Write
+from ..events import (Alloc, Evict, Free, Read, StepEnd, SwapIn, SwapOut, TransferDone, TransferFailed, TransferStart,
+                      Write)
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -37,6 +38,9 @@ class TransferCheck(CheckBase):
         Rule("freed-in-flight", "error", "a block was freed, evicted or handed out again while a transfer still used it"),
         Rule("written-in-flight", "error", "a block was written while a transfer still read it out (save) or wrote it (load)"),
         Rule("read-in-flight", "error", "a block was read before the load writing it had finished"),
+        Rule("moved-in-flight", "error",
+             "a block was swapped to another tier while a transfer over it was in flight: the transfer's copy lands "
+             "in, or reads, a slot the block has left"),
         Rule("failed-load-read", "error", "a block was read after the load that was to fill it failed, with no write since"),
         Rule("never-completed", "error", "a transfer stayed open past its lease while the engine went on"),
     )
@@ -50,7 +54,7 @@ class TransferCheck(CheckBase):
     def handlers(self):
         return {TransferStart: self._start, TransferDone: self._done, TransferFailed: self._failed,
                 Free: self._gone, Evict: self._gone, Alloc: self._gone, Write: self._write, Read: self._read,
-                StepEnd: self._step}
+                SwapIn: self._swap, SwapOut: self._swap, StepEnd: self._step}
 
     def _start(self, ev: TransferStart) -> Sequence[Finding]:
         self.open[ev.transfer] = ev
@@ -103,6 +107,13 @@ class TransferCheck(CheckBase):
         return [self._finding("written-in-flight", start, ev, ev.block,
                               f"sequence {ev.seq!r} wrote tokens {ev.pos}..{ev.pos + ev.n - 1} into block {ev.block} "
                               f"at step {ev.step}")]
+
+    def _swap(self, ev: SwapIn | SwapOut) -> Sequence[Finding]:
+        start = self._flight(ev.block)
+        if start is None or not self.once("moved-in-flight", start.transfer, ev.block):
+            return NO_FINDINGS
+        return [self._finding("moved-in-flight", start, ev, ev.block,
+                              f"block {ev.block} was swapped {ev.src}->{ev.dst} at step {ev.step}")]
 
     def _read(self, ev: Read) -> Sequence[Finding]:
         if not self.in_flight and not self.failed:

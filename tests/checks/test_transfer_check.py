@@ -97,3 +97,18 @@ def test_a_move_that_failed_leaves_its_blocks_readable_and_one_freed_in_flight_i
     (f,) = trace.run()
     assert (f.rule, f.block, f.seq) == ("freed-in-flight", b1, "r1")
     assert "while move 't2'" in f.message and "copies it between tiers" in f.message
+
+
+def test_a_block_swapped_while_its_move_is_in_flight_is_named_and_one_swapped_after_it_is_not(trace):
+    # GIVEN two blocks on host, each with a prefetch (a move) to the device
+    b0, b1 = trace.sequence_with_blocks("r1", 2, tier="host")
+    _start(trace, [b0], op="move", transfer="t1")
+    _start(trace, [b1], op="move", transfer="t2")
+    trace._emit(TransferDone, transfer="t2")
+    # WHEN both are swapped in by a synchronous copy, the first before its prefetch ended
+    trace.swap_in(b0, src="host")
+    trace.swap_in(b1, src="host")
+    trace.end_step()
+    # THEN the first is named: the prefetch's copy will land in a slot the block no longer uses
+    (f,) = [f for f in trace.run() if f.check == "transfer"]
+    assert (f.rule, f.block, f.seq) == ("moved-in-flight", b0, "r1") and "swapped host->device" in f.message
