@@ -96,9 +96,8 @@ def hf_decode(model: Any, prompts: list[list[int]], new_tokens: list[int], pad_i
     longest = max(new_tokens)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                          do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([first]))
-    rates = rates(sum(n - 1 for n in new_tokens), first.t)
     assert out.shape[1] == width + longest
-    return rates
+    return rates(sum(n - 1 for n in new_tokens), first.t)
 
 
 def _rss_mb(field: str = "VmRSS") -> float:
