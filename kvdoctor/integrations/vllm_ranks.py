@@ -202,12 +202,15 @@ def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
     total = sum(counts)
     slots = table.slot_mapping.np[:total].tolist()  # one conversion a step: the rows below read plain ints
     blocks, per_row = table.block_table.np, table.num_blocks_per_row
+    # the blocks first, as the scheduler handed them out before the step (a prefix hit's blocks before its
+    # batch row starts past them), then the batch and what each row writes and reads
+    held = [[b for b in blocks[i, :per_row[i]].tolist() if b] for i in range(num_reqs)]
+    for seq, row in zip(rows, held):
+        trace.hold(seq, row)
     trace._emit(Batch, rows=list(rows), positions=positions, n=counts)
     start = 0
     for i, seq in enumerate(rows):
-        row = [b for b in blocks[i, :per_row[i]].tolist() if b]
-        trace.hold(seq, row)
-        trace.compute(seq, positions[i], slots[start:start + counts[i]], row)
+        trace.compute(seq, positions[i], slots[start:start + counts[i]], held[i])
         start += counts[i]
     trace.flush(total)
 

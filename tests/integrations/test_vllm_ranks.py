@@ -24,8 +24,11 @@ import vllm_rank_faults as faults  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PROMPTS = ["The KV cache of a transformer holds", "Tensor parallel ranks each hold", "A block table maps",
-           "Pipeline stages pass activations"]
+# one prefix of more than a block (32 tokens): the requests after the first hit its cached block
+PREFIX = ("You are a careful assistant for people who run language models in production. You answer in two or "
+          "three short sentences and say plainly when you are unsure. ")
+PROMPTS = [PREFIX + q for q in ("The KV cache of a transformer holds", "Tensor parallel ranks each hold",
+                                "A block table maps", "Pipeline stages pass activations")]
 
 
 def _tiny_llama(folder: Path) -> Path:
@@ -90,7 +93,7 @@ def _serve(llm, folder: Path, names: list[str], *, max_tokens: int = 40) -> list
 
 
 def test_ranks_of_a_clean_tensor_parallel_run_agree_and_find_nothing(llm, tmp_path):
-    # GIVEN four requests served at TP=2, the second prompt block of each filled while others decode
+    # GIVEN four requests sharing a prefix block served at TP=2 (prefix hits), prefills beside decodes
     findings = _serve(llm, tmp_path, ["a", "b", "c", "d"])
     # THEN both ranks' traces are read and no rule of any severity finds anything
     assert findings == [], [f"{f.check}/{f.rule}: {f.message}" for f in findings]
