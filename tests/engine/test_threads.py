@@ -58,7 +58,7 @@ def test_a_policy_made_while_another_has_shrunk_the_team_starts_from_the_users_s
     torch.set_num_threads(2)
     first = _policy(monkeypatch, [3.0], base=threads_mod.user_threads())  # 3 of its 4 CPUs taken
     assert first.before_step() == 1 and torch.get_num_threads() == 1
-    # WHEN a second policy is made now (a draft model's runner, an EngineCache under generate)
+    # WHEN a second policy is made now (a draft model's runner, a second runner in the same process)
     second = ThreadPolicy(adaptive=True)
     # THEN it may grow the team back to the user's 2, not only to the 1 it found
     assert second.base == 2
