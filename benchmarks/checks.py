@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -80,9 +81,10 @@ def record(path: Path, num_events: int, seed: int = 0) -> int:
                 del live[seq]
                 continue
             cache.emit_read(seq)
+            most = 0.9 * math.log(cache.seq_len(seq))  # what a query over this many keys can hold, with room
             for layer in range(NUM_LAYERS):
                 bus.emit(Attn, seq=seq, layer=layer, max_logit=8.0 + layer + rng.gauss(0, 0.5),
-                         entropy=2.5 + rng.gauss(0, 0.2), sink=0.3 + rng.uniform(-0.05, 0.05), nonfinite=0)
+                         entropy=min(most, 2.5 + rng.gauss(0, 0.2)), sink=0.3 + rng.uniform(-0.05, 0.05), nonfinite=0)
             live[seq] -= 1
             r = rng.random()
             if r < 0.01 and cache.seq_len(seq) > 2:
