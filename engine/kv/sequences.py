@@ -39,7 +39,7 @@ class SeqState:
     writes: list[tuple[Block, int, int]] = field(default_factory=list)  # (block, pos, n) of the pending reservation
     last_access: int = 0
     index_cache: Any = None  # device tensor of the blocks' slots, rebuilt when the table or a slot changes
-    reads: int = -1  # reads of the sequence so far, for the digest sampler (-1: none yet; it staggers the first)
+    reads: int = -1  # the verification sweep's credit (engine.kv.digest; -1 until the first read, which staggers it)
 
 
 @dataclass(slots=True)
