@@ -6,7 +6,7 @@ the pool, the events or a block's owners.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -15,7 +15,29 @@ from .checksum import copy_sum, sum64 as _sum64
 from .codecs import Codec
 from .storage import Arena, DiskArena, runs
 
-__all__ = ["copy_slots", "transcode"]
+__all__ = ["ArenaPair", "arena_pairs", "copy_pairs", "copy_slots", "transcode"]
+
+# Two arenas, the local slots to copy from the one into the other, and their positions in the callers' lists
+ArenaPair = tuple[Arena, list[int], Arena, list[int], list[int]]
+
+
+def arena_pairs(src: Any, src_slots: list[int], dst: Any, dst_slots: list[int]) -> list[ArenaPair]:
+    """Tier slots of two tiers' arena sets (``storage.TierArenas``) grouped per (source arena, destination arena),
+    as the batches ``copy_pairs`` copies."""
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for i, (s_, d_) in enumerate(zip(src_slots, dst_slots)):
+        pairs.setdefault((s_ >> src.shift, d_ >> dst.shift), []).append(i)
+    return [(src.get(si), [src_slots[i] & src.mask for i in idx], dst.get(di), [dst_slots[i] & dst.mask for i in idx],
+             idx) for (si, di), idx in pairs.items()]
+
+
+def copy_pairs(pairs: list[ArenaPair], n: int, *, checksum: bool, non_blocking: bool = False) -> list[int | None]:
+    """``copy_slots`` for each arena pair; the checksums of the ``n`` copied blocks in their callers' order."""
+    out: list[int | None] = [None] * n
+    for sa, s_, da, d_, idx in pairs:
+        for i, c in zip(idx, copy_slots(sa, s_, da, d_, checksum=checksum, non_blocking=non_blocking)):
+            out[i] = c
+    return out
 
 
 def copy_slots(

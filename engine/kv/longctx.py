@@ -99,9 +99,8 @@ class LongContextBook:
                 if b is None:
                     continue
                 b.last_access = cache.step.tick
-                if b.prefetched and tier == Tier.DEVICE:
+                if tier == Tier.DEVICE and mover.take_prefetched(b):
                     hits.append(bid)
-                    b.prefetched = False
                 elif tier != Tier.DEVICE:
                     misses.append(bid)
                     predicted.append(b)

@@ -50,13 +50,13 @@ from ..bus import Bus
 from ..config import TIER_NAMES, EngineConfig, Tier
 from ..errors import ChecksumMismatch, OutOfBlocks, StorageError
 from ..faults import Faults
-from .blockcopy import copy_slots, transcode
+from .blockcopy import ArenaPair, arena_pairs, copy_pairs, transcode
 from .checksum import prepare as prepare_checksums, sum64 as _sum64
 from .codecs import Codec, lossier
 from .digest import DigestBook
 from .policy import EvictionPolicy
 from .pool import Block, BlockPool
-from .storage import Arena, DiskArena, TierArenas
+from .storage import DiskArena, TierArenas
 from .transfers import Transfer, Transfers
 
 __all__ = ["TierMover"]
@@ -106,12 +106,32 @@ class TierMover:
         self._stream = torch.cuda.Stream(device=config.device) if config.is_cuda else None
         self.inflight: dict[int, Block] = {}
         self.transfers = Transfers(bus, held=faults.free_during_prefetch)
+        # side tables by block id (the pool forgets a dropped block in each): blocks brought up by a prefetch and
+        # not yet counted as a hit; and, under the stale-version fault only, the (tier, slot, version, checksum)
+        # of the slower copy a swap-in kept "in case"
+        self.prefetched: set[int] = set()
+        self.retained: dict[int, tuple[str, int, int, int | None]] = {}
+        pool.track(self.prefetched.discard)
+        pool.track(self._give_back, held=lambda: [(tier, slot) for tier, slot, _, _ in self.retained.values()])
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.moved: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [blocks, seconds]
         self.lost: dict[str, set[int]] = {t: set() for t in config.tiers}  # slots whose bytes a cut file took
         if config.checksums and (Tier.DISK in config.tiers or (not config.is_cuda and len(config.tiers) > 1)):
             prepare_checksums()  # the kernel for copies through host memory: set up at start, not in a decode step
+
+    def take_prefetched(self, b: Block) -> bool:
+        """Whether ``b`` was brought up by a prefetch not yet counted as a hit; it is counted now (once)."""
+        if b.id not in self.prefetched:
+            return False
+        self.prefetched.discard(b.id)
+        return True
+
+    def _give_back(self, block_id: int) -> None:
+        """The block went: the slot of a copy it kept (stale-version fault) goes back to its tier."""
+        kept = self.retained.pop(block_id, None)
+        if kept is not None:
+            self.pool.slots[kept[0]].give(kept[1])
 
     # ---- room ----
     def slower(self, tier: str) -> str | None:
@@ -333,11 +353,8 @@ class TierMover:
     def _copy(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int], *, checksum: bool
               ) -> list[int | None]:
         """``copy_slots`` between tier slots that may lie in several arenas: one batch per arena pair."""
-        out: list[int | None] = [None] * len(src_slots)
-        for sa, s_, da, d_, idx in self._arena_pairs(src, src_slots, dst, dst_slots):
-            for i, c in zip(idx, copy_slots(sa, s_, da, d_, checksum=checksum)):
-                out[i] = c
-        return out
+        return copy_pairs(arena_pairs(self.arenas[src], src_slots, self.arenas[dst], dst_slots), len(src_slots),
+                          checksum=checksum)
 
     def take(self, tier: str, arenas: list[int]) -> list[int]:
         """One slot of ``tier`` in each of the given arenas (all or none)."""
@@ -357,12 +374,12 @@ class TierMover:
     def _swap_out(self, group: list[Block], src: str, dst: str, slots: list[int]) -> None:
         copy_from, copy_to, copied = [], [], []
         for b, slot in zip(group, slots):
-            if b.retained is not None and b.retained[0] == dst:
+            kept = self.retained.get(b.id)
+            if kept is not None and kept[0] == dst:
                 # stale-version fault: "the copy is already there" - reuse the one left at the
                 # last swap-in without comparing versions; the fresh slot goes back unused.
                 self.pool.slots[dst].give(slot)
-                _, slot, old_version, old_checksum = b.retained
-                b.retained = None
+                _, slot, old_version, old_checksum = self.retained.pop(b.id)
                 emitted = b.version
                 self.pool.move(b, dst, slot)
                 b.codec = self.arenas[dst].codecs[slot >> self.arenas[dst].shift]  # and the old copy's codec
@@ -370,7 +387,7 @@ class TierMover:
                 if self.bus.enabled:
                     self.bus.emit(SwapOut, block=b.id, src=src, dst=dst, version=emitted, codec=b.codec)
                 continue
-            b.prefetched = False  # a prefetch that goes back down before use was no hit
+            self.prefetched.discard(b.id)  # a prefetch that goes back down before use was no hit
             copy_from.append(b.slot)
             copy_to.append(slot)
             copied.append(b)
@@ -432,8 +449,8 @@ class TierMover:
             return ChecksumMismatch(b.id, src, b.checksum, got)
         if got is not None:
             b.checksum = got
-        if self.faults.stale_version and src != Tier.DEVICE and b.retained is None:
-            b.retained = (src, b.slot, b.version, b.checksum)  # keep the slower copy "in case" (the fault)
+        if self.faults.stale_version and src != Tier.DEVICE and b.id not in self.retained:
+            self.retained[b.id] = (src, b.slot, b.version, b.checksum)  # keep the slower copy "in case" (the fault)
             b.tier, b.slot = dst, slot
             self.pool.epoch += 1
         else:
@@ -484,7 +501,7 @@ class TierMover:
                 ready = torch.cuda.Event()
                 ready.record()
             # arenas are resolved (and made) here: the worker only copies
-            pairs = self._arena_pairs(src, [b.slot for b in group], dst, slots)
+            pairs = arena_pairs(self.arenas[src], [b.slot for b in group], self.arenas[dst], slots)
             if self.bus.enabled:
                 self.bus.emit(Prefetch, blocks=[b.id for b in group], src=src, dst=dst)
             transfer = self.transfers.start(group, src, dst)
@@ -494,39 +511,19 @@ class TierMover:
                 self.inflight[b.id] = b
         return len(blocks)
 
-    def _arena_pairs(self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
-                     ) -> list[tuple[Arena, list[int], Arena, list[int], list[int]]]:
-        """Per (source arena, destination arena): both arenas, their local slots, and the positions in the lists."""
-        sa, da = self.arenas[src], self.arenas[dst]
-        pairs: dict[tuple[int, int], list[int]] = {}
-        for i, (s_, d_) in enumerate(zip(src_slots, dst_slots)):
-            pairs.setdefault((s_ >> sa.shift, d_ >> da.shift), []).append(i)
-        return [(sa.get(si), [src_slots[i] & sa.mask for i in idx], da.get(di), [dst_slots[i] & da.mask for i in idx],
-                 idx) for (si, di), idx in pairs.items()]
-
-    def _copy_job(self, pairs: list[tuple[Arena, list[int], Arena, list[int], list[int]]], n: int, ready: Any,
-                  gate: Any) -> list[int | None]:
+    def _copy_job(self, pairs: list[ArenaPair], n: int, ready: Any, gate: Any) -> list[int | None]:
         """Runs on the worker thread: bytes only, no bookkeeping."""
         if gate is not None:
             gate.wait()
-        check = self.config.checksums
-        out: list[int | None] = [None] * n
         for sa, s_, _, _, _ in pairs:  # a spill file cut since the prefetch was queued would fault the copy
             if isinstance(sa, DiskArena) and set(sa.cut_short(s_, restore=False)).intersection(s_):
                 raise StorageError(sa.tier, "read", None, sa.dir, "a spill file was cut short under the engine")
-
-        def copy(non_blocking: bool) -> None:
-            for sa, s_, da, d_, idx in pairs:
-                for i, c in zip(idx, copy_slots(sa, s_, da, d_, checksum=check, non_blocking=non_blocking)):
-                    out[i] = c
-
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
-                copy(True)
-            self._stream.synchronize()
-            return out
-        copy(False)
+        if self._stream is None:
+            return copy_pairs(pairs, n, checksum=self.config.checksums)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            out = copy_pairs(pairs, n, checksum=self.config.checksums, non_blocking=True)
+        self._stream.synchronize()
         return out
 
     def settle(self, b: Block) -> None:
@@ -547,7 +544,7 @@ class TierMover:
         err = self._arrive(b, job.src, job.dst, job.slot, got)
         if err is not None:
             raise err
-        b.prefetched = True
+        self.prefetched.add(b.id)
         self.moved.setdefault((job.src, job.dst), [0, 0.0])[0] += 1  # copy time overlapped: not counted
 
     def try_settle(self, b: Block) -> bool:

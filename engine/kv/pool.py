@@ -39,8 +39,6 @@ class Block:
     checksum: int | None = None  # of the current bytes; None while they may still change
     last_access: int = 0  # cache tick of the last reserve/gather/ensure_resident touching it
     inflight: Any = None  # the pending asynchronous swap-in (mover._Inflight) not yet settled
-    prefetched: bool = False  # brought up by prefetch and not yet counted as a hit
-    retained: tuple[str, int, int, int | None] | None = None  # (tier, slot, version, checksum): stale-version fault only
     digest: Any = None  # digest.BlockRecord: what its bytes should be; None while unknown (nobody listened)
 
 
@@ -164,9 +162,6 @@ class BlockPool:
         assert blk.inflight is None, f"block {blk.id} dropped with a swap in flight"
         self.epoch += 1
         self.slots[blk.tier].give(blk.slot)
-        if blk.retained is not None:
-            self.slots[blk.retained[0]].give(blk.retained[1])
-            blk.retained = None
         del self.blocks[blk.id]
         for forget in self._forgets:
             forget(blk.id)
@@ -188,7 +183,6 @@ class BlockPool:
         for name, ts in self.slots.items():
             codecs = self.config.arena_codecs(name)
             held = [b.slot for b in self.blocks.values() if b.tier == name]
-            held += [b.retained[1] for b in self.blocks.values() if b.retained and b.retained[0] == name]
             held += [b.inflight.slot for b in self.blocks.values() if b.inflight is not None and b.inflight.dst == name]
             held += [slot for table in self._held for tier, slot in table() if tier == name]
             assert ts.used == len(held) <= ts.capacity, f"tier {name}: used={ts.used} but {len(held)} slots held"

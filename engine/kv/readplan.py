@@ -278,12 +278,11 @@ class Reads:
             if b.inflight is not None:
                 mover.prefetch_hits += 1
                 mover.settle(b)
-                b.prefetched = False
+                mover.take_prefetched(b)
             elif b.tier != Tier.DEVICE:
                 missing.append(b)
-            elif b.prefetched:
+            elif mover.take_prefetched(b):
                 mover.prefetch_hits += 1
-                b.prefetched = False
         if missing:
             mover.prefetch_misses += len(missing)
             mover.move(missing, Tier.DEVICE, exclude=set(blocks))

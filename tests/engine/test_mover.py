@@ -80,7 +80,7 @@ def test_prefetch_copies_in_the_background_and_books_when_settled(make_cache):
     mover.poll()
     # THEN the blocks live on the device, marked as prefetched (a later use counts as a hit), bytes intact
     assert not mover.inflight and [b.tier for b in blocks] == ["device", "device"]
-    assert all(b.prefetched for b in blocks)
+    assert mover.prefetched == {b.id for b in blocks}
     r.assert_intact("a")
     r.cache.pool.check()
 

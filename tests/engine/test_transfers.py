@@ -46,7 +46,7 @@ def test_a_prefetch_whose_copy_fails_closes_failed_and_its_blocks_stay_where_the
     def broken(*args, **kwargs):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(mover, "copy_slots", broken)  # the copy job cannot read the host arena
+    monkeypatch.setattr(mover, "copy_pairs", broken)  # the copy job cannot read the host arena
     r.cache.prefetch("a")
     r.cache.mover.drain()
     r.cache.end_step()  # booked: the copy failed, its slots go back, the blocks stay on host
