@@ -41,6 +41,7 @@ from ..config import EngineConfig
 from ..errors import CacheMisuse
 from ..kv.cache import PagedKVCache
 from .attention import AttnLayout, Newest, attend, layer_stats
+from .threads import ThreadPolicy
 
 __all__ = ["EngineCache", "ATTN_IMPLEMENTATION", "use_kvdoctor_attention", "kvdoctor_attention"]
 
@@ -130,6 +131,9 @@ class EngineCache(Cache):
         elif engine_config:
             raise ValueError(f"engine options {sorted(engine_config)} only apply when EngineCache builds the engine")
         self.engine = cache
+        # transformers' forward runs kvdoctor's kernels and torch's ops in the process's OpenMP team: sized, as the
+        # runner's, to the CPUs other processes leave (engine.model.threads), and given back at finish()
+        self.threads = ThreadPolicy()
         self.stats_every = stats_every
         self.per_head = per_head
         self.seqs: list[SeqId] = list(seqs) if seqs is not None else []
@@ -275,6 +279,7 @@ class EngineCache(Cache):
     # ---- the engine side ----
     def _begin(self, batch: int, new: int) -> None:
         """Layer 0 of a forward pass: close the previous step, reserve slots, bring blocks up."""
+        self.threads.before_step()
         self._end_step()
         eng = self.engine
         if not self.seqs:
@@ -398,6 +403,7 @@ class EngineCache(Cache):
         self.seqs = list(self._names) if self._names is not None else []
         self._tokens = None
         self.engine.end_step(0)
+        self.threads.restore()
 
     def close(self) -> None:
         """``finish()``, then close the engine if this cache built it."""

@@ -278,3 +278,29 @@ def test_row_operations_check_their_arguments(model):
             cache.reorder_cache(torch.tensor([0, 2]))
         with pytest.raises(ValueError, match="repeats"):
             cache.batch_repeat_interleave(0)
+
+
+def test_generate_runs_in_a_team_sized_to_the_cpus_others_leave_and_gives_it_back(model, monkeypatch):
+    from kvdoctor.engine.model import threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids = torch.tensor([[5, 6, 7, 8]])
+        expected = _generate(model, ids, cache=EngineCache(model, device_blocks=32), n=6).sequences
+        # GIVEN other processes holding all but one of this process's CPUs, read before every pass
+        monkeypatch.setenv("KVDOCTOR_THREADS", "adaptive")
+        monkeypatch.setattr(threads, "others_busy", lambda cpus, last: (len(cpus) - 1, (0.0, 0.0, 0.0)))
+        teams = []
+        monkeypatch.setattr(threads, "_resize", lambda team: (teams.append(team), torch.set_num_threads(team)))
+        cache = EngineCache(model, device_blocks=32)
+        cache.threads.interval = 0.0
+        # WHEN generate runs on the engine THEN it computes in one thread, the same tokens
+        assert _generate(model, ids, cache=cache, n=6).sequences.tolist() == expected.tolist()
+        assert teams == [1]
+        # AND finish() gives the user's two threads back
+        cache.finish()
+        assert teams == [1, 2] and torch.get_num_threads() == 2
+        cache.close()
+    finally:
+        torch.set_num_threads(before)
