@@ -139,9 +139,12 @@ def test_watch_shows_a_running_server_from_the_moment_it_attaches(tmp_path, env,
     def run_headless(app: KvdoctorApp) -> None:
         async def drive() -> None:
             async with app.run_test(size=(120, 40)) as pilot:
-                for _ in range(100):  # until the screen shows the server's steps
+                for _ in range(300):  # until the screen shows the server's blocks
                     await pilot.pause(0.1)
-                    if app.snapshot is not None and app.snapshot.step > 0:
+                    shown = app.snapshot
+                    seen.setdefault("log", []).append(None if shown is None else (
+                        shown.step, [(t.name, t.used, t.owned, t.shared) for t in shown.tiers], shown.active_seqs))
+                    if shown is not None and shown.step > 0 and any(t.owned + t.shared for t in shown.tiers):
                         break
                 seen["snapshot"] = app.snapshot
 
@@ -155,4 +158,4 @@ def test_watch_shows_a_running_server_from_the_moment_it_attaches(tmp_path, env,
     # THEN the screen showed the server's cache as it stood: its blocks and sequences, no finding
     shown = seen["snapshot"]
     assert shown.step > 40 and shown.findings == ()
-    assert sum(t.owned + t.shared for t in shown.tiers) > 0 and shown.active_seqs > 0
+    assert sum(t.owned + t.shared for t in shown.tiers) > 0 and shown.active_seqs > 0, seen["log"][-5:]
