@@ -5,7 +5,7 @@ The reader decodes whole chunks with one msgspec call (the fast path) and only w
 when a chunk holds something unusual: a kind this version does not know, or a corrupt line, whose
 number it then reports. ``follow`` tails a trace that another process is still writing.
 A non-seekable input (a FIFO, a pipe such as ``/dev/stdin``, ``-`` or ``<(cat run.kvtrace)``) is read
-as a stream: see ``_Stream``.
+as a stream: see ``kvdoctor.trace_input``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import gzip
 import os
 import re
-import select
-import stat
 import threading
 import time
 import zlib
@@ -26,19 +24,16 @@ import msgspec
 from . import binary_trace
 from .errors import IncompatibleTraceError, TraceError, TraceFormatError
 from .events import FORMAT, Event, Header, StepEnd, TraceEnd, Unknown, decode, decode_lines, encode, encode_lines
+from . import trace_input
+from .trace_input import CHUNK, STDIN, GzipStream, close_streams, input_path, is_stdin, is_stream, open_binary
 
 __all__ = ["TraceWriter", "TraceReader", "TraceFollower", "follow", "read_header", "wait_header", "input_path", "is_stdin", "close_streams", "STDIN"]
 
-_CHUNK = 1 << 20
 _BATCH_BYTES = 64 << 10  # lines decoded per msgspec call (a few hundred events)
 _READ = 64 << 10  # a reader's chunk: small enough that its bytes are still in cache when decoded
 _MAX_FRAME_EVENTS = 8192  # bounds a binary writer's memory when one step is very long
-_GZIP_MAGIC = b"\x1f\x8b"
 _PID_LIMIT = 1 << 22  # Linux's largest pid_max: a header's pid at or above it is no process
 _header_decoder = msgspec.json.Decoder(Header)
-_KEEP = 1 << 20  # what a stream keeps of its start, so the reader can open it again after reading the header
-STREAM_WAIT_S = 10.0  # how long a stream nothing arrives on (a FIFO no writer opened) is waited for
-STDIN = "-"  # a trace path that means standard input
 _VERSION = re.compile(r"\d+(\.\d+)*")
 
 
@@ -56,7 +51,7 @@ class TraceWriter:
         try:
             # Uncompressed, a step's events are one write: straight to the file, with no buffer to flush after
             # (the buffer's copy and flush cost 0.015 ms more a decode step, its code read cold after the weights).
-            raw = open(self.path, "wb", buffering=_CHUNK if compress else 0)
+            raw = open(self.path, "wb", buffering=CHUNK if compress else 0)
         except OSError as exc:
             raise TraceError(f"cannot create trace {self.path}: {exc.strerror}") from None
         # Level 1: a trace is written while inference runs; speed matters more than the last few percent of size.
@@ -132,181 +127,6 @@ class TraceWriter:
             raise TraceError(f"cannot write trace {self.path}: {exc.strerror}") from None
 
 
-def input_path(path: str | os.PathLike[str]) -> Path:
-    """The file a trace argument names: ``-`` is standard input."""
-    return Path("/dev/stdin") if str(path) == STDIN else Path(path)
-
-
-def is_stdin(path: str | os.PathLike[str]) -> bool:
-    """``path`` is this process's standard input (``-``, ``/dev/stdin``, ``/proc/self/fd/0``): a TUI that
-    read its trace there would get no keys."""
-    try:
-        mine, named = os.fstat(0), os.stat(input_path(path))
-    except OSError:
-        return False
-    return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
-
-
-def _open_binary(path: Path) -> IO[bytes]:
-    try:
-        info = os.stat(path)
-        f = _open_stream(path, info) if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode) else open(path, "rb")
-    except FileNotFoundError:
-        raise TraceError(f"no such trace file: {path}") from None
-    except IsADirectoryError:
-        raise TraceError(f"{path} is a directory, not a trace file") from None
-    except OSError as exc:
-        raise TraceError(f"cannot open trace {path}: {exc.strerror}") from None
-    if isinstance(f, _StreamCursor):
-        return _GzipStream(f) if f.peek(2) == _GZIP_MAGIC else f  # type: ignore[return-value]
-    if f.read(2) == _GZIP_MAGIC:
-        f.seek(0)
-        return _GzipStream(f)  # type: ignore[return-value]
-    f.seek(0)
-    return f
-
-
-class _Stream:
-    """A non-seekable input read once, from its writer, as it arrives.
-
-    The reader opens a trace more than once (its header, then its events; a format error's line number
-    once more), so a stream stays open for the life of the process and keeps its first ``_KEEP`` bytes
-    for each new opener; a later opener that needs bytes no longer kept gets a ``TraceError``.
-    """
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self._f = open(fd, "rb", buffering=0)  # unbuffered: a read returns what the writer has sent so far
-        self.kept = bytearray()
-        self.num_read = 0
-        self.keeping = True
-
-    def close(self) -> None:
-        self._f.close()
-
-    def read_at(self, pos: int, n: int) -> bytes:
-        if pos < len(self.kept):
-            return bytes(self.kept[pos : pos + n])
-        if pos != self.num_read:
-            raise TraceError(f"{self.path} is a stream (a pipe or FIFO) that was read already; save it to a file to read it again")
-        data = self._f.read(n)
-        self.num_read += len(data)
-        if self.keeping and len(self.kept) + len(data) <= _KEEP:
-            self.kept += data
-        else:
-            self.keeping = False
-        return data
-
-
-class _StreamCursor:
-    """One opener's position in a ``_Stream``: a file object as the readers use one."""
-
-    def __init__(self, stream: _Stream) -> None:
-        self._stream = stream
-        self._pos = 0
-
-    def peek(self, n: int) -> bytes:
-        """The next ``n`` bytes (fewer at the end of the stream) without consuming them."""
-        while self._stream.num_read < self._pos + n and self._stream.keeping:
-            if not self._stream.read_at(self._stream.num_read, n):
-                break
-        return self._stream.read_at(self._pos, n) if self._pos < len(self._stream.kept) else b""
-
-    def read(self, n: int = _CHUNK) -> bytes:
-        data = self._stream.read_at(self._pos, n if n > 0 else _CHUNK)
-        self._pos += len(data)
-        return data
-
-    def close(self) -> None:
-        pass  # the stream stays open: another opener may come
-
-    def __enter__(self) -> "_StreamCursor":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-_streams: dict[tuple[str, int, int], _Stream] = {}
-
-
-def _open_stream(path: Path, info: os.stat_result) -> _StreamCursor:
-    """A cursor at the start of the stream ``path`` names, opening it the first time: without blocking on
-    a FIFO no writer has opened yet, and waiting ``STREAM_WAIT_S`` for its first bytes."""
-    key = (str(path), info.st_dev, info.st_ino)
-    stream = _streams.get(key)
-    if stream is None:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            _wait_readable(path, fd, info)
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        stream = _streams[key] = _Stream(path, fd)
-    return _StreamCursor(stream)
-
-
-def close_streams() -> None:
-    """Close every stream read so far, so their writers see the reader gone (EPIPE): for a long-lived
-    process that reads many FIFOs (the fuzz tests); a command's streams close when it exits."""
-    for stream in _streams.values():
-        stream.close()
-    _streams.clear()
-
-
-def _wait_readable(path: Path, fd: int, info: os.stat_result) -> None:
-    if os.isatty(fd):
-        raise TraceError(f"{path} is a terminal: pipe a trace into it (cat run.kvtrace | kvdoctor check --trace -)")
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    if not poll.poll(STREAM_WAIT_S * 1000):  # data, or a writer that came and went (end of stream)
-        who = "no writer opened the FIFO" if stat.S_ISFIFO(info.st_mode) else "nothing arrived on"
-        raise TraceError(f"{who} {path} in {STREAM_WAIT_S:g} s: start the program that writes the trace first")
-
-
-class _GzipStream:
-    """Incremental gunzip that hands out every byte decompressed so far, so a stream cut short
-    by a killed writer yields its whole steps and then ``EOFError`` (gzip.GzipFile loses the last read)."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        self._buf = b""
-
-    def _fill(self) -> bool:
-        data = self._raw.read(_CHUNK)
-        if not data:
-            if not self._z.eof:
-                raise EOFError("gzip stream ended before its end-of-stream marker")
-            return False
-        self._buf += self._z.decompress(data)  # raises zlib.error on corrupt data
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        while not self._buf and not self._z.eof:
-            if not self._fill():
-                break
-        out, self._buf = self._buf, b""
-        return out
-
-    def readline(self) -> bytes:
-        while b"\n" not in self._buf and not self._z.eof and self._fill():
-            pass
-        line, sep, rest = self._buf.partition(b"\n")
-        self._buf = rest
-        return line + sep
-
-    def close(self) -> None:
-        self._raw.close()
-
-    def __enter__(self) -> "_GzipStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def _parse_header(path: Path, line: bytes) -> Header:
     try:
         header = _header_decoder.decode(line)
@@ -357,7 +177,7 @@ def _line_at(path: Path, offset: int) -> int:
     """
     line = 1
     try:
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             while offset > 0:
                 data = f.read(_READ)[:offset]  # the gzip stream may hand out more than asked
                 if not data:
@@ -426,8 +246,8 @@ def _start(
     None while ``data`` is too short to hold the whole header and more may come (``at_end`` false).
     A ``stream`` has its lines counted as they are read, for the line number of a format error.
     """
-    if len(data) > _KEEP and not data.startswith(binary_trace.MAGIC) and b"\n" not in data:
-        raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: no header line in its first {_KEEP >> 20} MiB")
+    if len(data) > trace_input.KEEP and not data.startswith(binary_trace.MAGIC) and b"\n" not in data:
+        raise IncompatibleTraceError(f"{path} is not a kvdoctor trace: no header line in its first {trace_input.KEEP >> 20} MiB")
     if data.startswith(binary_trace.MAGIC) or (not at_end and binary_trace.MAGIC.startswith(data)):
         found = binary_trace.split_header(path, data)
         if found is None:
@@ -456,18 +276,14 @@ def _read_start(f: IO[bytes], path: Path) -> tuple[Header, _LineSplitter | binar
         except (OSError, EOFError, zlib.error) as exc:
             raise TraceError(f"cannot read trace {path}: {exc}") from None
         data += more
-        started = _start(path, data, at_end=not more, stream=_is_stream(f))
+        started = _start(path, data, at_end=not more, stream=is_stream(f))
         if started is not None:
             return started
 
 
-def _is_stream(f: object) -> bool:
-    return isinstance(f, _StreamCursor) or (isinstance(f, _GzipStream) and isinstance(f._raw, _StreamCursor))
-
-
 def read_header(path: str | os.PathLike[str]) -> Header:
     p = input_path(path)
-    with _open_binary(p) as f:
+    with open_binary(p) as f:
         return _read_start(f, p)[0]
 
 
@@ -488,7 +304,7 @@ class TraceReader:
     def batches(self) -> Iterator[list[Event | Unknown]]:
         """Events in the batches they were decoded in (a step or a few hundred events): the cheap way
         to consume a large trace. A batch is not used again by the reader, so a consumer may keep it."""
-        with _open_binary(self.path) as f:
+        with open_binary(self.path) as f:
             _, splitter, data = _read_start(f, self.path)
             while True:
                 for events in splitter.split(data):
@@ -570,12 +386,12 @@ class TraceFollower:
         pending = b""
         while True:
             if self._f is None and self.path.exists():
-                self._f = _open_binary(self.path)
-                if isinstance(self._f, _GzipStream):
+                self._f = open_binary(self.path)
+                if isinstance(self._f, GzipStream):
                     raise TraceError(f"{self.path} is gzip-compressed; follow a plain .kvtrace instead")
             if self._f is not None:
-                pending += self._f.read(_CHUNK)
-                started = _start(self.path, pending, at_end=False, stream=_is_stream(self._f)) if pending else None
+                pending += self._f.read(CHUNK)
+                started = _start(self.path, pending, at_end=False, stream=is_stream(self._f)) if pending else None
                 if started is not None:
                     self.header, self._splitter, self._pending = started
                     if self.pid is None:
@@ -612,7 +428,7 @@ class TraceFollower:
                     self.ended = "stopped"
                     return
                 elif self.pid is not None and not _pid_alive(self.pid):
-                    rest = self._f.read(_CHUNK)
+                    rest = self._f.read(CHUNK)
                     if rest:
                         data = rest
                         continue
@@ -625,7 +441,7 @@ class TraceFollower:
                 else:
                     yield []
                     time.sleep(self.poll_s)
-                data = self._f.read(_CHUNK)  # bounded: a follower that starts far behind catches up chunk by chunk
+                data = self._f.read(CHUNK)  # bounded: a follower that starts far behind catches up chunk by chunk
         finally:
             self._f.close()
 

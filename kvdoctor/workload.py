@@ -1,26 +1,26 @@
 """A workload is all of its traces: one per cache, process, rank or instance, checked as one.
 
-A deployment writes many traces: several caches in one process (``run.kvtrace``, ``run.2.kvtrace`` …),
-vLLM's engine cores, tensor- and pipeline-parallel ranks, prefill and decode instances joined by a KV
-connector. ``WorkloadSession`` reads them all:
+A deployment writes many traces: several caches in one process (``run.kvtrace``, ``run.2.kvtrace`` …), vLLM's engine
+cores, tensor- and pipeline-parallel ranks, prefill and decode instances joined by a KV connector. ``WorkloadSession``
+reads them all:
 
-- **per trace**, every check runs in a ``CheckSuite`` of its own, as for a single trace (block ids, steps
-  and sequences are a trace's own), and each finding names the trace it came from;
-- **across traces**, the checks of ``kvdoctor.checks.ACROSS_CHECKS`` (ranks agreeing, a transfer's two
-  ends) read the events they want of every trace in one order: by wall-clock time (``header.t0 + t``; a
-  trace whose header has no ``t0`` counts from the earliest ``t0`` of the workload, or 0), ties by the
-  trace's place in the workload, then by the order within the trace.
+- **per trace**, every check runs in a ``CheckSuite`` of its own, as for a single trace (block ids, steps and
+  sequences are a trace's own), and each finding names the trace it came from;
+- **across traces**, the checks of ``kvdoctor.checks.ACROSS_CHECKS`` (ranks agreeing, a transfer's two ends) read the
+  events they want of every trace in one order: by wall-clock time (``header.t0 + t``; a trace whose header has no
+  ``t0`` counts from the earliest ``t0`` of the workload, or 0), ties by the trace's place in the workload, then by
+  the order within the trace.
 
-Memory stays bounded: a finished trace is decoded a batch at a time when the merge needs its next one
-(a trace still being written, by a thread of its own ahead by at most ``_AHEAD`` batches), the driver
-feeds the batch that starts earliest (a heap merge of per-trace batches, exact for finished traces), and
-the cross-trace events wait in a heap only until every trace has read past them. A trace still being
-written that has nothing new holds the merge back for at most ``LIVE_GRACE_S`` of wall-clock time.
+Memory stays bounded: a finished trace is decoded a batch at a time when the merge needs its next one (a trace still
+being written, by a thread of its own ahead by at most ``_AHEAD`` batches), the driver feeds the batch that starts
+earliest (a heap merge of per-trace batches, exact for finished traces), and the cross-trace events wait in a heap
+only until every trace has read past them. A trace still being written that has nothing new holds the merge back for
+at most ``LIVE_GRACE_S`` of wall-clock time.
 
 Sources: ``TraceSet.open(paths)`` (files, directories, globs; followed while their writers live),
-``TraceSet.command(argv)`` (a workload started with ``KVDOCTOR_TRACE`` in a directory of its own, every
-trace file that appears there followed). A trace that cannot be read is never skipped in silence: it is
-named in the report's notes and as a ``workload/unusable-trace`` finding.
+``TraceSet.command(argv)`` (a workload started with ``KVDOCTOR_TRACE`` in a directory of its own, every trace file
+that appears there followed). A trace that cannot be read is never skipped in silence: it is named in the report's
+notes and as a ``workload/unusable-trace`` finding.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class WorkloadSession:
         self._order = 0
         self._stop = threading.Event()
         self._closed = False
-        self._t0_base: int | None = None
+        self.t0_base: int | None = None  # the earliest wall-clock t0 of the workload's traces (None: none says one)
         self._last_scan = 0.0
         self._unusable_named = 0  # the set's unusable traces already named
         self._handed = 0  # findings already handed out by ``new_findings``
@@ -351,7 +351,7 @@ class WorkloadSession:
             self._add(path, strict=len(paths) == 1 and self.traces.watch is None)
         for m in self.members:  # a trace that says no t0 counts from the earliest the others say
             if m.tag.header.t0 is None:
-                m.t0 = self._t0_base or 0
+                m.t0 = self.t0_base or 0
         if not self.members and not self.traces.unusable and self.traces.watch is None:
             raise TraceError(f"no trace to check in {self.traces.name}")
 
@@ -396,10 +396,10 @@ class WorkloadSession:
         m = _Member(tag=tag, source=source, suite=suite, live=live)
         if header.t0 is not None:
             m.t0 = header.t0
-            if self._t0_base is None or header.t0 < self._t0_base:
-                self._t0_base = header.t0
+            if self.t0_base is None or header.t0 < self.t0_base:
+                self.t0_base = header.t0
         else:
-            m.t0 = self._t0_base or 0
+            m.t0 = self.t0_base or 0
         for check in self.across.checks:
             kinds = check.wants(tag)
             if kinds:
@@ -574,11 +574,6 @@ class WorkloadSession:
     @property
     def num_events(self) -> int:
         return sum(m.suite.num_events for m in self.members)
-
-    @property
-    def t0_base(self) -> int | None:
-        """The earliest wall-clock ``t0`` of the workload's traces (None: none says one)."""
-        return self._t0_base
 
     @property
     def header(self) -> Header | None:

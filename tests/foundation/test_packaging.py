@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"kvdoctor": "kvdoctor", "engine": "kvdoctor.engine", "checks": "kvdoctor.checks"}
 
 CONTRACT = ("kvdoctor.events", "kvdoctor.errors", "kvdoctor.knobs", "kvdoctor.callsite")  # what every layer shares
-TRACE_FORMAT = ("kvdoctor.trace", "kvdoctor.binary_trace", "kvdoctor.trace_names")
+TRACE_FORMAT = ("kvdoctor.trace", "kvdoctor.trace_input", "kvdoctor.binary_trace", "kvdoctor.trace_names")
 UI = ("kvdoctor.cli", "kvdoctor.commands", "kvdoctor.tui")
 ENGINE_SIDE = ("kvdoctor.engine", "kvdoctor.demo", "kvdoctor.compression", "kvdoctor.faults")  # import the engine, hence torch
 
@@ -40,6 +40,7 @@ RULES = {
     "kvdoctor.findings": Rule("a finding points at events, nothing more", allowed=("kvdoctor.events",)),
     "kvdoctor.binary_trace": Rule("the trace format is events in, events out", allowed=CONTRACT),
     "kvdoctor.trace": Rule("the trace format is events in, events out", allowed=CONTRACT + TRACE_FORMAT),
+    "kvdoctor.trace_input": Rule("opening a trace file or stream is part of the trace format", allowed=CONTRACT),
     "kvdoctor.trace_names": Rule("which file a trace goes to is part of the trace format", allowed=()),
     "kvdoctor.engine": Rule("the engine records events and writes its trace; it knows no consumer",
                             allowed=CONTRACT + TRACE_FORMAT + ("kvdoctor.attach",)),

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from kvdoctor import events as E
-from kvdoctor import trace
+from kvdoctor import trace, trace_input
 from kvdoctor.cli import main
 from kvdoctor.errors import EXIT_TRACE, IncompatibleTraceError, TraceError, TraceFormatError
 from kvdoctor.trace import TraceReader, TraceWriter
@@ -80,7 +80,7 @@ def test_a_fifo_no_writer_opens_is_a_clear_error_in_bounded_time(tmp_path, monke
     # GIVEN a FIFO nobody writes, and a short wait
     fifo = tmp_path / "nobody.fifo"
     os.mkfifo(fifo)
-    monkeypatch.setattr(trace, "STREAM_WAIT_S", 0.2)
+    monkeypatch.setattr(trace_input, "STREAM_WAIT_S", 0.2)
     # WHEN check and info read it THEN each says so in one line and exits 3 instead of waiting forever
     for argv in (["info", str(fifo)], ["check", "--trace", str(fifo)]):
         assert main(argv) == EXIT_TRACE
@@ -139,7 +139,7 @@ def test_a_malformed_version_is_named_as_malformed_not_as_too_new(tmp_path):
 
 def test_a_stream_read_past_what_it_keeps_is_not_read_again(tmp_path, monkeypatch):
     # GIVEN a stream that keeps only its first 8 KiB (its header and a little more)
-    monkeypatch.setattr(trace, "_KEEP", 8192)
+    monkeypatch.setattr(trace_input, "KEEP", 8192)
     fifo, writer = _fifo_fed(tmp_path, _written(tmp_path, "t.kvtrace"))
     reader = TraceReader(fifo)
     list(reader)
