@@ -82,11 +82,9 @@ class Ledger:
         # Each sequence's place in the order sequences started (kept as long as ``ended`` keeps it): what a
         # finding's fingerprint names instead of an id a server draws at random (``Finding.key``)
         self.seq_index: dict[Any, int] = {}
-        self._seq_indexes_forgotten = 0
+        self._seqs_started = 0
         self.step = 0
-        # A trace that starts mid-run (a ``snapshot``): the step it began at, and the blocks it found leaked
-        self.attached_at: int | None = None
-        self.ownerless_at_attach: set[int] = set()
+        self.ownerless_at_attach: set[int] = set()  # blocks a trace that starts mid-run (a ``snapshot``) found leaked
         self._apply: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc,
             Share: self._share, Release: self._release, Free: self._free, Evict: self._free,
@@ -180,9 +178,15 @@ class Ledger:
         if hist is not None:
             hist.append(event)
 
+    def _number(self, seq: Any) -> None:
+        """Give ``seq`` the next place in the order sequences started, unless it has one."""
+        if seq not in self.seq_index:
+            self.seq_index[seq] = self._seqs_started
+            self._seqs_started += 1
+
     def _seq_start(self, ev: SeqStart) -> None:
         self.seqs[ev.seq] = SeqState(ev.seq, ev)
-        self.seq_index.setdefault(ev.seq, len(self.seq_index) + self._seq_indexes_forgotten)
+        self._number(ev.seq)
         self.ended.pop(ev.seq, None)
         if ev.stack:
             self.seq_stacks[ev.seq] = {"seq_start": ev.stack}
@@ -194,8 +198,7 @@ class Ledger:
             self.seq_stacks.setdefault(ev.seq, {})["seq_end"] = ev.stack
         if len(self.ended) > self.ended_kept:
             gone, _ = self.ended.popitem(last=False)
-            if self.seq_index.pop(gone, None) is not None:
-                self._seq_indexes_forgotten += 1
+            self.seq_index.pop(gone, None)
             if self.seq_stacks:
                 self.seq_stacks.pop(gone, None)
         if state is None:
@@ -317,9 +320,8 @@ class Ledger:
         """A trace that starts mid-run: take the cache as it stood, each block allocated to its first owner
         (the alloc its history and a later leak's evidence start from) and shared with the rest; a block with
         no owner left leaked before (``ownerless_at_attach``), its sequence gone already."""
-        self.attached_at = ev.step
         for s in ev.seqs:
-            self.seq_index.setdefault(s.seq, len(self.seq_index) + self._seq_indexes_forgotten)
+            self._number(s.seq)
             state = self.seqs[s.seq] = SeqState(s.seq, None)
             state.version, state.length = s.version, s.length
         for b in ev.blocks:

@@ -36,9 +36,9 @@ def snapshot(cache: PagedKVCache) -> Snapshot:
             n = max(0, min(bs, live[writer].length - pos))
         else:
             n = bs if owners else 0  # the prefix cache registers full blocks only; a leaked block's are unknown
-        blocks.append(SnapBlock(block=b.id, tier=b.tier, owners=owners, seq=writer if writer is not None else
-                                (owners[0] if owners else (b.owners[0] if b.owners else PREFIX_CACHE)),
-                                pos=pos, n=n, version=b.version, codec=b.codec or None, hash=keys.get(b.id)))
+        seq = writer if writer is not None else (owners or b.owners or [PREFIX_CACHE])[0]
+        blocks.append(SnapBlock(block=b.id, tier=b.tier, owners=owners, seq=seq, pos=pos, n=n, version=b.version,
+                                codec=b.codec or None, hash=keys.get(b.id)))
     seqs = [SnapSeq(seq=s.id, prompt_len=s.prompt_len, length=s.length, version=s.version) for s in live.values()]
     bus = cache.bus
     return Snapshot(t=bus.now(), step=bus.step, seqs=seqs, blocks=blocks)
