@@ -27,7 +27,8 @@ load hits them alike; the report is
 the median over repeats of each time and its ratio to the same policy's quiet time. Beside every run: the
 load average before it and the CPUs' worth of time processes other than the benchmark's took during it
 ("others' CPUs", from ``/proc/stat`` less the benchmark's own, its workloads' and its loops' CPU time): on a shared
-machine, a run with others above ~0.3 ran beside more than its condition says. Usage::
+machine, a run with others above ~0.3 ran beside more than its condition says. For decode and decode8, also how
+often the thread policy changed the team's size in the run ("team changes"). Usage::
 
     .venv/bin/python benchmarks/contention.py [--repeats 3] [--conditions quiet,loops1,loops2,loops4,omp]
         [--workloads serve,decode,decode8,demo,generate,generate+policy] [--policies adaptive,fixed] [--tokens 64]
@@ -88,7 +89,7 @@ prefilled(runner, prompts, 4).run()
 sched = prefilled(runner, prompts, n)
 t0 = time.perf_counter()
 sched.run()
-print((time.perf_counter() - t0) / (n - 1))
+print((time.perf_counter() - t0) / (n - 1), runner.threads.changes)
 """
 
 
@@ -107,18 +108,23 @@ def _command(workload: str, tokens: int) -> list[str]:
     return [py, "-c", _GENERATE, PROMPT, str(tokens), "policy" if workload == "generate+policy" else "-"]
 
 
-def _seconds(workload: str, proc: subprocess.CompletedProcess[str], wall: float) -> float:
+def _seconds(workload: str, proc: subprocess.CompletedProcess[str], wall: float) -> tuple[float, int | None]:
     """The workload's own figure: the serve example's elapsed seconds; the demo's whole run (``wall``, model load
-    and checks included, as its user waits for it); seconds per decode step otherwise."""
+    and checks included, as its user waits for it); seconds per decode step otherwise. Beside it, how often the
+    thread policy changed the team's size (decode and decode8; None where the workload does not say): a quiet
+    run whose team moved was not quiet to the policy."""
     if proc.returncode != 0:
         raise SystemExit(f"{workload} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
     if workload == "demo":
-        return wall
+        return wall, None
     if workload == "serve":
-        return float(re.search(r"tokens in \d+ steps, ([0-9.]+) s", proc.stderr).group(1))
+        return float(re.search(r"tokens in \d+ steps, ([0-9.]+) s", proc.stderr).group(1)), None
+    last = proc.stdout.strip().splitlines()[-1]
     if workload == "decode":
-        return 1.0 / json.loads(proc.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]
-    return float(proc.stdout.strip().splitlines()[-1])
+        result = json.loads(last)
+        return 1.0 / result["decode_tokens_per_s"], result["threads"]["changes"]
+    seconds, *changes = last.split()
+    return float(seconds), int(changes[0]) if changes else None
 
 
 def policy_env(policy: str) -> dict[str, str]:
@@ -129,19 +135,21 @@ def policy_env(policy: str) -> dict[str, str]:
     return {"KVDOCTOR_THREADS": threads, **dict(s.split("=", 1) for s in settings)}
 
 
-def _run(workload: str, tokens: int, policy: str, copies: int) -> float:
-    """Mean figure of ``copies`` instances of the workload started together."""
+def _run(workload: str, tokens: int, policy: str, copies: int) -> tuple[float, int | None]:
+    """Mean figure of ``copies`` instances of the workload started together, and the most team changes of one."""
     env = {**os.environ, **policy_env(policy)}
     t0 = time.perf_counter()
     procs = [subprocess.Popen(_command(workload, tokens), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(copies)]
 
-    def finish(p: subprocess.Popen[str]) -> float:  # each copy's own end, though they end in any order
+    def finish(p: subprocess.Popen[str]) -> tuple[float, int | None]:  # each copy's own end, in any order
         out, err = p.communicate()
         return _seconds(workload, subprocess.CompletedProcess(p.args, p.returncode, out, err), time.perf_counter() - t0)
 
     with ThreadPoolExecutor(copies) as pool:
-        return statistics.fmean(pool.map(finish, procs))
+        ends = list(pool.map(finish, procs))
+    changes = [c for _, c in ends if c is not None]
+    return statistics.fmean(x for x, _ in ends), max(changes) if changes else None
 
 
 def proc_cpu(pids: list[int]) -> float:
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     conditions, workloads, policies = (s.split(",") for s in (args.conditions, args.workloads, args.policies))
     cpus = len(CPUS)
     runs: dict[tuple[str, str, str], list[float]] = {}
-    noise: dict[tuple[str, str, str], list[tuple[float, float]]] = {}  # (load before, others' CPUs during) a run
+    noise: dict[tuple[str, str, str], list[tuple[float, float, int | None]]] = {}  # load before, others', changes
     for _ in range(args.repeats):
         for condition in conditions:
             with BusyLoops(_loops(condition)) as loops:
@@ -278,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                         if args.wait_quiet:
                             wait_quiet(args.wait_quiet, loops.pids)
                         load, before = os.getloadavg()[0], reading(loops.pids)
-                        x = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies)
+                        x, changes = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies)
                         busy = others(before, reading(loops.pids))
                         runs.setdefault((workload, policy, condition), []).append(x)
-                        noise.setdefault((workload, policy, condition), []).append((load, busy))
-                        print(f"{workload} {policy} {condition}: {x:.4f} (load {load:.2f}, others {busy:.2f} CPUs)",
-                              file=sys.stderr, flush=True)
+                        noise.setdefault((workload, policy, condition), []).append((load, busy, changes))
+                        print(f"{workload} {policy} {condition}: {x:.4f} (load {load:.2f}, others {busy:.2f} CPUs, "
+                              f"team changes {changes})", file=sys.stderr, flush=True)
     rows = []
     for (workload, policy, condition), xs in runs.items():
         quiet = runs.get((workload, policy, "quiet"))
@@ -293,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio": None if ratio is None else round(ratio, 2), "fair": round(fair_share(condition, cpus), 2),
                      "runs": [round(x, 4) for x in xs],
                      "load": [round(n[0], 2) for n in noise[(workload, policy, condition)]],
-                     "others_cpus": [round(n[1], 2) for n in noise[(workload, policy, condition)]]})
+                     "others_cpus": [round(n[1], 2) for n in noise[(workload, policy, condition)]],
+                     "team_changes": [n[2] for n in noise[(workload, policy, condition)]]})
     keys = {c: tui_latency(c, args.presses) for c in conditions if c != "omp"} if args.tui else {}
     if args.json:
         print(json.dumps({"cpus": cpus, "rows": rows, "tui_key_seconds": keys}))

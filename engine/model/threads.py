@@ -11,7 +11,10 @@ So the team follows the load. At most every ``interval`` seconds, at a step's st
 CPU time other processes took on this process's CPUs since the last reading (``/proc/stat`` per CPU, less this
 process's own time from ``/proc/self/stat``) and sizes the team to the CPUs they left, rounded to whole CPUs,
 never above the size the process started with (the user's ``torch.set_num_threads`` or ``OMP_NUM_THREADS``)
-and never below one. The kernels and torch's ops share one OpenMP runtime (``engine.kernels.native``) and
+and never below one. The team shrinks only for a load two readings in a row saw, and grows back at the first
+reading that finds the CPUs free: a burst of someone else's work (a compiler, a page-cache flush, a kernel
+thread) that shares one reading would otherwise halve a quiet run's team until the next reading, and a short
+run is a handful of readings. The kernels and torch's ops share one OpenMP runtime (``engine.kernels.native``) and
 every kernel takes ``torch.get_num_threads()``, so one ``torch.set_num_threads`` sizes them all. The size
 changes only the split of the work, never its results: tokens are the same whatever the team.
 
@@ -107,6 +110,7 @@ class ThreadPolicy:
     changes: int = 0  # how often the team changed size: a benchmark's evidence that the policy acted
     _cpus: set[int] = field(default_factory=set)
     _last: tuple[float, float, float] | None = None
+    _seen: float = 0.0  # the others' load the previous reading saw: a shrink needs it too
 
     def __post_init__(self) -> None:
         self.team = self.base
@@ -124,7 +128,8 @@ class ThreadPolicy:
         others, self._last = others_busy(self._cpus, self._last)
         if others is None:
             return self.team
-        team = max(1, min(self.base, round(len(self._cpus) - others)))  # a CPU others hold half of is theirs
+        sustained, self._seen = min(others, self._seen), others
+        team = max(1, min(self.base, round(len(self._cpus) - sustained)))  # a CPU others hold half of is theirs
         if team != self.team:
             _resize(team)
             self.team, self.changes = team, self.changes + 1

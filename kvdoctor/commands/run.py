@@ -216,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         cache = runner.cache
         reads = cache.rows_from_device + cache.rows_from_slower
         merging = runner.merging.stats() if runner.merging is not None else None
+        team = runner.threads  # before close gives the user's threads back
+        threads = {"adaptive": team.adaptive, "team": team.team, "changes": team.changes}
     except EngineError as exc:
         raise EngineFailure(f"the engine failed: {exc}") from None
     finally:
@@ -251,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         "dense_prefill": runner.cache.config.dense_prefill,
         "staging_blocks": args.staging_blocks,
         "merge": merging,  # token merging (--merge): threshold, blocks merged, (layer, head, slot) rows freed
+        "threads": threads,  # the thread policy: adaptive or not, the team at the end, how often it changed size
     }
     if args.staging_blocks:
         moved = cache.bytes_staged + sum(stats["swaps"].values()) * cache.config.bytes_per_block
