@@ -68,6 +68,12 @@ def _pool_of(block: Any) -> Any:
     return pool() if isinstance(pool, weakref.ref) else pool
 
 
+def _mm_items(request: Any) -> list[tuple[str, int, int]]:
+    """(identifier, first placeholder position, placeholder count) of each multimodal item of ``request``: vLLM
+    keys a block holding an item's placeholder tokens by its identifier too (``_gen_mm_extra_hash_keys``)."""
+    return [(f.identifier, f.mm_position.offset, f.mm_position.length) for f in getattr(request, "mm_features", None) or ()]
+
+
 def register() -> None:
     """vLLM's plugin hook; does nothing unless ``KVDOCTOR_TRACE`` names a trace to write. Never raises."""
     try:
@@ -234,17 +240,24 @@ class VllmTracer(BufferedTrace):
         return self._request.request_id if self._request is not None else INTERNAL
 
     def _content_keys(self, request: Any, num_blocks: int) -> list[str]:
-        """Chain digests of ``request``'s first ``num_blocks`` full blocks of token ids."""
+        """Chain digests of ``request``'s first ``num_blocks`` full blocks of token ids, each with the multimodal
+        items whose placeholder tokens it holds (an image's tokens are placeholders: its identifier is its content)."""
         keys = self._keys.setdefault(request.request_id, [])
         if len(keys) < num_blocks:
             tokens = request.all_token_ids
             # each part tagged, so a cache salt equal to an adapter's name keys other blocks (vllm #44701)
             lora = getattr(request.lora_request, "lora_name", None)
             salt = repr((("lora", lora), ("cache_salt", getattr(request, "cache_salt", None)))).encode()
+            items = _mm_items(request)
             bs = self.block_size
             for i in range(len(keys), num_blocks):
                 parent = keys[i - 1].encode() if i else salt
-                chunk = array("q", tokens[i * bs:(i + 1) * bs]).tobytes()
+                start, end = i * bs, (i + 1) * bs
+                chunk = array("q", tokens[start:end]).tobytes()
+                held = [("mm", ident, offset - start) for ident, offset, length in items
+                        if offset < end and offset + length > start]
+                if held:
+                    chunk += repr(held).encode()
                 keys.append(hashlib.blake2b(parent + chunk, digest_size=8).hexdigest())
         return keys
 
@@ -392,7 +405,12 @@ class VllmTracer(BufferedTrace):
             self._versions[request.request_id] = 0
             # the user's frames travel with the request from the process that added it (vllm_stacks)
             stack = vllm_stacks.stack_of(request) or callsite.user_stack()
-            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens, stack=stack)
+            lora = request.lora_request
+            self._emit(SeqStart, seq=request.request_id, prompt_len=request.num_prompt_tokens, stack=stack,
+                       # what vLLM's prefix key holds besides the tokens, each part apart (adapters/key-collision)
+                       adapter=getattr(lora, "lora_name", None), adapter_id=getattr(lora, "lora_int_id", None),
+                       salt=getattr(request, "cache_salt", None) or None,
+                       extra_keys=[ident for ident, _, _ in _mm_items(request)] or None)
 
         def free_request(call: Call, _: Any, __: Any) -> None:
             request = call["request"]
@@ -495,9 +513,16 @@ class VllmTracer(BufferedTrace):
         return block_ids
 
     def _write_and_read(self, seq: Any, pos: int, n: int) -> None:
+        """The row's writes, then its read: attention covers the request's computed tokens and this step's,
+        ``[0, pos + n)``, over its block table. A block a sliding window dropped is vLLM's null block, which
+        attention skips: the span starts at the first block the table still holds."""
         block_ids = self._write(seq, pos, n)
-        read = [b for b in block_ids[:-(-(pos + n) // self.block_size)] if b != self.null_id]
-        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read])
+        end = pos + n
+        table = block_ids[:-(-end // self.block_size)]
+        read = [b for b in table if b != self.null_id]
+        first = next((i for i, b in enumerate(table) if b != self.null_id), len(table))
+        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read],
+                   span=[min(first * self.block_size, end), end])
 
     def _roll_back_rejected(self) -> None:
         """Draft tokens the model rejected: vLLM counts its computed tokens back; the trace rolls them back."""

@@ -19,7 +19,7 @@ from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvdoctor.events import Batch, Evict, Rollback, SeqEnd, Share  # noqa: E402
+from kvdoctor.events import Alloc, Batch, Evict, Read, Rollback, SeqEnd, Share  # noqa: E402
 from kvdoctor.integrations.vllm import PREFIX_CACHE  # noqa: E402
 
 from vllm_harness import make_harness  # noqa: E402
@@ -110,6 +110,11 @@ def test_prefix_hits_and_evictions_of_the_prefix_cache_are_clean(harness):
     # THEN the trace shows the hit and the evictions, and no check finds anything
     assert {e.seq for e in _hits(events)} >= {"hit"}
     assert any(type(e) is Evict for e in events), "nothing was evicted: the pool is too large"
+    # AND every read names the positions it attends to, from 0 through the row's last token: the hit's
+    # read spans the blocks another request wrote, judged by slots/unwritten-read (silent above)
+    rows = {(row, pos + n) for b in events if type(b) is Batch for row, pos, n in zip(b.rows, b.positions, b.n)}
+    reads = [e for e in events if type(e) is Read]
+    assert reads and {(e.seq, tuple(e.span)) for e in reads} == {(row, (0, end)) for row, end in rows}
 
 
 def test_preemption_and_resumption_are_clean(harness):
@@ -424,6 +429,37 @@ def test_a_shared_block_freed_twice_is_named_when_its_reader_reads_it(harness, m
     assert hit, "no shared block was freed"
     named = [f for f in findings if f.block == hit[0] and f.rule in ("read-not-owned", "read-freed")]
     assert named and named[0].seq == "reader", findings
+
+
+def test_a_read_of_positions_the_scheduler_skipped_is_an_unwritten_read(harness, monkeypatch):
+    # GIVEN vLLM's scheduler counting a block more of a long prompt as computed than it scheduled, once: the
+    # next chunk starts past a fresh block no step wrote (a slot mapping or count that skips tokens; what
+    # attention then reads there is whatever the block held: zeros, another request's K/V, NaN)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    skipped, original = [], Scheduler._update_after_schedule
+
+    def update_after_schedule(self, output):
+        original(self, output)
+        request = self.requests.get("long")
+        if request is not None and not skipped and request.num_computed_tokens == 2 * BS:
+            skipped.append(request.num_computed_tokens)
+            request.num_computed_tokens += BS
+
+    monkeypatch.setattr(Scheduler, "_update_after_schedule", update_after_schedule)
+    h = harness(max_num_batched_tokens=2 * BS)
+    h.request("long", list(range(1000, 1000 + 6 * BS)), max_tokens=2)
+    h.request("short", _prompt(1), max_tokens=4)
+    h.run()
+    findings, events = h.findings()
+    # THEN slots/unwritten-read names the request, the skipped block and its positions, once
+    assert skipped, "the prompt was never two blocks in"
+    (f,) = [f for f in findings if f.rule == "unwritten-read"]
+    third = [e.block for e in events if type(e) is Alloc and e.seq == "long"][2]  # the block of positions 32-47
+    assert f.check == "slots" and f.seq == "long" and f.block == third, f.message
+    assert f.evidence["positions"] == list(range(2 * BS, 3 * BS)) and f"positions {2 * BS}-{3 * BS - 1}" in f.message
+    # AND the other request's reads are clean
+    assert not [x for x in findings if x.seq == "short"], findings
 
 
 def test_blocks_freed_while_their_load_is_in_flight_are_named(harness, monkeypatch):
