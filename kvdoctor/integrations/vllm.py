@@ -5,21 +5,23 @@ With ``KVDOCTOR_TRACE`` set, the plugin patches the v1 ``Scheduler`` so that the
 builds one (the engine core) wraps that scheduler's block pool and KV cache manager and writes:
 
 - ``seq_start``/``seq_end`` per request (``aborted`` for aborts, ``finished`` otherwise); a request whose
-  blocks a KV connector still sends ends when vLLM frees them, not when it finishes;
+  blocks a KV connector still sends ends when vLLM frees them, not when it finishes. ``seq_start`` names what
+  vLLM's prefix key holds besides the tokens, each part apart: adapter, cache salt, images' identifiers;
 - ``alloc`` when the pool hands a block to a request, ``share`` when a prefix-cache hit takes a
   reference, ``release``/``free`` as references return, ``evict`` when a cached block is reused;
 - the prefix cache as an owner of its own (``seq="prefix-cache"``): a full block registered under a
   hash stays owned by the cache after its last request ends, so it is never mistaken for a leak;
   blocks whose free vLLM defers (until the step that may still write them is done) are held by ``vllm``;
 - one ``batch`` per step with each request's position and token count, the ``write``s those tokens
-  make into the request's blocks, the ``read`` of its block table, and ``usage`` of the pool.
+  make into the request's blocks, the ``read`` of its block table with its ``span`` (the positions attention
+  covers: every computed token), and ``usage`` of the pool.
 
 Ownership comes from what vLLM does to its reference counts, in the request context the KV cache
 manager is in (allocate, free, preempt), so a reference vLLM forgets to drop shows up as a block
-still owned when its request ends. Content keys are kvdoctor's own: a chain digest of the token ids
-in each full block (with the request's cache salt and LoRA name), computed from the tokens of the
-request that registers a block and again from the tokens of each request that hits it, so a hit on
-a block whose content is not the hitting request's prefix is visible whatever vLLM's hash says.
+still owned when its request ends. Content keys are kvdoctor's own: a chain digest of the token ids in each
+full block (with the request's cache salt and LoRA name, and the images whose placeholders it holds), computed
+from the tokens of the request that registers a block and again from the tokens of each request that hits it,
+so a hit on a block whose content is not the hitting request's prefix is visible whatever vLLM's hash says.
 
 The plugin never harms vLLM: every wrapper runs vLLM's method exactly as called (``guard.Guard``), and
 a failure of kvdoctor's own bookkeeping records one ``observer_error``, stops tracing and lets vLLM go

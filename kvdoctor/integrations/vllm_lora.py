@@ -1,5 +1,5 @@
-"""Which adapter computes K/V in vLLM: ``adapter`` events for LoRA loads, reloads and unloads, and each request's
-adapter and cache salt on its ``seq_start``.
+"""Which adapter computes K/V in vLLM: ``adapter`` events for LoRA loads, reloads and unloads (each request's
+adapter, cache salt and other prefix-key parts are on its ``seq_start``, which the tracer writes).
 
 A LoRA changes K and V of every layer it adapts, so a block's identity includes the adapter that computed it:
 its name, vLLM's id and which contents that id held then. vLLM's prefix-cache key carries the name and path
@@ -26,9 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import msgspec
-
-from ..events import Adapter, SeqStart
+from ..events import Adapter
 from .guard import Call, positions
 from .vllm_weights import tracer_of
 
@@ -52,22 +50,9 @@ def _watch(tracer: Any, engine_core_cls: type) -> None:
         lora = request.lora_request
         if lora is not None:  # before the request's first step, when the worker loads what it names
             loads.requested(lora, f"request {request.request_id!r}")
-        _amend_start(tracer._buf, request.request_id, adapter=getattr(lora, "lora_name", None),
-                     adapter_id=getattr(lora, "lora_int_id", None), salt=getattr(request, "cache_salt", None))
 
-    tracer._wrap(tracer.scheduler, "add_request", after=added)  # over the tracer's own: runs after its seq_start
+    tracer._wrap(tracer.scheduler, "add_request", after=added)  # over the tracer's own: after its seq_start
     _patch_utilities(engine_core_cls)
-
-
-def _amend_start(buffered: list, seq: Any, **fields: Any) -> None:
-    """The request's ``seq_start``, just buffered by the tracer's own ``add_request`` hook, with ``fields``."""
-    if not any(v is not None for v in fields.values()):
-        return
-    for i in range(len(buffered) - 1, max(-1, len(buffered) - 8), -1):
-        ev = buffered[i]
-        if type(ev) is SeqStart and ev.seq == seq:
-            buffered[i] = msgspec.structs.replace(ev, **fields)
-            return
 
 
 @dataclass

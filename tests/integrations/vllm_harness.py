@@ -27,6 +27,8 @@ from vllm.config import (
     CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -169,11 +171,20 @@ class Harness:
         return self.scheduler.connector
 
     def request(self, request_id: str, prompt: list[int], *, max_tokens: int = 8, priority: int = 0,
-                cache_salt: str | None = None, structured: bool = False, add: bool = True) -> Request:
+                cache_salt: str | None = None, structured: bool = False, add: bool = True,
+                images: tuple[tuple[str, int, int], ...] = (), lora: LoRARequest | None = None) -> Request:
+        """A request; ``images`` are (identifier, offset, length) of multimodal items over the prompt's
+        placeholder tokens: the stand-in encoder counts each one's output as cached (no encoder runs here)."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                 structured_outputs=StructuredOutputsParams(json_object=True) if structured else None)
+        features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                          mm_position=PlaceholderRange(offset=offset, length=length))
+                    for ident, offset, length in images]
+        if features:
+            self.scheduler.encoder_cache_manager.check_and_update_cache = lambda request, i: True
         request = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params,
                           pooling_params=None, priority=priority, cache_salt=cache_salt,
+                          mm_features=features or None, lora_request=lora,
                           block_hasher=_block_hasher(self.block_size))
         if structured:  # compiled at once: the scheduler only waits for a grammar, it never builds one
             request.structured_output_request.grammar = AcceptAll()
