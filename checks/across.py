@@ -11,7 +11,7 @@ listed, switched off and capped like every other rule (its suite's ledger is unu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import msgspec
 
@@ -55,7 +55,15 @@ class TraceTag:
 class AcrossCheck(CheckBase):
     """Base of the rules across traces: ``trace_added`` when a trace of the workload opens, ``see`` for each
     event of a kind ``wants`` names for that trace, in merged order, ``trace_ended`` when it ends, ``at_end``
-    once every trace ended."""
+    once every trace ended.
+
+    A check that compares each trace with itself step by step (ranks: every rank's decisions of a step, whatever
+    the others did meanwhile) needs no merged order: it sets ``merged`` False and is handed each trace's events a
+    batch at a time, in that trace's own order, as the merge reads them (``see_batch``), and ``trace_ended`` right
+    after the trace's last batch. Its events never wait in the merge's heap, where most of a workload's events
+    would otherwise pass one by one."""
+
+    merged: ClassVar[bool] = True
 
     def wants(self, tag: TraceTag) -> tuple[type[Event], ...]:
         """The event kinds of ``tag``'s trace this check reads (none: the merge skips that trace for it)."""
@@ -66,6 +74,11 @@ class AcrossCheck(CheckBase):
 
     def see(self, tag: TraceTag, event: Event) -> Sequence[Finding]:
         return NO_FINDINGS
+
+    def see_batch(self, tag: TraceTag, events: Sequence[Event]) -> Sequence[Finding]:
+        """A batch of ``tag``'s events, all kinds, in the trace's order (a check that is not ``merged``)."""
+        kinds = frozenset(self.wants(tag))
+        return [f for event in events if type(event) in kinds for f in self.see(tag, event)]
 
     def trace_ended(self, tag: TraceTag) -> Sequence[Finding]:
         return NO_FINDINGS

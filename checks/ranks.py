@@ -33,21 +33,23 @@ _PENDING_STEPS = 4096  # steps one rank may run ahead of a lagging one before it
 
 def _decision(ev: Any) -> tuple:
     """What a scheduler decided, as ranks of one engine must all record it (no timings, no digests)."""
-    if type(ev) is Batch:
-        return ("batch", tuple(ev.rows), tuple(ev.positions), tuple(ev.n))
-    if type(ev) is SeqStart:
-        return ("seq_start", ev.seq, ev.prompt_len)
-    if type(ev) is SeqEnd:
-        return ("seq_end", ev.seq, ev.reason)
-    if type(ev) in (Alloc, Evict):
-        return (ev.__struct_config__.tag, ev.block, ev.tier, getattr(ev, "seq", None))
-    if type(ev) in (Share, Release):
-        return (ev.__struct_config__.tag, ev.block, ev.seq)
-    if type(ev) is Write:
-        return ("write", ev.block, ev.seq, ev.pos, ev.n)
-    if type(ev) is Read:
-        return ("read", ev.seq, tuple(ev.blocks))
-    return ("free", ev.block)
+    return _DECIDE[type(ev)](ev)
+
+
+# One function per kind, found by the event's type: this runs for most events of every rank's trace.
+_DECIDE: dict[type, Any] = {
+    Batch: lambda ev: ("batch", tuple(ev.rows), tuple(ev.positions), tuple(ev.n)),
+    SeqStart: lambda ev: ("seq_start", ev.seq, ev.prompt_len),
+    SeqEnd: lambda ev: ("seq_end", ev.seq, ev.reason),
+    Alloc: lambda ev: ("alloc", ev.block, ev.tier, ev.seq),
+    Evict: lambda ev: ("evict", ev.block, ev.tier, None),
+    Share: lambda ev: ("share", ev.block, ev.seq),
+    Release: lambda ev: ("release", ev.block, ev.seq),
+    Write: lambda ev: ("write", ev.block, ev.seq, ev.pos, ev.n),
+    Read: lambda ev: ("read", ev.seq, tuple(ev.blocks)),
+    Free: lambda ev: ("free", ev.block),
+}
+_WANTED = frozenset((*_DECISIONS, StepEnd))
 
 
 def _block_and_seq(decision: tuple | None) -> tuple[Any, Any]:
@@ -97,6 +99,7 @@ class _Rank:
 
 class RanksCheck(AcrossCheck):
     name = "ranks"
+    merged = False  # each rank's steps are compared once all ranks finished them: no order across traces needed
     RULES = (
         Rule("startup-mismatch", "error",
              "ranks of one engine started with different block sizes, layouts, layer counts, parallel sizes or pools"),
@@ -161,22 +164,36 @@ class RanksCheck(AcrossCheck):
         return out
 
     def see(self, tag: TraceTag, event: Any) -> Sequence[Finding]:
+        return self.see_batch(tag, (event,))
+
+    def see_batch(self, tag: TraceTag, events: Any) -> Sequence[Finding]:
+        """Record the batch's decisions step by step; then compare the steps every rank has finished (once a
+        batch: a step is compared when its last rank finished it, whichever event that was)."""
         rank = self.ranks.get(tag.index)
         if rank is None:
             return NO_FINDINGS
-        out: Sequence[Finding] = NO_FINDINGS
-        if event.step != rank.step:
-            if rank.step >= 0:
+        out: list[Finding] = []
+        wanted, decide, step = _WANTED, _DECIDE, rank.step
+        current = rank.current
+        for event in events:
+            kind = type(event)
+            if kind not in wanted:
+                continue
+            if event.step != step:
+                if step >= 0:
+                    rank.close_step()
+                step = rank.step = event.step
+                current = rank.current
+                if len(rank.steps) >= _PENDING_STEPS // 2:  # a batch of many short steps: compare before any drops
+                    out.extend(self._judge(tag.engine_key))
+            if kind is StepEnd:
                 rank.close_step()
-            rank.step = event.step
-            out = self._judge(tag.engine_key)
-        kind = type(event)
-        if kind is StepEnd:
-            rank.close_step()
-            return [*out, *self._judge(tag.engine_key)]
-        if kind is Read and event.layer is not None:
-            return [*out, *self._layer(rank, event)]
-        rank.current.append(_decision(event))
+                current = rank.current
+            elif kind is Read and event.layer is not None:
+                out.extend(self._layer(rank, event))
+            else:
+                current.append(decide[kind](event))
+        out.extend(self._judge(tag.engine_key))
         return out
 
     def _layer(self, rank: _Rank, ev: Read) -> Sequence[Finding]:

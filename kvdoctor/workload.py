@@ -9,7 +9,8 @@ reads them all:
 - **across traces**, the checks of ``kvdoctor.checks.ACROSS_CHECKS`` (ranks agreeing, a transfer's two ends) read the
   events they want of every trace in one order: by wall-clock time (``header.t0 + t``; a trace whose header has no
   ``t0`` counts from the earliest ``t0`` of the workload, or 0), ties by the trace's place in the workload, then by
-  the order within the trace.
+  the order within the trace. A check that compares each trace only with itself step by step (ranks) is handed
+  each trace's batches as they are read instead (``AcrossCheck.merged``).
 
 Memory stays bounded: a finished trace is decoded a batch at a time when the merge needs its next one (a trace still
 being written, by a thread of its own ahead by at most ``_AHEAD`` batches), the driver feeds the batch that starts
@@ -25,71 +26,29 @@ notes and as a ``workload/unusable-trace`` finding.
 
 from __future__ import annotations
 
-import glob
 import heapq
-import os
 import queue
-import re
-import shlex
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import msgspec
 
 from .checks import CheckSuite, TraceTag, make_across_suite
-from .child import TracedChild
 from .config import Config
-from .errors import TraceError, UsageError
+from .errors import TraceError
 from .events import Header
 from .findings import Finding
 from .report import Report, apply_baseline
-from .session import FollowSource, TraceSource, _stderr_fd, _writer_alive
+from .trace_set import TraceSet, trace_files
 
 __all__ = ["TraceSet", "WorkloadSession", "trace_files", "LIVE_GRACE_S"]
 
 LIVE_GRACE_S = 2.0  # how long a live trace with nothing new may hold back the cross-trace merge
 _AHEAD = 4  # batches a trace's reader decodes ahead of the checks
 _SCAN_S = 0.25  # how often a followed directory is looked at for new traces
-_SUFFIXES = (".kvtrace", ".kvtrace.gz", ".kvtrace.msgpack")
 _END = object()
-
-
-def _is_trace_name(name: str) -> bool:
-    return name.endswith(_SUFFIXES)
-
-
-def _order(path: str) -> tuple:
-    """``run.kvtrace`` before ``run.2.kvtrace`` before ``run.10.kvtrace`` (the numbering of kvdoctor's writers)."""
-    name = os.path.basename(path)
-    stem = name.partition(".kvtrace")[0]
-    m = re.fullmatch(r"(.*)\.(\d+)", stem)
-    return (os.path.dirname(path), m.group(1), int(m.group(2))) if m else (os.path.dirname(path), stem, 1)
-
-
-def trace_files(args: list[str], *, empty_dirs: bool = False) -> list[str]:
-    """The trace files ``args`` name: files as given, every trace file in a directory, a glob's matches;
-    in order, each once. A name that is none of these stays, so opening it says what is wrong. A directory
-    without traces is an error unless ``empty_dirs`` (one followed: its traces are still to come)."""
-    out: list[str] = []
-    for arg in args:
-        if os.path.isdir(arg):
-            found = sorted((os.path.join(arg, n) for n in os.listdir(arg) if _is_trace_name(n)), key=_order)
-            if not found and not empty_dirs:
-                raise TraceError(f"{arg} holds no trace files (*.kvtrace, *.kvtrace.gz, *.kvtrace.msgpack)")
-            out += found
-        elif glob.has_magic(arg) and not os.path.exists(arg):
-            found = sorted(glob.glob(arg), key=_order)
-            if not found:
-                raise TraceError(f"no trace matches {arg}")
-            out += found
-        else:
-            out.append(arg)
-    seen: set[str] = set()
-    return [p for p in out if not (os.path.abspath(p) in seen or seen.add(os.path.abspath(p)))]
 
 
 @dataclass
@@ -100,7 +59,8 @@ class _Member:
     source: Any
     suite: CheckSuite
     live: bool
-    wants: list[tuple[Any, frozenset]] = field(default_factory=list)  # cross-trace checks and the kinds they read
+    wants: list[tuple[Any, frozenset]] = field(default_factory=list)  # merged cross-trace checks, the kinds they read
+    direct: list[Any] = field(default_factory=list)  # cross-trace checks fed this trace's batches as read (not merged)
     wanted: frozenset = frozenset()  # every kind some cross-trace check reads of this trace
     t0: int = 0
     queue: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=_AHEAD))
@@ -155,127 +115,6 @@ class _Member:
             return False
         self.head = item
         return True
-
-
-class TraceSet:
-    """The traces of one workload, as they are known so far; ``scan`` finds new ones where it watches."""
-
-    def __init__(self, name: str, *, watch: str | None = None, wait_s: float = 10.0,
-                 alive: Callable[[], bool] | None = None, skip: Iterable[str] = ()) -> None:
-        self.name = name
-        self.watch = watch  # a directory whose new trace files join the workload
-        self.wait_s = wait_s
-        self._alive = alive  # while true, more traces may still appear in ``watch``
-        self.skip = {os.path.abspath(p) for p in skip}  # traces another reader takes care of
-        self.paths: list[str] = []
-        self.pending: dict[str, float] = {}  # a file seen without a whole header yet -> when first seen
-        self.unusable: list[tuple[str, str]] = []
-        self.child: TracedChild | None = None
-        self.follow: bool | None = None
-        self.await_first = False  # a followed directory with no trace yet: wait for one (up to wait_s)
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    # ---- ways to make one ------------------------------------------------------------
-
-    @classmethod
-    def open(cls, args: list[str], *, follow: bool | None = None, wait_s: float = 10.0) -> "TraceSet":
-        """Trace files, directories or globs; ``follow`` True follows them all (a directory: its new files too),
-        None follows each trace whose writer still holds it open."""
-        paths = trace_files(args, empty_dirs=bool(follow))
-        dirs = [a for a in args if os.path.isdir(a)]
-        name = paths[0] if len(paths) == 1 and not dirs else (
-            dirs[0] if len(args) == 1 and dirs else f"{len(paths)} traces")
-        ts = cls(name, watch=dirs[0] if follow and len(dirs) == 1 else None, wait_s=wait_s)
-        ts.follow = follow
-        ts.paths = paths
-        ts.await_first = not paths and ts.watch is not None
-        return ts
-
-    @classmethod
-    def command(cls, argv: list[str], *, fault: str | None = None, env: dict[str, str] | None = None,
-                wait_s: float = 3600.0) -> "TraceSet":
-        """``argv`` started with ``KVDOCTOR_TRACE`` in a fresh directory; every trace it writes there is read."""
-        if not argv:
-            raise UsageError("no workload command given: use `kvdoctor check -- python my_script.py`")
-        tmp = tempfile.TemporaryDirectory(prefix="kvdoctor-check-")
-        ts = cls(shlex.join(argv), watch=tmp.name, wait_s=wait_s)
-        ts._tmp, ts.follow = tmp, True
-        try:
-            ts.child = TracedChild(argv, str(Path(tmp.name) / "workload.kvtrace"), fault=fault, env=env,
-                                   stdout=_stderr_fd())
-        except UsageError:
-            tmp.cleanup()
-            raise
-        return ts
-
-    # ---- what the session asks -------------------------------------------------------
-
-    @property
-    def returncode(self) -> int | None:
-        return self.child.returncode if self.child is not None else None
-
-    def exit_message(self) -> str:
-        return self.child.exit_message() if self.child is not None else ""
-
-    def scan(self) -> list[str]:
-        """Trace files in the watched directory not seen before whose header is whole (in name order)."""
-        if self.watch is None:
-            return []
-        try:
-            names = os.listdir(self.watch)
-        except OSError:
-            return []
-        known = set(self.paths) | {p for p, _ in self.unusable}
-        new = []
-        for path in sorted((os.path.join(self.watch, n) for n in names if _is_trace_name(n)), key=_order):
-            if path in known or os.path.abspath(path) in self.skip:
-                continue
-            from .trace import read_header
-
-            try:
-                read_header(path)
-            except TraceError as exc:
-                first = self.pending.setdefault(path, time.monotonic())
-                if time.monotonic() - first > min(self.wait_s, 10.0):
-                    self.pending.pop(path)
-                    self.unusable.append((path, str(exc)))
-                continue
-            self.pending.pop(path, None)
-            self.paths.append(path)
-            new.append(path)
-        return new
-
-    def label(self, path: str) -> str:
-        """What reports call a trace: its path as given, or its file name in a started workload's own directory
-        (removed once checked)."""
-        return os.path.basename(path) if self.child is not None else path
-
-    def source(self, path: str) -> tuple[Any, bool]:
-        """The source for one trace of the set, and whether it is followed."""
-        from .trace import read_header
-
-        live = self.follow
-        if live is None:
-            header = read_header(path)
-            live = header.pid is not None and header.pid != os.getpid() and _writer_alive(Path(path), header.pid)
-        if not live:
-            return TraceSource(path), False
-        # the follower stops with the process its header names; a trace may appear before its header (--follow)
-        return FollowSource(path, wait_s=self.wait_s, poll_s=0.02), True
-
-    def running(self) -> bool:
-        """A started workload still runs (more traces may appear)."""
-        if self._alive is not None:
-            return self._alive()
-        return self.child is not None and self.child.returncode is None
-
-    def close(self) -> None:
-        if self.child is not None:
-            self.child.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
 
 class WorkloadSession:
     """Every check over every trace of a workload: per trace, and across them (see the module docstring)."""
@@ -402,8 +241,10 @@ class WorkloadSession:
             m.t0 = self.t0_base or 0
         for check in self.across.checks:
             kinds = check.wants(tag)
-            if kinds:
+            if kinds and check.merged:
                 m.wants.append((check, frozenset(kinds)))
+            elif kinds:
+                m.direct.append(check)
         m.wanted = frozenset().union(*(kinds for _, kinds in m.wants))
         self.members.append(m)
         self._accept(None, [f for check in self.across.checks for f in check.trace_added(tag)])
@@ -472,6 +313,8 @@ class WorkloadSession:
             found = m.suite.observe_many(batch)
             if found:
                 self._accept(index, found)
+        for check in m.direct:
+            self._accept(None, check.see_batch(tag, batch))
         m.last_t = m.t0 + batch[-1].t
         wanted = m.wanted
         if wanted:
@@ -504,7 +347,7 @@ class WorkloadSession:
             _, index, _, event = heapq.heappop(cross)
             tag = self.members[index].tag
             if event is None:
-                self._accept(None, [f for check in self.across.checks for f in check.trace_ended(tag)])
+                self._accept(None, [f for check in self.across.checks if check.merged for f in check.trace_ended(tag)])
                 continue
             for check, kinds in self.members[index].wants:
                 if type(event) in kinds:
@@ -517,6 +360,7 @@ class WorkloadSession:
                 raise m.error
             self._unusable(m.tag.name, f"{m.error} (its events before that were checked)")
         self._accept(m.tag.index, m.suite.finish())
+        self._accept(None, [f for check in self.across.checks if not check.merged for f in check.trace_ended(m.tag)])
         for note in m.source.notes:
             self.notes.append(f"{m.tag.name}: {note}" if len(self.members) > 1 else note)
         # the trace's end joins the merge after its last event, so the rules across traces see it in order

@@ -153,27 +153,6 @@ def test_info_export_and_replay_take_a_workloads_traces(tmp_path, capsys):
     assert _pick([str(tmp_path)], "1").endswith("rank0.kvtrace") and "2 rank1.kvtrace" in capsys.readouterr().err
 
 
-def test_watch_checks_the_other_traces_of_its_workload(tmp_path):
-    from types import SimpleNamespace
-
-    from kvdoctor.checks import make_suite
-    from kvdoctor.commands.watch import _OtherTraces
-
-    # GIVEN a watched workload whose first trace is on screen and whose second cache leaks
-    workload = SimpleNamespace(trace=tmp_path / "workload.kvtrace", title="two caches", returncode=None)
-    write(workload.trace, [StepEnd(t=1)])
-    checker = _OtherTraces(make_suite(), Config(), workload)
-    write(tmp_path / "workload.2.kvtrace", leaky())
-    time.sleep(1.0)
-    # WHEN the screen's trace goes on, and the workload exits
-    found = list(checker.observe(StepEnd(t=2, step=1)))
-    workload.returncode = 0
-    found += checker.finish()
-    # THEN the leak of the second trace reaches the screen's findings, naming its trace, its block kept aside
-    assert found and {f.trace.rsplit("/", 1)[1] for f in found} == {"workload.2.kvtrace"}
-    assert all(f.block is None for f in found) and any(f.evidence.get("block") == 0 for f in found)
-
-
 def test_a_trace_without_t0_counts_from_the_earliest_t0_of_the_workload(tmp_path):
     # GIVEN an old trace with no t0 that saves at t=100 and a newer one (t0 set) that loads at t=500
     save = [TransferStart(t=100, transfer="s", op="save", blocks=[0], seq="p", key="k", digests=[1]),

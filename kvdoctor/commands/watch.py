@@ -1,10 +1,13 @@
 """``kvdoctor watch``: the live TUI over a workload's KV cache, as it runs.
 
-Three sources: ``--demo`` (the embedded model serving a stream of chat requests, in a
-child process), ``-- CMD ARGS…`` (your workload, started with tracing switched on), and
-``--trace FILE`` (a trace another process is writing). The workload always runs in its
-own process and writes a trace file that the TUI follows, so a slow step never freezes
-the screen and a crash leaves the last state on it.
+Sources: ``--demo`` (the embedded model serving a stream of chat requests, in a child
+process), ``-- CMD ARGS…`` (your workload, started with tracing switched on: every trace it
+writes, each cache's and each process's, joins the screen as it appears), ``--trace FILE``
+(a trace another process is writing; several, or a directory: a workload's traces) and
+``--pid PID`` (a process already running). The workload always runs in its own process and
+writes trace files that the TUI follows, so a slow step never freezes the screen and a crash
+leaves the last state on it. A workload of several traces shows one at a time, with a
+selector (t / T), and the findings of all of them.
 """
 
 from __future__ import annotations
@@ -107,15 +110,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvdoctor watch: waiting up to {wait:g} s for {args.trace} to appear", file=sys.stderr)
         wait_header(args.trace, wait)
 
-    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
-        raise UsageError(f"--metrics-port must be 1-65535, got {args.metrics_port}")
     config = load_config(args.config)
-    metrics = None
-    if args.metrics_port is not None:
-        from ..metrics import CacheMetrics
-
-        metrics = CacheMetrics()
-        metrics.serve(args.metrics_port)  # before the screen opens: a taken port is one line, exit 2
+    metrics = _serve_metrics(args)
 
     # The workload starts before the screen's modules load: a model's load then overlaps the TUI's.
     from ..tui.workload import Workload
@@ -127,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
     elif command:
         workload = Workload(command, fault=args.fault)
     try:
-        _run_screen(args, config, metrics, workload)
+        if command:
+            _watch_command(workload, args, config, metrics)
+        else:
+            _run_screen(args, config, metrics, workload)
     finally:
         if workload is not None:
             workload.stop()
@@ -136,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
                 workload.remove()  # nothing left behind in the temp folder
     if workload is not None and args.keep_trace:
         # The trace outlives the screen: the same session can be replayed or checked later.
-        print(f"{ending}; its trace: {workload.trace} "
-              f"(kvdoctor replay {workload.trace}, kvdoctor check --trace {workload.trace})", file=sys.stderr)
+        kept = workload.trace.parent if command else workload.trace
+        print(f"{ending}; its trace{'s' if command else ''}: {kept} "
+              f"(kvdoctor replay {kept}, kvdoctor check --trace {kept})", file=sys.stderr)
     elif workload is not None:
         print(f"{ending} (--keep-trace keeps its trace to replay or check)", file=sys.stderr)
     return 0
@@ -164,36 +164,60 @@ def _watch_process(args: argparse.Namespace) -> int:
 
 def _watch_workload(args: argparse.Namespace) -> int:
     """``--trace`` naming several traces or a directory: every trace checked, on its own and across the others;
-    the screen shows one trace's state at a time and the findings of all of them."""
-    from ..errors import UsageError
+    the screen shows one trace's state at a time and the findings of all of them. A trace that appears in the
+    directory while the others are still written joins them."""
+    from ..config import load_config
     from ..workload import TraceSet
 
-    if args.metrics_port is not None:
-        raise UsageError("--metrics-port serves one trace's metrics; for a workload's traces run "
-                         "kvdoctor check --trace DIR --follow --metrics-port N")
-    _show_workload(TraceSet.open(args.trace, wait_s=args.wait if args.wait is not None else 10.0), args)
+    config = load_config(args.config)
+    traces = TraceSet.open(args.trace, wait_s=args.wait if args.wait is not None else 10.0,
+                           alive=lambda: traces.writers_alive())  # a process still writing may open another cache
+    _show_workload(traces, args, config, _serve_metrics(args))
     return 0
 
 
-def _show_workload(traces: Any, args: argparse.Namespace) -> None:
+def _watch_command(workload: Any, args: argparse.Namespace, config: Any, metrics: Any) -> None:
+    """``-- CMD``: every trace the workload writes (a second cache, another process: ``run.2.kvtrace`` …) joins the
+    screen as it appears, with the trace selector once there are two; the first is waited for until the workload
+    exits (up to ``--wait``)."""
+    from ..workload import TraceSet
+
+    wait = args.wait if args.wait is not None else 300.0
+    traces = TraceSet.of_child(workload, str(workload.trace.parent), name=workload.title, wait_s=wait)
+    _show_workload(traces, args, config, metrics, workload=workload)
+
+
+def _show_workload(traces: Any, args: argparse.Namespace, config: Any = None, metrics: Any = None,
+                   workload: Any = None) -> None:
     """A screen over every trace of ``traces``, each checked on its own and across the others."""
     from ..config import load_config
-    from ..tui.app import KvdoctorApp
-    from ..tui.traces import WorkloadFeed
-    from ..workload import WorkloadSession
+    from ..tui.app import workload_app
 
-    config = load_config(args.config)
-    session = WorkloadSession(traces, config, name_traces=True)
-    KvdoctorApp(lambda publish: WorkloadFeed(session, publish, limits=config.limits)).run()
+    config = config if config is not None else load_config(args.config)
+    workload_app(traces, config, workload=workload, metrics=metrics).run()
+
+
+def _serve_metrics(args: argparse.Namespace) -> Any:
+    """``--metrics-port``'s metrics, served before the screen opens (a taken port is one line, exit 2), or None."""
+    from ..errors import UsageError
+
+    if args.metrics_port is None:
+        return None
+    if not 0 < args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port must be 1-65535, got {args.metrics_port}")
+    from ..metrics import CacheMetrics
+
+    metrics = CacheMetrics()
+    metrics.serve(args.metrics_port)
+    return metrics
 
 
 def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: Any) -> None:
+    """The demo's screen, or one trace followed (``--trace FILE``)."""
     from ..tui.app import KvdoctorApp
     from ..tui.feed import LiveFeed, suite_factory
 
     checker_factory = suite_factory(config)
-    if workload is not None:
-        checker_factory = _with_other_traces(checker_factory, config, workload)
     if metrics is not None:
         from ..metrics import metered
 
@@ -206,62 +230,3 @@ def _run_screen(args: argparse.Namespace, config: Any, metrics: Any, workload: A
         workload=workload,
     )
     app.run()
-
-
-def _with_other_traces(factory: Any, config: Any, workload: Any) -> Any:
-    """The screen shows the workload's first trace; every other trace it writes (a second cache, another
-    process) is checked too, on a thread of its own, each on its own and across them
-    (``kvdoctor.workload``), and its findings join the screen's list with the next event shown."""
-
-    def make(header: Any) -> Any:
-        return _OtherTraces(factory(header), config, workload)
-
-    return make
-
-
-class _OtherTraces:
-    """A checker for the feed: the shown trace's suite, plus the findings of the workload's other traces.
-
-    Those findings name their trace and leave ``block`` to the evidence, so the block map of the trace on
-    screen never marks a block of another trace."""
-
-    def __init__(self, suite: Any, config: Any, workload: Any) -> None:
-        import queue
-        import threading
-
-        from ..workload import TraceSet, WorkloadSession
-
-        self.suite = suite
-        self._found: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        traces = TraceSet(f"the other traces of {workload.title}", watch=str(workload.trace.parent),
-                          alive=lambda: workload.returncode is None, skip=[str(workload.trace)])
-        traces.follow = True
-        self.session = WorkloadSession(traces, config, name_traces=True)
-        self._thread = threading.Thread(target=self._run, name="kvdoctor-other-traces", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import msgspec
-
-        for _, found in self.session:
-            for f in found:
-                if f.block is not None:
-                    f = msgspec.structs.replace(f, block=None, evidence={**f.evidence, "block": f.block})
-                self._found.put(f)
-
-    def _drain(self) -> list[Any]:
-        out = []
-        while not self._found.empty():
-            out.append(self._found.get())
-        return out
-
-    def observe(self, event: Any) -> list[Any]:
-        found = self.suite.observe(event)
-        return [*found, *self._drain()] if not self._found.empty() else found
-
-    def finish(self) -> list[Any]:
-        self._thread.join(10.0)  # the workload is gone: its other traces end as their writers did
-        if self._thread.is_alive():
-            self.session.stop()
-            self._thread.join(2.0)
-        return [*self.suite.finish(), *self._drain()]

@@ -37,7 +37,7 @@ from .widgets.output import OutputView
 from .widgets.traces import TraceBar
 from .workload import Workload
 
-__all__ = ["KvdoctorApp", "SnapshotReady", "bus_app", "watch_bus"]
+__all__ = ["KvdoctorApp", "SnapshotReady", "bus_app", "watch_bus", "workload_app"]
 
 TABS = ("overview", "findings", "attention", "memory", "events", "output")
 _MAIN_WIDGET = {"overview": "blocks", "findings": "findings-list", "attention-tab": "attention",
@@ -327,3 +327,17 @@ def bus_app(bus: Any, header: Any, target: Callable[[], Any], *,
         return feed
 
     return KvdoctorApp(make_feed, show_pid=show_pid)
+
+
+def workload_app(traces: Any, config: Any = None, *, workload: Workload | None = None,
+                 metrics: Any = None) -> KvdoctorApp:
+    """The app over every trace of a workload (a ``kvdoctor.workload.TraceSet``; ``watch --trace DIR``, ``-- CMD``,
+    ``--pid``): each checked on its own and across the others, one shown at a time. ``workload``: the process
+    kvdoctor started, if it did; ``metrics``: a ``kvdoctor.metrics.CacheMetrics`` to feed."""
+    from ..config import Config
+    from ..workload import WorkloadSession
+
+    config = config if config is not None else Config()
+    session = WorkloadSession(traces, config, name_traces=True)
+    return KvdoctorApp(lambda publish: WorkloadFeed(session, publish, workload=workload, metrics=metrics,
+                                                    limits=config.limits), workload=workload)

@@ -85,7 +85,9 @@ class Feed(threading.Thread):
         # Adds to each finding what the workload's Python was doing (py-spy) and the memory curve.
         self._attributor: Any = None
         self.status = ""
-        self.output = ""  # what the workload printed last (SourceFeed with a workload)
+        self.workload: Workload | None = None  # a workload kvdoctor started: its output is shown, py-spy may read it
+        self.output = ""  # what the workload printed last
+        self._log_size = -1
         self.failed: str | None = None  # set when the source could not be read at all
         # Set while the feed has nothing to do until it is told (a replay waiting for a key, a
         # finished live source): what tests and scripts wait for before reading the screen.
@@ -155,6 +157,19 @@ class Feed(threading.Thread):
             self._dirty = True
             self._publish()
 
+    def _read_output(self) -> None:
+        """The end of the workload's output (the demo's answers), read again whenever its log grew."""
+        if self.workload is None:
+            return
+        try:
+            size = os.stat(self.workload.log).st_size
+        except OSError:
+            return
+        if size != self._log_size:
+            self._log_size = size
+            self.output = self.workload.log_tail()
+            self._dirty = True
+
     def _finish_checks(self, reason: str) -> None:
         with self.lock:
             if self._checker is not None:
@@ -211,7 +226,6 @@ class SourceFeed(Feed):
         self._waiting = (f"starting {workload.title}" if workload is not None
                          else waiting or f"waiting for {source.name}")
         self._running = running or f"following {source.name}"
-        self._log_size = -1
 
     def stop(self) -> None:
         super().stop()
@@ -246,19 +260,6 @@ class SourceFeed(Feed):
         self._finish_checks(self._end_reason())
         self._read_output()
         self._set_status(self.monitor.ended or "")
-
-    def _read_output(self) -> None:
-        """The end of the workload's output (the demo's answers), read again whenever its log grew."""
-        if self.workload is None:
-            return
-        try:
-            size = os.stat(self.workload.log).st_size
-        except OSError:
-            return
-        if size != self._log_size:
-            self._log_size = size
-            self.output = self.workload.log_tail()
-            self._dirty = True
 
     def _end_reason(self) -> str:
         stopped = self._stop_event.is_set()

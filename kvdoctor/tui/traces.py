@@ -6,12 +6,17 @@ does) and folds each trace's events into a ``Monitor`` of its own, so the block 
 memory and event log are always one trace's: block ids, steps and sequences belong to a trace. The screen
 shows the trace the user picked (``select``); the findings list is merged over every trace, each finding
 naming the trace it came from, and a finding marks blocks in its own trace's map only.
+
+A workload kvdoctor started (``kvdoctor watch -- CMD``) is such a workload too: every trace it writes, in the folder
+its ``KVDOCTOR_TRACE`` names, joins the screen as it appears (``TraceSet.of_child``); its output is the Output
+screen's, py-spy reads its stacks when a finding fires, and the screen ends with how it exited.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import deque
 from typing import Any
 
@@ -20,6 +25,7 @@ from ..findings import Finding
 from ..limits import Limits
 from .feed import Feed, Publish
 from .state import Monitor, Snapshot, TraceView
+from .workload import Workload
 
 __all__ = ["WorkloadFeed", "label_of"]
 
@@ -38,9 +44,12 @@ def label_of(tag: TraceTag) -> str:
 class WorkloadFeed(Feed):
     """Every trace of ``session``'s workload, checked on this thread; the screen shows one trace at a time."""
 
-    def __init__(self, session: Any, publish: Publish, *, fps: float = 15.0, limits: Limits | None = None) -> None:
+    def __init__(self, session: Any, publish: Publish, *, workload: Workload | None = None, metrics: Any = None,
+                 fps: float = 15.0, limits: Limits | None = None) -> None:
         super().__init__(publish, checker_factory=None, fps=fps, limits=limits)
         self.session = session
+        self.workload = workload
+        self._metrics = metrics  # a ``kvdoctor.metrics.CacheMetrics`` fed every event and finding, or None
         self._monitors: dict[int, Monitor] = {}  # trace index -> its state
         self._by_name: dict[str, int] = {}  # trace name -> index, to route a finding to its trace's map
         self._views: tuple[TraceView, ...] = ()
@@ -73,7 +82,14 @@ class WorkloadFeed(Feed):
     # ---- the thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._set_status(f"reading {self.session.name}")
+        workload, metrics = self.workload, self._metrics
+        self._set_status(f"starting {workload.title}" if workload is not None else f"reading {self.session.name}")
+        attributor = None
+        if workload is not None:
+            from ..attribution import Attributor
+
+            # The workload is our child, so py-spy may read its stacks when a finding fires.
+            attributor = Attributor(pid=workload.pid, pyspy_timeout_s=3.0)
         running = f"following {self.session.name}"
         for tag, event, _ in self.session.tagged():
             if tag is None:
@@ -83,19 +99,42 @@ class WorkloadFeed(Feed):
                 if monitor is None:
                     monitor = self._add_trace(tag)
                 monitor.observe(event)
-                self._take_findings()
+                found = self.session.new_findings()
+                if found and attributor is None:
+                    self._take_findings(found)
+            if attributor is not None:
+                attributor.observe(event)
+                if found:  # py-spy takes milliseconds to seconds: never while the UI may wait on the lock
+                    enriched = [attributor.enrich(f) for f in found]
+                    with self.lock:
+                        self._take_findings(enriched)
+            if metrics is not None:
+                metrics.observe(event)
+                if found:
+                    metrics.add_findings(found)
             self._dirty = True
             if self.status != running:
                 self._set_status(running)
             self._publish()
         with self.lock:
-            self._take_findings()
-            ended = "end of every trace" if not self.session.traces.unusable else \
-                f"end of every trace; {len(self.session.traces.unusable)} unusable (see the findings)"
+            self._take_findings(self.session.new_findings())
+            ended = self._end_reason()
             for monitor in self._monitors.values() or (self.monitor,):
                 monitor.finish(ended)
         self._dirty = True
         self._set_status(ended)
+
+    def _end_reason(self) -> str:
+        if self._stop_event.is_set():
+            return "stopped"
+        ended = self.workload.exit_message() if self.workload is not None else "end of every trace"
+        unusable = self.session.traces.unusable
+        return ended + (f"; {len(unusable)} unusable (see the findings)" if unusable else "")
+
+    def _publish(self, force: bool = False) -> None:
+        if self.workload is not None and (force or time.monotonic() - self._last_publish >= self._interval):
+            self._read_output()  # what the workload printed since the last frame (the Output screen)
+        super()._publish(force)
 
     def _add_trace(self, tag: TraceTag) -> Monitor:
         monitor = self._monitors[tag.index] = Monitor(tag.header, self._limits)
@@ -105,9 +144,9 @@ class WorkloadFeed(Feed):
             self.monitor = monitor  # the first trace is shown until the user picks another
         return monitor
 
-    def _take_findings(self) -> None:
-        """The session's new findings: each into the merged list, and onto its own trace's state."""
-        for f in self.session.new_findings():
+    def _take_findings(self, found: list[Finding]) -> None:
+        """New findings of the session: each into the merged list, and onto its own trace's state."""
+        for f in found:
             self._findings.append(f)
             self._counts[f.severity] = self._counts.get(f.severity, 0) + 1
             index = self._by_name.get(f.trace) if f.trace is not None else None

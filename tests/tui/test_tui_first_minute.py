@@ -87,7 +87,7 @@ def test_watch_leaves_no_directory_in_the_temp_folder_unless_asked(tmp_path: Pat
     from kvdoctor.commands import watch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(watch, "_run_screen", lambda args, config, metrics, workload: workload.wait(60))
+    monkeypatch.setattr(watch, "_watch_command", lambda workload, args, config, metrics: workload.wait(60))
     argv = ["watch", *(["--keep-trace"] if keep else []), "--", sys.executable, "-c", ANSWERING]
     # WHEN it runs and ends
     assert main(argv) == 0
@@ -95,6 +95,6 @@ def test_watch_leaves_no_directory_in_the_temp_folder_unless_asked(tmp_path: Pat
     left = list(tmp_path.glob("kvdoctor-watch-*"))
     # THEN by default its directory is gone and the last line says how to keep it; with --keep-trace it stays
     if keep:
-        assert len(left) == 1 and (left[0] / "workload.kvtrace").is_file() and "its trace:" in err
+        assert len(left) == 1 and (left[0] / "workload.kvtrace").is_file() and "its traces:" in err
     else:
         assert left == [] and "--keep-trace keeps its trace" in err
