@@ -522,7 +522,8 @@ class VllmTracer(BufferedTrace):
         end = pos + n
         table = block_ids[:-(-end // self.block_size)]
         read = [b for b in table if b != self.null_id]
-        first = next((i for i, b in enumerate(table) if b != self.null_id), len(table))
+        first = 0 if table[:1] != [self.null_id] else next((i for i, b in enumerate(table) if b != self.null_id),
+                                                            len(table))
         self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read],
                    span=[min(first * self.block_size, end), end])
 

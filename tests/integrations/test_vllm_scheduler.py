@@ -117,6 +117,18 @@ def test_prefix_hits_and_evictions_of_the_prefix_cache_are_clean(harness):
     assert reads and {(e.seq, tuple(e.span)) for e in reads} == {(row, (0, end)) for row, end in rows}
 
 
+def test_a_sliding_window_that_drops_blocks_is_clean_and_reads_span_the_window(harness):
+    # GIVEN a sliding window of 40 tokens over blocks of 16, and a prompt and output far longer
+    h = harness(sliding_window=40, max_num_batched_tokens=2 * BS)
+    h.request("long", list(range(1000, 1000 + 6 * BS)), max_tokens=3 * BS)
+    h.run()
+    events = _clean(h)
+    # THEN vLLM dropped the blocks behind the window, and each read's span starts at the first block it kept
+    reads = [e for e in events if type(e) is Read]
+    assert reads[-1].span[0] > 0 and len(reads[-1].blocks) < reads[-1].span[1] // BS
+    assert all(e.span[0] % BS == 0 and len(e.blocks) == -(-e.span[1] // BS) - e.span[0] // BS for e in reads)
+
+
 def test_preemption_and_resumption_are_clean(harness):
     # GIVEN six requests that together need more blocks than the pool holds
     h = harness(num_blocks=14, max_num_batched_tokens=4 * BS)

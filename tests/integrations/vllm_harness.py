@@ -34,7 +34,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -270,11 +270,13 @@ def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_
                  max_num_seqs: int = 8, max_model_len: int = 1024, prefix_caching: bool = True,
                  policy: str = "fcfs", num_speculative_tokens: int | None = None,
                  connector: bool | str = False, connector_config: dict | None = None,
-                 async_scheduling: bool = False, long_prefill_token_threshold: int = 0) -> Harness:
+                 async_scheduling: bool = False, long_prefill_token_threshold: int = 0,
+                 sliding_window: int | None = None) -> Harness:
     """A scheduler on ``num_blocks`` blocks (plus vLLM's null block) with kvdoctor tracing it.
 
     ``connector=True`` attaches the stand-in ``HarnessConnector``; a string names one of vLLM's own
-    connectors (its scheduler half runs for real), configured by ``connector_config``.
+    connectors (its scheduler half runs for real), configured by ``connector_config``. ``sliding_window``
+    makes the one attention group a sliding window of that many tokens (vLLM drops the blocks it leaves).
     """
     model_config = ModelConfig(model=_model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_model_len)
@@ -297,9 +299,10 @@ def make_harness(path: Path, *, num_blocks: int = 64, block_size: int = 16, max_
                              device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                              speculative_config=speculative)
     total = num_blocks + 1  # block 0 is the null block vLLM never hands out
+    shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    spec = SlidingWindowSpec(sliding_window=sliding_window, **shape) if sliding_window else FullAttentionSpec(**shape)
     kv_cache_config = KVCacheConfig(num_blocks=total, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
+        KVCacheGroupSpec(["layer"], spec)])
     cache_config.num_gpu_blocks = total
     scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
     scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
