@@ -9,15 +9,18 @@ row off, a zeroed block, small noise on its keys) fires once at step 2; the repo
 block, the steps until the first integrity finding (None: not found in the run), and, over the clean run, the
 most steps any block went unverified while its sequence read it. ``--prompt-tokens 640`` makes every prompt
 40 blocks long (more blocks than N); ``--torch-layers`` decodes by the torch path instead of the compiled
-layers (which verify one block a row inside attention).
+layers (which verify a read's picks inside attention, over the bytes they read).
 
-``--cost`` measures what the sweep costs a decode step instead, at batch 1 and 8 (listened: digests are kept only then):
-the blocks it verifies a step, each costed as a pass over the block's bytes (``verify``, timed in place in a
-run of ``full`` verification; the compiled layers' verification inside attention reads bytes attention has
-just read, so this bounds it from above), plus the sampler's own time. Usage::
+``--cost`` measures what the sweep costs a decode step instead, at batch 1 and 8 (listened: digests are kept only
+then), by CPU time (on a shared machine, what other processes take is not counted): on the compiled layers, each
+step that verifies runs its layers ``_REPEATS`` more pairs of times on a copy of its input, verifying and not, in
+turn first; the median difference per block verified, times the blocks verified a step, is the verification
+inside attention; plus what is verified by a pass over a block's bytes (the torch path, a mismatch looked at
+again) and the sampler, timed around their calls. A step's time leaves the extra runs out. On the torch path
+(``--torch-layers``) each block verified is costed as a pass (``verify``, timed in a run of ``full``). Usage::
 
     .venv/bin/python benchmarks/corruption.py [--faults bit-flip noise] [--prompt-tokens 640] [--torch-layers]
-    .venv/bin/python benchmarks/corruption.py --cost [--cost-tokens 128]
+    .venv/bin/python benchmarks/corruption.py --cost [--cost-tokens 128] [--prompt-tokens 640] [--torch-layers]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 PROMPTS = ["Tell me about the history of computing.", "What is a cache and why does it matter?",
            "Write a short poem about the sea.", "Explain paged attention in simple words."]
 FAULTS = ["overwrite-foreign", "bit-flip", "row-off-by-one", "zeroed-block", "noise"]
+_REPEATS = 4  # --cost: pairs of the compiled layers' runs, verifying and not, on each step that verifies
 
 
 class Gaps:
@@ -100,60 +104,98 @@ def run(lm: Any, fault: str | None, verify: str | None, new_tokens: int, prompts
             "max_unverified": dict(zip(("reads", "steps"), gaps.finish()))}
 
 
-def cost(lm: Any, batch: int, new_tokens: int) -> dict:
+def cost(lm: Any, batch: int, new_tokens: int, prompt_tokens: int | None) -> dict:
     """The sweep's cost per decode step at ``batch`` (see the module docstring)."""
+    import statistics
     import time
 
     from pairing import prefilled
     from kvdoctor.engine import Runner
+    from kvdoctor.engine.model.decode_layer import DecodeStep
     from kvdoctor.events import Read
 
-    prompts = (prompts_of(lm.tokenizer, None) * 2)[:batch]
-    runner = Runner.create(lm.model, tokenizer=lm.tokenizer, block_size=16, device_blocks=256, host_blocks=0)
+    prompts = (prompts_of(lm.tokenizer, prompt_tokens) * 2)[:batch]
+    blocks = sum(len(p) + new_tokens for p in prompts) // 16 + 2 * batch
+    runner = Runner.create(lm.model, tokenizer=lm.tokenizer, block_size=16, device_blocks=blocks + 16, host_blocks=0)
     book = runner.cache.digests
     picks: list[int] = []
     runner.bus.subscribe(lambda evs: picks.extend(sum(d is not None for d in e.digests or ()) for e in evs
                                                   if isinstance(e, Read)))
     inside = {"sample": 0.0, "verify": 0.0}
     originals = {name: getattr(book, name) for name in inside}
+    per_block: list[float] = []  # CPU seconds verifying one block inside the compiled layers' attention costs
+    extra = [0.0]  # CPU seconds of the runs ``twice`` adds
+    run_layers = DecodeStep.run
 
     def timed(name: str) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+        def call(*a: Any, **k: Any) -> Any:  # this thread's CPU time: the team's threads spin meanwhile
+            t0 = time.thread_time()
             try:
                 return originals[name](*a, **k)
             finally:
-                inside[name] += time.perf_counter() - t0
+                inside[name] += time.thread_time() - t0
         return call
 
+    def twice(step: DecodeStep, x: Any, cos: Any, sin: Any, kv: Any, verify: Any = None) -> Any:
+        """Before the step's layers run as asked, ``_REPEATS`` pairs of runs on copies of ``x`` (the same K/V
+        stored to the same rows), one verifying as asked and one not, in turn first: each pair's difference per
+        block verified is what verifying a block inside attention costs."""
+        if not verify or not any(verify):
+            return run_layers(step, x, cos, sin, kv, verify)
+        n, t_start = sum(map(len, verify)), time.process_time()
+        for i in range(_REPEATS):
+            took = {}
+            for verifying in ((True, False) if i % 2 == 0 else (False, True)):
+                t0 = time.process_time()
+                run_layers(step, x.clone(), cos, sin, kv, verify if verifying else None)
+                took[verifying] = time.process_time() - t0
+            per_block.append((took[True] - took[False]) / n)
+        extra[0] += time.process_time() - t_start
+        return run_layers(step, x, cos, sin, kv, verify)
+
     def decode(mode: str) -> tuple[float, float, dict[str, float]]:
-        """(seconds a step, blocks verified a step, seconds a step inside each timed part) of one run."""
+        """(CPU seconds a step, blocks verified a step, seconds a step inside each timed part) of one run; a
+        step's time leaves out the compiled layers' second call."""
         book.mode = mode
         sched = prefilled(runner, prompts, new_tokens)
+        for _ in range(sum(map(len, prompts)) // sched.max_step_tokens):  # the prefills the first step left
+            sched.step()
         picks.clear()
         for name in inside:
             inside[name] = 0.0
-        steps, t0 = 0, time.perf_counter()
+        per_block.clear()
+        extra[0] = 0.0
+        steps, t0 = 0, time.process_time()  # CPU time: on a shared machine, what others take is not counted
         while sched.live:
             sched.step()
             steps += 1
-        return (time.perf_counter() - t0) / steps, sum(picks) / steps, {k: v / steps for k, v in inside.items()}
+        spent = time.process_time() - t0 - extra[0]
+        return spent / steps, sum(picks) / steps, {k: v / steps for k, v in inside.items()}
 
     for name in inside:
         setattr(book, name, timed(name))
+    DecodeStep.run = twice
     try:
-        step_s, per_step, parts = decode("sample")
         _, full_blocks, full_parts = decode("full")  # every block of every read by a pass: the cost of one
+        step_s, per_step, parts = decode("sample")
     finally:
+        DecodeStep.run = run_layers
         book.mode = "sample"
         for name, fn in originals.items():
             setattr(book, name, fn)
         runner.close()
     block_us = 1e6 * full_parts["verify"] / full_blocks
-    total_us = per_step * block_us + 1e6 * parts["sample"]
-    return {"batch": batch, "step_ms": round(1e3 * step_s, 2), "picks_per_step": round(per_step, 3),
-            "block_us": round(block_us, 1), "sample_us": round(1e6 * parts["sample"], 1),
-            "sweep_us": round(total_us, 1), "share": round(total_us / (1e6 * step_s), 5)}
+    pairs = len(per_block)
+    block_in_attention_us = 1e6 * statistics.median(per_block) if pairs else 0.0
+    in_attention_us = per_step * block_in_attention_us
+    # verified by a pass (the torch path, first reads, a mismatch looked at again) and the sampler, as timed
+    passes_us = 1e6 * (parts["verify"] + parts["sample"])
+    total_us = in_attention_us + passes_us if pairs else per_step * block_us + 1e6 * parts["sample"]
+    return {"batch": batch, "blocks": -(-len(prompts[0]) // 16), "step_ms": round(1e3 * step_s, 2),
+            "picks_per_step": round(per_step, 3), "block_us": round(block_us, 1),
+            "sample_us": round(1e6 * parts["sample"], 1), "passes_us": round(passes_us, 1), "kernel_pairs": pairs,
+            "block_in_attention_us": round(block_in_attention_us, 1), "in_attention_us": round(in_attention_us, 1), "sweep_us": round(total_us, 1),
+            "share": round(total_us / (1e6 * step_s), 5)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(None)
     if args.cost:
         for batch in (1, 8):
-            r = cost(lm, batch, args.cost_tokens)
+            r = cost(lm, batch, args.cost_tokens, args.prompt_tokens)
+            how = (f"inside attention at {r['block_in_attention_us']} us a block (median of {r['kernel_pairs']} "
+                   f"pairs) = {r['in_attention_us']} us, by passes and the sampler {r['passes_us']} us"
+                   if r["kernel_pairs"] else
+                   f"at {r['block_us']} us each by a pass, sampler {r['sample_us']} us")
             print(json.dumps(r) if args.json else
-                  f"batch {batch}: {r['picks_per_step']} blocks verified a step at {r['block_us']} us each, sampler "
-                  f"{r['sample_us']} us: {r['sweep_us']} us of a {r['step_ms']} ms step ({100 * r['share']:.2f}%)",
-                  flush=True)
+                  f"batch {batch} ({r['blocks']} blocks a row): {r['picks_per_step']} blocks verified a step, {how}: "
+                  f"{r['sweep_us']} us of a {r['step_ms']} ms step ({100 * r['share']:.2f}%)", flush=True)
         return 0
     prompts = prompts_of(lm.tokenizer, args.prompt_tokens)
     for fault in [None, *args.faults]:

@@ -216,11 +216,13 @@ HOT Head softmax_stats(const float *s, const float *e, int64_t len, int64_t sink
   return (Head){mx, logf(z) - moment / z, zs / z, 0.f};
 }
 
-/* A sampled read's verification inside attention (digest.py): per row the block to verify (-1: none), the
- * digest's weights of K and V (H_kv, D) and of this layer's record columns (mix: U, one per position), and
- * out (M, H_kv): each row's and kv head's share of the block's digest in this layer. */
+/* A sampled read's verification inside attention (digest.py): per row the K blocks to verify (M, K: block
+ * indices, -1 for none), the digest's weights of K and V (H_kv, D) and of this layer's record columns (mix: U,
+ * one per position), and out (M, K, H_kv): each row's, pick's and kv head's share of the block's digest in
+ * this layer. */
 typedef struct {
   const int64_t *block, *wk, *wv, *mix;
+  int64_t K;
   uint64_t *out;
 } Verify;
 
@@ -292,13 +294,15 @@ HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D
     memcpy(o + g * D, acc[g], (size_t)D * sizeof *o);
     for (int64_t t = len; t < T; t++) { s[g * T + t] = -FLT_MAX; p[g * T + t] = 0.f; }
   }
-  if (vf && vf->block[b] >= 0) { /* the row's block verified this step: its bytes just read, weighed as a digest */
-    const int64_t j = vf->block[b], n = len - j * bs < bs ? len - j * bs : bs, size = bf ? 2 : 4;
+  for (int64_t pick = 0; vf && pick < vf->K; pick++) { /* the row's blocks verified this step: bytes just read */
+    const int64_t j = vf->block[b * vf->K + pick], size = bf ? 2 : 4;
+    if (j < 0) continue;
+    const int64_t n = len - j * bs < bs ? len - j * bs : bs;
     uint64_t share = 0;
     for (int64_t u = 0; u < n; u++)
       share += (uint64_t)vf->mix[u] * (unit_sum((const char *)kv + (krow[j] + u * D) * size, vf->wk + kh * D, D, bf) +
                                        unit_sum((const char *)kv + (vrow[j] + u * D) * size, vf->wv + kh * D, D, bf));
-    vf->out[b * Hkv + kh] = share;
+    vf->out[(b * vf->K + pick) * Hkv + kh] = share;
   }
 }
 
@@ -342,7 +346,7 @@ HOT void decode_layers(const int bf, const decode_args *a) {
   const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
   for (int64_t l = 0; l < L; l++) {
     const layer_weights *w = layers + l;
-    const Verify vf = {vblock, wk, wv, mix + l * U, vsums + l * M * Hkv};
+    const Verify vf = {vblock, wk, wv, mix + l * U, vk, vsums + l * M * vk * Hkv};
     void *q = (char *)qkv + l * M * Q * size;
     float *scores = newest + (keep ? l : 0) * 2 * M * H * T, *probs = scores + M * H * T;
     layer_pre(bf, M, hidden, H, Hkv, D, x, w->norm1, w->eps1, w->qkv, cos, sin, q, kv[l], rows, wk, wv,
@@ -367,12 +371,12 @@ HOT void decode_layers(const int bf, const decode_args *a) {
         shares[m * U + c] = acc;
       }
   }
-  for (int64_t m = 0; vblock && m < M; m++) { /* a verified block's digest: its shares over layers and kv heads */
-    if (vblock[m] < 0) continue;
+  for (int64_t mk = 0; vblock && mk < M * vk; mk++) { /* a verified block's digest: its shares over layers and heads */
+    if (vblock[mk] < 0) continue;
     uint64_t total = 0;
     for (int64_t l = 0; l < L; l++)
-      for (int64_t kh = 0; kh < Hkv; kh++) total += vsums[(l * M + m) * Hkv + kh];
-    vtotal[m] = total;
+      for (int64_t kh = 0; kh < Hkv; kh++) total += vsums[(l * M * vk + mk) * Hkv + kh];
+    vtotal[mk] = total;
   }
 }
 
@@ -386,9 +390,9 @@ HOT void decode_layers(const int bf, const decode_args *a) {
  * units, the digest unit sums (digest.c) of each layer's new tokens' K and V, weighted by wk and wv (Hkv, D),
  * into units (L, M): what the cache's digests would sum from them (digest.py, _Layout.kv_units); and each
  * token's share of a block record's digest at each of its U columns, by the digest's weights mix (L, U),
- * into shares (M, U). With vblock (M: a block index of each row's, or -1), that block's digest over the
- * bytes attention read (digest.py's, by the same weights; its positions below the row's length) into
- * vtotal (M), each layer's and kv head's share of it into vsums (L, M, H_kv). With final_w, x ends normalised
+ * into shares (M, U). With vblock (M, vk: up to vk block indices of each row's, -1 for none), each such
+ * block's digest over the bytes attention read (digest.py's, by the same weights; its positions below the
+ * row's length) into vtotal (M, vk), each layer's and kv head's share of it into vsums (L, M, vk, H_kv). With final_w, x ends normalised
  * by the model's final RMSNorm (weight final_w, final_eps), as the lm head reads it. */
 void kvdoctor_decode_layers(const decode_args *args) {
   if (args->is_bf16) decode_layers(1, args);

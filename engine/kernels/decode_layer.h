@@ -26,7 +26,7 @@ typedef struct {
   X(int64_t, keep) X(int64_t, T) X(Head *, heads) X(int64_t, sink) X(float *, summary) X(float *, hent)    \
   X(float *, hmax) X(int64_t *, counts) X(const int64_t *, wk) X(const int64_t *, wv) X(uint64_t *, units) \
   X(const int64_t *, mix) X(int64_t, U) X(uint64_t *, shares) X(const int64_t *, vblock)                  \
-  X(uint64_t *, vsums) X(uint64_t *, vtotal) X(const void *, final_w) X(float *, scratch)                 \
+  X(int64_t, vk) X(uint64_t *, vsums) X(uint64_t *, vtotal) X(const void *, final_w) X(float *, scratch)  \
   X(double, final_eps) X(int64_t, threads)
 
 #define DECODE_FIELD(T, name) T name;

@@ -42,9 +42,8 @@ corruption is likeliest are verified at once: a sequence's first read verifies e
 ``blocks read / N`` block verifications a step: 1/N of what attention itself reads.
 
 A read of the compiled decode layers is verified inside their attention, over the bytes it reads
-(``PagedKVCache.sample_reads``), one block a row: the first of the read's picks, which puts credited picks
-before the never-verified ones; a pick left unverified keeps its stamp and comes first again at the next
-read. Only a mismatch is looked at again here, to name the layer.
+(``PagedKVCache.sample_reads``): every pick of every row, so the bound is the same on both paths. Only a
+mismatch is looked at again here, to name the layer.
 """
 
 from __future__ import annotations
@@ -459,7 +458,7 @@ class DigestBook:
         """Indices of ``blocks`` (one read of ``seq``, a ``SeqState``) to verify under the mode: in the sweep,
         the read's blocks verified longest ago that its credit pays for, then any never verified; every block
         on the sequence's first read (module docstring). The picks are stamped when verified (``verify``,
-        ``recorded``), not here: a reader that verifies only the first leaves the others first in line."""
+        ``recorded``), not here."""
         if self.mode == "full":
             return list(range(len(blocks)))
         if self.mode == "off" or not blocks:

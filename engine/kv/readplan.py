@@ -346,16 +346,15 @@ class Reads:
         return k, v
 
     # ---- what was read ----
-    def sample_reads(self, seqs: Sequence[Any]) -> list[int] | None:
+    def sample_reads(self, seqs: Sequence[Any]) -> list[list[int]] | None:
         c = self.cache
         if not (c.bus.enabled and c.digests.mode == "sample"):
             return None
-        picked = [c.digests.sample((s := c.seqs.require(seq)).blocks, s) for seq in seqs]
-        return [p[0] if p else -1 for p in picked]
+        return [c.digests.sample((s := c.seqs.require(seq)).blocks, s) for seq in seqs]
 
     def emit_read(self, seq: Any, blocks: Sequence[int] | None = None, layer: int | None = None, *,
                   versions: Sequence[int] | None = None, tiers: Sequence[str] | None = None,
-                  checked: tuple[int, int | None] | None = None) -> None:
+                  checked: Sequence[tuple[int, int]] | None = None) -> None:
         c = self.cache
         if not c.bus.enabled:
             return
@@ -369,13 +368,18 @@ class Reads:
             read = [c.pool.blocks.get(i) for i in ids]
             versions = list(versions) if versions is not None else [b.version if b is not None else -1 for b in read]
         digests = layers = None
-        if checked is None:
+        if checked is None:  # nobody digested the read's bytes as it read them: a pass over the picks now
             chosen = [i for i in c.digests.sample(read, s) if read[i] is not None]
-        else:
-            chosen = [checked[0]] if checked[0] >= 0 else []
+            got, bad = c.mover.verify([read[i] for i in chosen]) if chosen else ([], [])
+        else:  # the reader's digests stand where they are the records'; a mismatch is looked at again for its layer
+            chosen, got = [i for i, _ in checked], [d for _, d in checked]
+            bad = [None] * len(chosen)
+            again = [k for k, (i, d) in enumerate(checked) if not self._confirms(read[i], d)]
+            if again:
+                redone = c.mover.verify([read[chosen[k]] for k in again])
+                for k, d, lay in zip(again, *redone):
+                    got[k], bad[k] = d, lay
         if chosen:
-            confirmed = checked is not None and self._confirms(read[checked[0]], checked[1])
-            got, bad = ([checked[1]], [None]) if confirmed else c.mover.verify([read[i] for i in chosen])
             digests, layers = [None] * len(ids), [None] * len(ids)
             for i, d, lay in zip(chosen, got, bad):
                 digests[i], layers[i] = d, lay

@@ -53,7 +53,8 @@ class _Args(ctypes.Structure):
         ("nb", _I64), ("bs", _I64), ("lens", _PTR), ("newest", _PTR), ("keep", _I64), ("T", _I64),
         ("heads", _PTR), ("sink", _I64)] + [
         (name, _PTR) for name in ("summary", "hent", "hmax", "counts", "wk", "wv", "units", "mix")] + [
-        ("U", _I64)] + [(name, _PTR) for name in ("shares", "vblock", "vsums", "vtotal", "final_w", "scratch")] + [
+        ("U", _I64), ("shares", _PTR), ("vblock", _PTR), ("vk", _I64)] + [
+        (name, _PTR) for name in ("vsums", "vtotal", "final_w", "scratch")] + [
         ("final_eps", ctypes.c_double), ("threads", _I64)]
 
 
@@ -245,7 +246,7 @@ class DecodeStep:
             self.stats, self._stats_args, _ = L.held(("stats", M, per_head, sink),
                                                      lambda: _stats_buffers(L.num_layers, M, H, per_head, sink))
         self._weights = digest_weights
-        self._verify: Sequence[int] | None = None  # the blocks run verified (verified)
+        self._verify: np.ndarray | None = None  # (M, K) the blocks run verified, -1 padding (verified)
         self.units = self.shares = None
         if digest_weights is not None:
             self.units, self._units_at = L.units(M)
@@ -253,15 +254,20 @@ class DecodeStep:
                                                   lambda: _with_address(np.empty((M, digest_weights[2].shape[1]), np.uint64)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
-            verify: Sequence[int] | None = None) -> Newest | None:
+            verify: Sequence[Sequence[int]] | None = None) -> Newest | None:
         """Every layer for ``x`` (M, hidden), in place (normalised by the final norm after, when ``normed``), over
         the layers' arenas ``kv`` (``layer_kv``); every
         layer's rows' newest-query scores and probabilities, (L, M, H, T) each, when the step keeps them.
-        ``verify``: each row's block (an index into its table; -1: none) whose digest attention takes over the
-        bytes it reads (a sampled read's verification, ``PagedKVCache.sample_reads``), by the digest weights:
-        ``verified`` hands it back."""
+        ``verify``: each row's blocks (indices into its table) whose digests attention takes over the bytes it
+        reads (a sampled read's verification, ``PagedKVCache.sample_reads``: every pick, so the sweep's bound
+        holds here as on the torch path), by the digest weights: ``verified`` hands them back."""
         L = self.L
-        self._verify = verify if verify is not None and self._weights is not None and max(verify) >= 0 else None
+        self._verify = None
+        if verify is not None and self._weights is not None and any(verify):
+            K = max(len(p) for p in verify)
+            self._verify = np.full((self.M, K), -1, np.int64)
+            for row, picks in zip(self._verify, verify):
+                row[: len(picks)] = picks
         arenas = (_PTR * L.num_layers)(*(a.data_ptr() for a in kv))
         heads, sink, summary, hent, hmax, counts = self._stats_args
         wk, wv, units, mix, U, shares = self._digest_pointers()
@@ -273,19 +279,19 @@ class DecodeStep:
                      nb=self.blocks, bs=self.block_size, lens=self.lens.data_ptr(), newest=self.newest.data_ptr(),
                      keep=int(self.keep_scores), T=self.T, heads=heads, sink=sink, summary=summary, hent=hent,
                      hmax=hmax, counts=counts, wk=wk, wv=wv, units=units, mix=mix, U=U, shares=shares, vblock=vblock,
-                     vsums=vsums, vtotal=vtotal, final_w=L._final[0], scratch=self.scratch.data_ptr(),
+                     vk=0 if self._verify is None else self._verify.shape[1], vsums=vsums, vtotal=vtotal, final_w=L._final[0], scratch=self.scratch.data_ptr(),
                      final_eps=L._final[1], threads=torch.get_num_threads())
         L._kernel(ctypes.byref(args))
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 
     def _verify_pointers(self) -> tuple[int | None, int | None, int | None]:
-        """The kernel's verification arguments: each row's block, the shares out, the digests out."""
+        """The kernel's verification arguments: each row's blocks, the shares out, the digests out."""
         if self._verify is None:
             return None, None, None
-        L, M = self.L, self.M
-        (block, block_at), (self._vtotal, total_at), (_, sums_at) = L.held(("verify", M), lambda: (
-            _with_address(np.empty(M, np.int64)), _with_address(np.empty(M, np.uint64)),
-            _with_address(np.empty((L.num_layers, M, L.kv_heads), np.uint64))))
+        L, (M, K) = self.L, self._verify.shape
+        (block, block_at), (self._vtotal, total_at), (_, sums_at) = L.held(("verify", M, K), lambda: (
+            _with_address(np.empty((M, K), np.int64)), _with_address(np.empty((M, K), np.uint64)),
+            _with_address(np.empty((L.num_layers, M, K, L.kv_heads), np.uint64))))
         block[:] = self._verify
         return block_at, sums_at, total_at
 
@@ -294,11 +300,11 @@ class DecodeStep:
         """Whether ``run`` leaves ``x`` normalised by the model's final norm (a plain RMSNorm), ready for the lm head."""
         return self.L._final[0] is not None
 
-    def verified(self, row: int) -> tuple[int, int | None]:
-        """``(block index, digest)`` of row ``row``'s block that ``run`` verified, or ``(-1, None)``."""
-        if self._verify is None or self._verify[row] < 0:
-            return -1, None
-        return self._verify[row], int(self._vtotal[row])
+    def verified(self, row: int) -> list[tuple[int, int]]:
+        """``(block index, digest)`` of each of row ``row``'s blocks that ``run`` verified (none: empty)."""
+        if self._verify is None:
+            return []
+        return [(int(j), int(d)) for j, d in zip(self._verify[row], self._vtotal[row]) if j >= 0]
 
     def _digest_pointers(self) -> tuple[int | None, int | None, int | None, int | None, int, int | None]:
         """The kernel's digest arguments: the weights of K and V, the unit sums out, the columns' weights and

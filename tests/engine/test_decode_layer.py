@@ -151,8 +151,8 @@ def test_the_compiled_layers_apply_only_to_plain_llama_layers(monkeypatch):
 def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tmp_path, fault, verify):
     # GIVEN a traced run whose decode steps store K/V from the compiled layers (the cache's direct-store rows),
     # with or without a bit flipped in a block after a write, every read verified against the blocks' digests
-    # (full), or one block of every read in turn (the sweep at N = 1: attention takes that block's digest as it
-    # reads it)
+    # (full), or swept at N = 1 (every block of every read due each read: attention takes their digests as it
+    # reads them)
     from tests.engine.engine_support import findings_of
 
     model = tiny_llama(hidden_size=128, intermediate_size=256).model
@@ -168,15 +168,50 @@ def test_kv_the_compiled_layers_store_is_verified_like_any_other(monkeypatch, tm
     _, events, findings = findings_of(path)
     # THEN the decode steps stored directly, and a clean run gives no finding at all
     assert len(direct) == 7 and all(r is not None for r in direct)
-    checked = [d for e in events if isinstance(e, Read) and e.step > 0 for d in e.digests or () if d is not None]
     if fault is None:
         assert findings == []
-        # AND swept, every decode read carried one block's digest, taken by attention: only the prefill's
-        # reads (the torch path; a sequence's first read verifies every block it holds) were verified by a pass
-        # over the blocks afterwards
+        # AND swept, the sweep's bound holds on the compiled layers: at N = 1 every block of every decode read
+        # carried its digest, taken by attention, but a block first written in that step (it has no record
+        # until the step commits: its first verification is the next read's); only the prefill's reads (the
+        # torch path; a sequence's first read verifies every block it holds) were verified by a pass afterwards
         if verify == "sample":
-            prefill = [e for e in events if isinstance(e, Read) and e.step == 0]
-            assert len(checked) == 7 * len(PROMPTS) and looked == [len(e.blocks) for e in prefill]
+            reads = [e for e in events if isinstance(e, Read)]
+            prefill = [e for e in reads if e.step == 0]
+            decode = [(e, next(p for p in reversed(reads[:i]) if p.seq == e.seq)) for i, e in enumerate(reads)
+                      if e.step > 0]
+            assert len(decode) == 7 * len(PROMPTS)
+            assert all((d is None) == (b not in before.blocks) for e, before in decode
+                       for b, d in zip(e.blocks, e.digests))
+            assert looked == [len(e.blocks) for e in prefill]
             assert all(d is not None for e in prefill for d in e.digests)
     else:  # AND the flipped bit is found by the digests, as for K/V the cache stored itself
         assert [f.check for f in findings] == ["integrity"] and "bytes changed without a write" in findings[0].message
+
+
+def test_the_sweeps_bound_holds_on_the_compiled_layers_for_rows_longer_than_n_blocks(monkeypatch):
+    # GIVEN rows of 12 to 20 blocks of 4 tokens decoded by the compiled layers under the sweep at N = 4: each
+    # row earns 3 to 5 verifications a read, more than the one a row attention verified before
+    n = 4
+    model = tiny_llama(hidden_size=128, intermediate_size=256).model
+    prompts = [list(range(3, 51)), list(range(7, 83)), [9] * 60]
+    events: list = []
+    with _runner(model, True, monkeypatch, verify="sample", verify_every=n) as runner:
+        runner.bus.subscribe(events.extend)
+        used = []
+        step = runner._decode_step
+        runner._decode_step = lambda *a: used.append(step(*a)) or used[-1]
+        runner.generate(prompts, max_new_tokens=20)
+    assert sum(u is not None for u in used) == 19  # every decode step compiled
+    # THEN no block a row read went N of its reads without a verification, to the last read
+    reads: dict = {}
+    for e in events:
+        if isinstance(e, Read):
+            reads.setdefault(e.seq, []).append(e)
+    for seq, rs in reads.items():
+        last: dict[int, int] = {}
+        for r, e in enumerate(rs):
+            for b, d in zip(e.blocks, e.digests or [None] * len(e.blocks)):
+                assert r - last.setdefault(b, r) <= n, (seq, b, r)
+                if d is not None:
+                    last[b] = r
+        assert all(len(rs) - 1 - at < n for at in last.values())
