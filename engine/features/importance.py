@@ -53,8 +53,8 @@ def choose_victims(mode: str, scores: Sequence[float], budget: int, sink_blocks:
 
 
 class ImportanceEviction(StepFeature):
-    """Keeps every sequence of ``cache`` within ``budget_blocks``; call ``observe`` with attention mass
-    (``h2o``) and ``enforce`` after each step's commit."""
+    """Keeps every sequence of ``cache`` within ``budget_blocks``: after each step's commit, ``observe`` the attention
+    mass the step's attention gave each block (``h2o``: ``Step.block_mass``), then ``enforce``."""
 
     def __init__(self, cache: Any, *, mode: str, budget_blocks: int, sink_blocks: int = 1, local_blocks: int = 1) -> None:
         if mode not in ("h2o", "streaming"):
@@ -73,7 +73,7 @@ class ImportanceEviction(StepFeature):
                    local_blocks=c.local_blocks)
 
     @property
-    def needs_mass(self) -> bool:
+    def wants_block_mass(self) -> bool:
         return self.mode == "h2o"
 
     def observe(self, seq: Any, block_ids: Sequence[int], mass: torch.Tensor) -> None:
@@ -99,6 +99,9 @@ class ImportanceEviction(StepFeature):
         return out
 
     def after_commit(self, step: Step) -> None:
+        """The mass each layer's attention gave, folded in the order it was computed, then the budget."""
+        for seq, block_ids, mass in step.block_mass or ():
+            self.observe(seq, block_ids, mass)
         self.enforce(step.seqs)
 
     def forget(self, seq: Any) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.attention import AttnLayout, Newest, attend
-from .protocol import Step, StepFeature
+from .protocol import Group, Step, StepFeature
 
 __all__ = ["block_upper_bound", "quest_bound", "select_blocks", "chunk_block_mask", "KeySummaries", "BlockSparse", "SparseRead"]
 
@@ -195,13 +195,12 @@ class SparseRead:
 class BlockSparse(StepFeature):
     """Top-k page retrieval for the runner: summaries, selection, the sparse gather and attention.
 
-    ``attend`` is called per layer and group of rows in place of dense attention;
-    ``mass`` (when ``want_mass``) is the attention probability each block received,
-    summed over heads and queries, for importance eviction; ``scores`` (when
-    ``want_scores``) are the newest query's scaled scores over the keys it read, for
-    the ``attn`` statistics. A page is ``blocks_per_page`` cache blocks; ``k`` counts
-    pages, and the pages holding the ``sink_blocks`` first and ``local_blocks`` newest
-    blocks are always read.
+    ``attend`` (the protocol's) takes each layer's attention of a group of rows over from dense attention;
+    on a step that wants it (``Step.block_mass``), it adds the attention probability each block received,
+    summed over heads and queries, for importance eviction; on a statistics step it returns the newest
+    query's scaled scores over the keys it read, for the ``attn`` statistics. A page is ``blocks_per_page``
+    cache blocks; ``k`` counts pages, and the pages holding the ``sink_blocks`` first and ``local_blocks``
+    newest blocks are always read.
     """
 
     changes_attention = True
@@ -217,7 +216,7 @@ class BlockSparse(StepFeature):
         self.dense_layers = dense_layers  # layers below this read every block (Quest's dense first layers)
         self.summaries = KeySummaries(cache)
         self.read = SparseRead()
-        self._plan: Any = None  # the step's ``ReadPlan``: the chosen blocks are read through it
+        self._step = Step(())  # the step being computed: its ``ReadPlan`` (the chosen blocks are read through it)
 
     @classmethod
     def for_cache(cls, cache: Any) -> BlockSparse | None:
@@ -245,13 +244,25 @@ class BlockSparse(StepFeature):
         return self.read.rows_dense * self.cache.config.row_bytes
 
     def begin_step(self, step: Step) -> None:
-        self.read, self._plan = SparseRead(), step.plan
+        self.read, self._step = SparseRead(), step
         for seq in step.seqs:
             self.summaries.begin(seq)
 
     def after_store(self, layer: int, seqs: Sequence[Any]) -> None:
         for seq in seqs:
-            self.summaries.refresh(seq, layer, self._plan)
+            self.summaries.refresh(seq, layer, self._step.plan)
+
+    def attend(self, layer: int, q: torch.Tensor, group: Group, scale: float) -> tuple[torch.Tensor, Newest | None]:
+        """The protocol's: block-sparse attention of ``group`` in place of dense attention, adding each row's mass
+        per block to ``Step.block_mass`` when some feature ranks blocks by it."""
+        step = self._step
+        o, mass, scores = self.attend_table(layer, q, group.seqs, group.blocks.slots, group.layout, group.lens, scale,
+                                            want_mass=step.block_mass is not None, want_scores=step.want_scores,
+                                            key_bias=group.key_bias[layer] if group.key_bias is not None else None)
+        if mass is not None:
+            for seq, row, m in zip(group.seqs, group.rows, mass):
+                step.block_mass.append((seq, step.plan.block_ids(row), m))
+        return o, scores
 
     def after_commit(self, step: Step) -> None:
         for seq in step.seqs:
@@ -295,9 +306,9 @@ class BlockSparse(StepFeature):
         r = self.blocks_per_page
         return (pages[..., None] * r + torch.arange(r, device=pages.device)).flatten(-2)
 
-    def attend(self, layer: int, q: torch.Tensor, seqs: Sequence[Any], table: torch.Tensor, layout: AttnLayout,
-               kv_lens: Sequence[int], scale: float, *, want_mass: bool = False, want_scores: bool = False,
-               key_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor] | None, Newest | None]:
+    def attend_table(self, layer: int, q: torch.Tensor, seqs: Sequence[Any], table: torch.Tensor, layout: AttnLayout,
+                     kv_lens: Sequence[int], scale: float, *, want_mass: bool = False, want_scores: bool = False,
+                     key_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor] | None, Newest | None]:
         """Attention of ``q`` (B, H, S, D) for rows ``seqs`` with block ``table`` (B, nb) of device slots.
 
         Returns the output (B, H, S, D); with ``want_mass``, per row the attention mass on each
@@ -321,7 +332,7 @@ class BlockSparse(StepFeature):
 
     def choose(self, q: torch.Tensor, seq: Any, layer: int, num_blocks: int, kv_len: int) -> torch.Tensor | None:
         """The blocks each query of ``q`` (H, S, D), the row's newest tokens, reads: (H_kv, S, num_blocks) bool,
-        the same choice ``attend`` makes (a decode query's top-k pages, a chunk's per-query pages); None when
+        the same choice ``attend_table`` makes (a decode query's top-k pages, a chunk's per-query pages); None when
         every block is read. Long context (``engine.features.streaming``) reads these wherever they are."""
         S, r = q.shape[1], self.blocks_per_page
         if self._reads_all(layer, S) or self.covers_all(num_blocks):
@@ -340,7 +351,7 @@ class BlockSparse(StepFeature):
     # ---- paths ----
     def _gather(self, layer: int, table: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         B, nb = table.shape
-        kb, vb = self._plan.read_blocks(layer, table)  # (B, nb, H_kv, bs, D) each
+        kb, vb = self._step.plan.read_blocks(layer, table)  # (B, nb, H_kv, bs, D) each
         bs, H_kv, D = kb.shape[3], kb.shape[2], kb.shape[4]
         k = kb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]  # (B, H_kv, T, D)
         v = vb.transpose(1, 2).reshape(B, H_kv, nb * bs, D)[:, :, :T]
@@ -382,7 +393,7 @@ class BlockSparse(StepFeature):
             ok[r, :, :m] = (p[..., None] * bs + tok) < kv_lens[r]  # the tail block is partly filled
         slots = table.gather(1, sel.view(B, -1)).view(B, H_kv, n)  # (B, H_kv, n) device slots
         heads = torch.arange(H_kv, device=q.device)[None, :, None].expand(B, H_kv, n)
-        k, v = self._plan.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
+        k, v = self._step.plan.read_blocks(layer, slots, heads)  # (B, H_kv, n, bs, D): only the chosen rows
         k, v = k.reshape(B, H_kv, n * bs, D), v.reshape(B, H_kv, n * bs, D)
         mask = ok.view(B, H_kv, 1, n * bs).repeat_interleave(g, dim=1)  # (B, H, 1, n*bs)
         bias = None

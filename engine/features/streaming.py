@@ -9,7 +9,8 @@ rounding: dense attention streamed this way gives the tokens attention over full
 With block-sparse top-k the selector (``BlockSparse.choose``) names the blocks each query reads, and only
 those are read: the chosen device blocks in place, the chosen slower-tier blocks through staging.
 ``StreamedStep`` records what each row read, from where and at which version, for the ``read``, ``stage``
-and ``prefetch_use`` events and the byte counts.
+and ``prefetch_use`` events and the byte counts; each row's newest query's mass and scores go to the ``Step``,
+which the runner books as it books its own attention's.
 """
 
 from __future__ import annotations
@@ -66,10 +67,6 @@ class StreamedStep:
 
     # seq -> block id -> (tier the copy read came from, the oldest version read of it, its place in the table)
     reads: dict[Any, dict[int, tuple[str, int, int]]] = field(default_factory=dict)
-    mass: dict[Any, torch.Tensor] = field(default_factory=dict)  # seq -> (nb,) newest query's mass per block, mean over layers
-    # seq -> per layer, the newest query's scaled scores (H, kv_len) over every key position, for ``attn`` statistics;
-    # a key not read (top-k) holds the lowest finite value: no probability, and not counted as non-finite
-    scores: dict[Any, list[torch.Tensor]] = field(default_factory=dict)
     device_rows: int = 0  # (layer, block) reads served by a resident copy
     staged_rows: int = 0  # (layer, block) reads served through the staging area
 
@@ -81,29 +78,31 @@ class StreamedAttention(StepFeature):
     def __init__(self, cache: Any, staging: StagingArea, sparse: Any = None) -> None:
         self.cache, self.staging, self.sparse = cache, staging, sparse
         self.plan: ReadPlan | None = None
-        self.step = StreamedStep()
-        self._want_mass = self._want_scores = False
+        self.streamed = StreamedStep()  # what this step read, from where
+        self._step = Step(())  # the runner's step: where each row's tokens start, and what attention saw
 
     @property
     def changes_attention(self) -> bool:
         return self.plan is not None and self.plan.streaming
 
     def begin_step(self, step: Step) -> None:
-        self.plan, self.step = step.plan, StreamedStep()
-        self._want_mass, self._want_scores = step.want_mass, step.want_scores
+        self.plan, self.streamed, self._step = step.plan, StreamedStep(), step
         self._masks: dict[tuple, torch.Tensor | None] = {}  # the step's causal masks per part: the same for every layer
 
     def after_commit(self, step: Step) -> None:
         """What was read from where (``read``, ``stage`` and ``prefetch_use`` events); top-k prefetches its picks."""
         if self.changes_attention:
-            st = self.step
+            st = self.streamed
             self.cache.book_streamed(st.reads, st.device_rows, st.staged_rows, predict=self.sparse is not None)
 
-    def attend(self, layer: int, q: torch.Tensor, starts: Sequence[int], scale: float) -> torch.Tensor:
-        """Output (N, H*D) of every row's tokens ``q`` (N, H, D); row ``r``'s tokens start at ``starts[r]``."""
+    def attend_step(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Output (N, H*D) of every row's tokens ``q`` (N, H, D), on a step that streams; row ``r``'s tokens start
+        at ``Step.starts[r]``."""
+        if not self.changes_attention:
+            return None
         N, H, D = q.shape
         out = q.new_empty(N, H * D)
-        for row, start in zip(self.plan.rows, starts):
+        for row, start in zip(self.plan.rows, self._step.starts):
             qr = q[start : start + row.q_len].transpose(0, 1)  # (H, S, D)
             o = self._row(layer, qr, row, scale)  # (H, S, D)
             out[start : start + row.q_len] = o.transpose(0, 1).reshape(row.q_len, H * D).to(q.dtype)
@@ -114,7 +113,7 @@ class StreamedAttention(StepFeature):
         if self.sparse is not None:
             choice = self.sparse.choose(q, row.seq, layer, row.num_blocks, row.kv_len)  # (H_kv, S, nb)
         wanted = None if choice is None else choice.any(dim=1).any(dim=0).tolist()  # (nb,) read by some head
-        reads = self.step.reads.setdefault(row.seq, {})
+        reads = self.streamed.reads.setdefault(row.seq, {})
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         lasts: list[tuple[tuple[BlockLoc, ...], torch.Tensor]] = []
         resident = tuple(b for b in row.resident if wanted is None or wanted[b.pos])
@@ -131,20 +130,20 @@ class StreamedAttention(StepFeature):
                 locs.extend(resident), ks.append(k), vs.append(v)
                 for b in resident:
                     self._note(reads, b, "device", b.version)
-                self.step.device_rows += len(resident)
+                self.streamed.device_rows += len(resident)
             if chunk:
                 k, v, versions = self.staging.load(layer, row.seq, chunk)
                 locs.extend(chunk), ks.append(k), vs.append(v)
                 for b, ver in zip(chunk, versions):
                     self._note(reads, b, b.tier, ver)
-                self.step.staged_rows += len(chunk)
+                self.streamed.staged_rows += len(chunk)
             if locs:
                 k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
                 self._part(q, k, v, tuple(locs), row, choice, scale, parts, lasts)
         out, lse = merge(parts)
-        if self._want_mass:
+        if self._step.want_mass:
             self._add_mass(row, lasts, lse)
-        if self._want_scores:
+        if self._step.want_scores:
             self._add_scores(row, lasts)
         return out
 
@@ -180,14 +179,16 @@ class StreamedAttention(StepFeature):
     def _add_mass(self, row: RowPlan, lasts, lse: torch.Tensor) -> None:
         """The newest query's attention mass per block (summed over heads), for the placement policy."""
         L = self.cache.config.num_layers
-        mass = self.step.mass.setdefault(row.seq, torch.zeros(row.num_blocks))
+        mass = self._step.newest_mass.setdefault(row.seq, torch.zeros(row.num_blocks))
         for locs, last in lasts:
             probs = torch.exp(last - lse[:, -1:]).nan_to_num_(0.0)  # (H, n*bs): shares of the softmax over all parts
             per_block = probs.view(last.shape[0], len(locs), -1).sum(dim=(0, 2))  # (n,)
             mass[torch.tensor([b.pos for b in locs])] += per_block.cpu() / L
 
     def _add_scores(self, row: RowPlan, lasts) -> None:
-        """The newest query's scores over the row's key positions (H, kv_len), from each part's."""
+        """The newest query's scores over the row's key positions (H, kv_len), from each part's, for the ``attn``
+        statistics: a key not read (top-k) holds the lowest finite value (no probability, and not counted as
+        non-finite)."""
         bs = self.cache.config.block_size
         H = lasts[0][1].shape[0]
         full = lasts[0][1].new_full((H, row.num_blocks * bs), torch.finfo(lasts[0][1].dtype).min)
@@ -195,4 +196,4 @@ class StreamedAttention(StepFeature):
             table_pos = torch.tensor([b.pos for b in locs], device=full.device)
             pos = (table_pos[:, None] * bs + torch.arange(bs, device=full.device)).reshape(-1)  # (n*bs,)
             full[:, pos] = last.clamp_min(torch.finfo(last.dtype).min)  # -inf (not read, or past the end) -> lowest
-        self.step.scores.setdefault(row.seq, []).append(full[:, : row.kv_len])
+        self._step.newest_scores.setdefault(row.seq, []).append(full[:, : row.kv_len])

@@ -17,18 +17,21 @@ With a mix of windowed and full layers nothing is evicted: the full layers need 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .protocol import Step, StepFeature
+from ..model.attention import AttnLayout
+from .protocol import Group, Step, StepFeature
 
 __all__ = ["SlidingWindow"]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class SlidingWindow(StepFeature):
     windows: tuple[int | None, ...]  # per layer: the window in tokens, or None for full attention
     changes_attention = True
+    # the step's windowed masks by (queries per row, each row's keys): built once a step, shared by every windowed layer
+    _layouts: dict[tuple, AttnLayout] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def of_model(cls, config: Any) -> SlidingWindow | None:
@@ -61,6 +64,21 @@ class SlidingWindow(StepFeature):
     def evicts(self) -> bool:
         """Whether blocks behind the window can be dropped: only when no layer attends to everything."""
         return all(w is not None for w in self.windows)
+
+    def begin_step(self, step: Step) -> None:
+        self._layouts.clear()
+
+    def layout(self, layer: int, group: Group) -> AttnLayout | None:
+        """A windowed layer's mask: each query sees the newest ``window`` keys up to its own."""
+        if self.windows[layer] is None:
+            return None
+        key = (group.q_len, tuple(group.lens))
+        built = self._layouts.get(key)
+        if built is None:
+            built = self._layouts[key] = AttnLayout.build([group.q_len] * len(group.rows), group.lens,
+                                                          sink_tokens=group.sink_tokens, device=group.blocks.slots.device,
+                                                          window=self.window)
+        return built
 
     def dead_blocks(self, cache: Any, seq: Any) -> list[int]:
         """Blocks of ``seq`` that no later query will see: every position in them is at or before

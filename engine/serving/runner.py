@@ -14,25 +14,20 @@ sequence with one or more new tokens (a prompt, a chunk, or one decode token);
 
 from __future__ import annotations
 
-import functools
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
 from ...events import AttnStep, Batch, SeqId
 from ..bus import Bus
 from ..config import EngineConfig
-from ..features.importance import ImportanceEviction
 from ..features.merging import TokenMerging
-from ..features.protocol import Step, StepFeature
-from ..features.sparse import BlockSparse
-from ..features.streaming import StreamedAttention
-from ..features.window import SlidingWindow
+from ..features.protocol import Group, Step, StepFeature, implementing
+from ..features.registry import step_features
 from ..kv.cache import PagedKVCache
 from ..kv.prefix import model_salt
-from ..kv.readplan import BlockTable, ReadPlan
+from ..kv.readplan import ReadPlan
 from ..model.attention import AttnLayout, AttnStats, Newest, attend, hidden_keys, layer_stats
 from ..model.decode_layer import DecodeLayers, DecodeStep
 from ..model.matvec import load as load_matvec
@@ -54,36 +49,28 @@ class UnsupportedModel(ValueError):
     """A model whose architecture the runner cannot drive; names what it is and what is accepted."""
 
 
+F = TypeVar("F", bound=StepFeature)
+# The features that change attention on a step, by the attention hook they define (``engine.features.protocol``).
+_Hooks = dict[str, list[StepFeature]]
+_HOOKS = ("attend_step", "attend", "layout", "read_ids")
+
 # A group's newest-query scores: one ``Newest`` per layer (the torch path appends them layer by layer), or
 # one of every layer's at once (the compiled decode layers' buffer).
 LayerScores = list[Newest] | Newest
 
 
+def _first(features: Sequence[StepFeature], hook: str, *args: Any) -> Any:
+    """The first answer to ``hook(*args)`` among ``features`` that is not None: the feature that takes over."""
+    for feature in features:
+        answer = getattr(feature, hook)(*args)
+        if answer is not None:
+            return answer
+    return None
+
+
 def _every_layer(scores: LayerScores, num_layers: int) -> bool:
     """Whether ``scores`` cover every layer (a path without scores, block-sparse attention, leaves none)."""
     return isinstance(scores, Newest) or len(scores) == num_layers
-
-
-@dataclass
-class _Group:
-    """Rows attended together: all one-token decode rows, or one multi-token row."""
-
-    rows: list[int]  # indices into the step's rows
-    tokens: slice | torch.Tensor  # which flat tokens belong to the group, in row order
-    q_len: int
-    lens: list[int]  # keys of each row
-    sink_tokens: int
-    blocks: BlockTable  # the rows' device block table from the step's read plan, and where their K/V rows start
-    kv_len: int  # keys of the longest row
-    window_layout: AttnLayout | None = None  # the mask of sliding-window layers, when the model has them
-    key_bias: torch.Tensor | None = None  # (L, B, H_kv, T) token merging's score bias of each key (engine.kv.merge)
-
-    @functools.cached_property
-    def layout(self) -> AttnLayout:
-        """The rows' padding and causal mask, built by the paths that use it: the compiled decode layers take
-        each row's length instead (a layout costs 0.14 ms at batch 8, built after a step's weights stream)."""
-        return AttnLayout.build([self.q_len] * len(self.rows), self.lens, sink_tokens=self.sink_tokens,
-                                device=self.blocks.slots.device)
 
 
 class Runner:
@@ -141,19 +128,11 @@ class Runner:
                 f"cache shape (layers, kv heads, head dim) = {(cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim)} "
                 f"does not match the model's {(self.num_layers, self.num_kv_heads, self.head_dim)}"
             )
-        # The step features the cache's config and the model ask for (engine.features.protocol); the attention paths
-        # below take the ones that change attention by name.
-        self._sparse = BlockSparse.for_cache(cache)  # block-sparse top-k reads (or H2O's attention mass)
-        self._importance = ImportanceEviction.for_cache(cache)
-        self._window = SlidingWindow.of_model(cfg)
-        self._merging = TokenMerging.for_cache(cache)
-        # Long context: a step whose rows have blocks off the device attends through the staging area.
-        self._streamer = StreamedAttention(cache, cache.staging, self._sparse) if cache.staging is not None else None
-        _check_compatible(self._sparse, self._importance, self._window, self._merging, self._streamer)
-        # Every point of a step calls the features in this order (after a commit: merge, book the streamed
-        # reads, summarise, evict), so a new feature joins here and nowhere else in the runner.
-        self._features: list[StepFeature] = [f for f in (self._merging, self._streamer, self._sparse, self._importance,
-                                                         self._window) if f is not None]
+        # The step features the cache's config and the model ask for (engine.features.registry), called in this
+        # order at every point of a step (engine.features.protocol); attention asks a hook only of the features
+        # that define it, on steps where they change attention.
+        self._features: list[StepFeature] = step_features(cache, cfg)
+        self._block_mass = any(f.wants_block_mass for f in self._features)  # H2O ranks blocks by attention mass
         # The hybrid policy and mixed resolution rank blocks by the attention mass they got.
         self._observe = cache.config.eviction == "hybrid" or cache.config.mixed
         self.weights_watch = WeightsWatch(model, cache, cache.bus)  # a weights event when the parameters change
@@ -180,10 +159,14 @@ class Runner:
         return cls(model, cache, tokenizer=tokenizer, stats_every=stats_every, per_head=per_head,
                    native_matvec=native_matvec)
 
+    def feature(self, kind: type[F]) -> F | None:
+        """The active step feature of type ``kind`` (what it read, merged or evicted so far); None when off."""
+        return next((f for f in self._features if isinstance(f, kind)), None)
+
     @property
     def merging(self) -> TokenMerging | None:
         """Token merging (``EngineConfig.merge``): its threshold and what it merged so far; None when off."""
-        return self._merging
+        return self.feature(TokenMerging)
 
     @property
     def bus(self) -> Bus:
@@ -261,20 +244,25 @@ class Runner:
         dev = self.device
         ids = torch.tensor([t for _, toks in rows for t in toks], dtype=torch.long, device=dev)
         pos = torch.tensor([p + i for p, k in zip(positions, n) for i in range(k)], dtype=torch.long, device=dev)
-        groups = self._groups(plan, n, kv_lens) if not streaming else []
+        groups = self._groups(plan, seqs, n, kv_lens) if not streaming else []
         stats = self.stats_due()
         # The hybrid policy and mixed resolution rank blocks by the attention they get, listener or not.
         observe = self._observe and self._stats_step()
         starts = [sum(n[:i]) for i in range(len(n))]
-        step = Step(seqs, cache, plan, want_mass=observe, want_scores=stats)
+        step = Step(seqs, cache, plan, want_mass=observe, want_scores=stats, starts=starts,
+                    block_mass=[] if self._block_mass else None)
         for feature in self._features:
             feature.begin_step(step)
+        # the features that change attention this step: the compiled layers run only without any, and attention
+        # asks only these for its hooks
+        changing = [f for f in self._features if f.changes_attention]
+        hooks = {hook: implementing(changing, hook) for hook in _HOOKS} if changing else None
 
         x = self._base.embed_tokens(ids)  # (N, hidden)
         cos, sin = self._rope_table(x, pos, max(p + k for p, k in zip(positions, n)))  # (N, D) each
         # Per group, the newest queries' scores of every layer: statistics are taken once, after the last layer.
         scores: list[LayerScores] = [[] for _ in groups]
-        compiled = self._decode_step(plan, groups, kv_lens, slots, observe, stats)
+        compiled = self._decode_step(plan, groups, kv_lens, slots, hooks, observe, stats)
         verify = None
         if compiled is not None:  # every layer in one compiled call; what store does besides copying, booked after
             # a sampled read's block is verified by attention as it reads it, not by another pass afterwards
@@ -283,7 +271,7 @@ class Runner:
             if compiled.units is not None:
                 cache.stored(slots, compiled.units, compiled.shares)
         else:
-            x = self._layers_by_torch(x, cos, sin, slots, seqs, plan, groups, starts,
+            x = self._layers_by_torch(x, cos, sin, slots, seqs, plan, groups, hooks,
                                       scores if stats or observe else None)
         if compiled is not None and compiled.normed:  # x normalised already, one decode row each: all last tokens
             logits = self._lm_head.floats(x)  # (N, V)
@@ -295,36 +283,39 @@ class Runner:
             last = torch.tensor([e - m + j for e, m in zip(ends, tails) for j in range(m)], device=dev)
             logits = self._lm_head.floats(self._final_norm(x[last]))  # (sum of tails, V)
 
-        if observe and streaming:
-            for seq, mass in self._streamer.step.mass.items():
-                cache.observe_attention(seq, None, mass)
         if observe:  # before commit and importance eviction change the block tables
+            for seq, mass in step.newest_mass.items():  # from a feature that attended for the whole step
+                cache.observe_attention(seq, None, mass)
             for g, per_layer in zip(groups, scores):
                 if _every_layer(per_layer, self.num_layers):
                     self._observe_attention(plan, seqs, per_layer.scores if isinstance(per_layer, Newest)
-                                            else torch.stack([n.scores for n in per_layer]), g)
-        booked = bus.enabled and not streaming  # a streamed step's reads are booked by the streaming feature
+                                            else torch.stack([n.scores for n in per_layer]), g, hooks)
+        booked = bus.enabled and not streaming  # a streamed step's reads are booked by the feature that streamed them
+        readers = hooks["read_ids"] if hooks is not None and booked else ()
         for i, ((seq, toks), k) in enumerate(zip(rows, n)):
-            read = self._sparse.read_ids(seq, plan.block_ids(i)) if self._sparse is not None and booked else None
+            # every block (None), unless a feature read fewer (block-sparse attention lists only those)
+            read = _first(readers, "read_ids", seq, plan.block_ids(i)) if readers else None
             cache.commit(seq, k, tokens=toks)
-            if booked:  # block-sparse attention lists only the blocks it read
+            if booked:
                 cache.emit_read(seq, read, checked=compiled.verified(i) if verify is not None else None)
         for feature in self._features:
             feature.after_commit(step)
         if stats:
-            self._emit_stats(seqs, groups, scores, compiled.stats if compiled is not None else None)
-            if streaming:  # each row's statistics from the scores of the parts its keys were streamed in
-                for seq, per_layer in self._streamer.step.scores.items():
-                    self._emit_attn([seq], layer_stats([Newest(s[None]) for s in per_layer], None,
-                                                       sink_tokens=self.block_size, per_head=self.per_head))
+            self._emit_stats(seqs, groups, scores, compiled.stats if compiled is not None else None, hooks)
+            # a feature that attended for the whole step: each row's statistics from the scores it saw
+            for seq, per_layer in step.newest_scores.items():
+                self._emit_attn([seq], layer_stats([Newest(s[None]) for s in per_layer], None,
+                                                   sink_tokens=self.block_size, per_head=self.per_head))
         return logits
 
     def _layers_by_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                         seqs: list[SeqId], plan: ReadPlan, groups: list[_Group], starts: list[int],
+                         seqs: list[SeqId], plan: ReadPlan, groups: list[Group], hooks: _Hooks | None,
                          scores: list[LayerScores] | None) -> torch.Tensor:
         """Every layer of a step by torch ops and the model's own modules (any step, any feature); appends each
-        group's newest-query scores of every layer to ``scores`` when given."""
-        cache, streaming = self.cache, plan.streaming
+        group's newest-query scores of every layer to ``scores`` when given. ``hooks``: the features that change
+        attention this step, by the hook they have (None: none does)."""
+        cache = self.cache
+        whole = hooks["attend_step"] if hooks is not None else ()
         N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         for li, (layer, w, (norm1, norm2)) in enumerate(zip(self._layers, self._weights, self._norms)):
             a = layer.self_attn
@@ -339,24 +330,23 @@ class Runner:
             cache.store(li, slots, k, v)
             for feature in self._features:
                 feature.after_store(li, seqs)
-            if streaming:
-                out = self._streamer.attend(li, q, starts, a.scaling)
-            else:
-                out = self._attend_groups(li, q, seqs, plan, groups, a.scaling, scores, cache.score_hook(li))
+            # a feature may attend for every row at once (long context streaming)
+            out = _first(whole, "attend_step", li, q, a.scaling) if whole else None
+            if out is None:
+                out = self._attend_groups(li, q, plan, groups, hooks, a.scaling, scores, cache.score_hook(li))
             x = x + w.o(out)
             gate, up = w.gate_up(norm2(x)).chunk(2, dim=-1)  # (N, I) each
             x = x + w.down(layer.mlp.act_fn(gate) * up)
         return x
 
-    def _decode_step(self, plan: ReadPlan, groups: list[_Group], kv_lens: list[int], slots: torch.Tensor,
-                     keep_scores: bool, stats: bool) -> DecodeStep | None:
+    def _decode_step(self, plan: ReadPlan, groups: list[Group], kv_lens: list[int], slots: torch.Tensor,
+                     hooks: _Hooks | None, keep_scores: bool, stats: bool) -> DecodeStep | None:
         """The compiled layers' buffers for a step of decode rows only, over K/V the cache holds as the
-        model's dtype and lets them store, with nothing that changes attention (no step feature, nor the
-        attention-nan fault's hook); None: the torch path.
+        model's dtype and lets them store, with nothing that changes attention (no step feature: ``hooks`` is
+        None, nor the attention-nan fault's hook); None: the torch path.
         ``keep_scores``: every layer's newest-query scores (the hybrid policy's); ``stats``: the statistics."""
-        if (self._decode is None or len(groups) != 1 or groups[0].q_len != 1 or groups[0].blocks.kv_rows is None
-                or any(feature.changes_attention for feature in self._features)
-                or plan.layer_kv[0].dtype != self._decode.dtype
+        if (hooks is not None or self._decode is None or len(groups) != 1 or groups[0].q_len != 1
+                or groups[0].blocks.kv_rows is None or plan.layer_kv[0].dtype != self._decode.dtype
                 or any(self.cache.score_hook(li) is not None for li in range(self.num_layers))):
             return None
         rows = self.cache.store_rows(slots)
@@ -366,61 +356,61 @@ class Runner:
         return self._decode.step(kv_lens, g.blocks.kv_rows, g.blocks.slots.shape[1], self.block_size, rows, keep_scores,
                                  self.block_size if stats else None, self.per_head, self.cache.digest_weights())
 
-    def _groups(self, plan: ReadPlan, n: list[int], kv_lens: list[int]) -> list[_Group]:
+    def _groups(self, plan: ReadPlan, seqs: list[SeqId], n: list[int], kv_lens: list[int]) -> list[Group]:
         """Decode rows (one token) share one padded attention call; a multi-token row gets its own."""
         dev = self.device
         if all(k == 1 for k in n):
-            return [self._group(plan, list(range(len(n))), slice(0, len(n)), 1, kv_lens)]
+            return [self._group(plan, seqs, list(range(len(n))), slice(0, len(n)), 1, kv_lens)]
         groups = []
         starts = [sum(n[:i]) for i in range(len(n))]
         decode = [i for i, k in enumerate(n) if k == 1]
         if decode:
             tokens = torch.tensor([starts[i] for i in decode], device=dev)
-            groups.append(self._group(plan, decode, tokens, 1, kv_lens))
+            groups.append(self._group(plan, seqs, decode, tokens, 1, kv_lens))
         for i, k in enumerate(n):
             if k > 1:
-                groups.append(self._group(plan, [i], slice(starts[i], starts[i] + k), k, kv_lens))
+                groups.append(self._group(plan, seqs, [i], slice(starts[i], starts[i] + k), k, kv_lens))
         return groups
 
-    def _group(self, plan: ReadPlan, rows: list[int], tokens: slice | torch.Tensor, q_len: int,
-               kv_lens: list[int]) -> _Group:
+    def _group(self, plan: ReadPlan, seqs: list[SeqId], rows: list[int], tokens: slice | torch.Tensor, q_len: int,
+               kv_lens: list[int]) -> Group:
         lens = [kv_lens[i] for i in rows]
         blocks = plan.table(rows)
-        window = None
-        if self._window is not None:
-            window = AttnLayout.build([q_len] * len(rows), lens, sink_tokens=self.block_size, device=self.device,
-                                      window=self._window.window)
         bias = plan.key_bias(rows, blocks.slots.shape[1])
-        return _Group(rows, tokens, q_len, lens, self.block_size, blocks, max(lens), window,
-                      bias[..., : max(lens)] if bias is not None else None)
+        return Group(rows, [seqs[i] for i in rows], tokens, q_len, lens, self.block_size, blocks, max(lens),
+                     bias[..., : max(lens)] if bias is not None else None)
 
-    def _layout(self, g: _Group, layer: int) -> AttnLayout:
-        windowed = self._window is not None and self._window.windows[layer] is not None
-        return g.window_layout if windowed else g.layout
+    def _layout(self, g: Group, layer: int, hooks: _Hooks | None) -> AttnLayout:
+        """The mask ``g`` attends with at ``layer``: a feature's (sliding windows), else the rows' own."""
+        layout = _first(hooks["layout"], "layout", layer, g) if hooks is not None else None
+        return layout if layout is not None else g.layout
 
-    def _keep(self, g: _Group) -> torch.Tensor | None:
-        """The keys each row's newest query saw, (B, T), or per layer (L, B, T) when only some layers are windowed."""
-        if self._window is None:
+    def _keep(self, g: Group, hooks: _Hooks | None) -> torch.Tensor | None:
+        """The keys each row's newest query saw, (B, T), or per layer (L, B, T) when layers differ in their masks."""
+        if hooks is None or not hooks["layout"]:
             return g.layout.keep
-        if self._window.evicts:
-            return g.window_layout.keep
-        B, T = g.blocks.slots.shape[0], g.kv_len
-        full = torch.ones(B, T, dtype=torch.bool, device=self.device)
-        return torch.stack([full if (k := self._layout(g, li).keep) is None else k for li in range(self.num_layers)])
+        layouts = [self._layout(g, li, hooks) for li in range(self.num_layers)]
+        if all(layout is layouts[0] for layout in layouts):
+            return layouts[0].keep
+        full = torch.ones(g.blocks.slots.shape[0], g.kv_len, dtype=torch.bool, device=self.device)
+        return torch.stack([full if layout.keep is None else layout.keep for layout in layouts])
 
-    def _attend_groups(self, layer: int, q: torch.Tensor, seqs: list[SeqId], plan: ReadPlan, groups: list[_Group],
+    def _attend_groups(self, layer: int, q: torch.Tensor, plan: ReadPlan, groups: list[Group], hooks: _Hooks | None,
                        scale: float, scores: list[LayerScores] | None, corrupt: Any) -> torch.Tensor:
-        """Attention output of every token (N, H*D); appends each group's newest-query scores to ``scores``."""
+        """Attention output of every token (N, H*D); appends each group's newest-query scores to ``scores``. A
+        feature that changes attention may take a group over (block-sparse reads) or give its mask."""
         N, H, D = q.shape
+        takers = hooks["attend"] if hooks is not None else ()
         out = q.new_empty(N, H * D) if len(groups) > 1 else None
         for gi, g in enumerate(groups):
             B = g.blocks.slots.shape[0]
             qg = q[g.tokens].view(B, g.q_len, H, D).transpose(1, 2)  # (B, H, S, D)
-            if self._sparse is not None:
-                o, st = self._attend_sparse(layer, qg, [seqs[i] for i in g.rows], plan, g, scale)
+            taken = _first(takers, "attend", layer, qg, g, scale) if takers else None
+            if taken is not None:
+                o, st = taken
             else:
                 k, v = plan.gather(layer, g.blocks, g.kv_len, self._attn_dtype)  # (B, H_kv, T, D) each
-                o, st = attend(qg.to(self._attn_dtype), k, v, self._layout(g, layer), scale=scale,
+                o, st = attend(qg.to(self._attn_dtype), k, v, self._layout(g, layer, hooks), scale=scale,
                                scores=scores is not None, corrupt=corrupt,
                                key_bias=g.key_bias[layer] if g.key_bias is not None else None)
             o = o.transpose(1, 2).reshape(B * g.q_len, H * D).to(q.dtype)  # (tokens, H*D)
@@ -432,22 +422,8 @@ class Runner:
                 scores[gi].append(st)
         return out
 
-    def _attend_sparse(self, layer: int, qg: torch.Tensor, rows: list[SeqId], plan: ReadPlan, g: _Group,
-                       scale: float) -> tuple[torch.Tensor, Newest | None]:
-        """Block-sparse attention (and the attention mass importance eviction accumulates). On a statistics
-        step it also returns the newest query's scores over the blocks it read (the rest at the lowest
-        finite score: no probability), so ``attn`` events come from what attention really saw."""
-        want_mass = self._importance is not None and self._importance.needs_mass
-        o, mass, scores = self._sparse.attend(layer, qg, rows, g.blocks.slots, g.layout, g.lens, scale,
-                                              want_mass=want_mass, want_scores=self.stats_due(),
-                                              key_bias=g.key_bias[layer] if g.key_bias is not None else None)
-        if mass is not None:
-            for seq, row, m in zip(rows, g.rows, mass):
-                self._importance.observe(seq, plan.block_ids(row), m)
-        return o, scores
-
-    def _emit_stats(self, seqs: list[SeqId], groups: list[_Group], scores: list[LayerScores],
-                    taken: AttnStats | None) -> None:
+    def _emit_stats(self, seqs: list[SeqId], groups: list[Group], scores: list[LayerScores],
+                    taken: AttnStats | None, hooks: _Hooks | None) -> None:
         """The ``attn_step`` event of each group's rows, from statistics computed once for all its layers, or
         ``taken`` inside the compiled layers' attention (their step's one group)."""
         for g, per_layer in zip(groups, scores):
@@ -455,20 +431,21 @@ class Runner:
             if st is None:
                 if not _every_layer(per_layer, self.num_layers):
                     continue  # a path without scores (block-sparse attention) has no statistics
-                st = layer_stats(per_layer, self._keep(g), sink_tokens=self.block_size, per_head=self.per_head)
+                st = layer_stats(per_layer, self._keep(g, hooks), sink_tokens=self.block_size, per_head=self.per_head)
             self._emit_attn([seqs[row] for row in g.rows], st)
 
     def _emit_attn(self, rows: list[SeqId], st: AttnStats) -> None:
         """The ``attn_step`` event of ``rows`` from their statistics (L, B, ...): one event for the step."""
         self.bus.emit(AttnStep, seqs=list(rows), **st.fields())
 
-    def _observe_attention(self, plan: ReadPlan, seqs: list[SeqId], scores: torch.Tensor, g: _Group) -> None:
+    def _observe_attention(self, plan: ReadPlan, seqs: list[SeqId], scores: torch.Tensor, g: Group,
+                           hooks: _Hooks | None) -> None:
         """Feed the hybrid eviction policy and mixed resolution each row's attention mass per block: the
         newest query's probabilities summed over heads and over the block's positions, averaged over layers.
 
         One vectorized pass and one transfer per group, every ``stats_every`` steps."""
         L, B, H, T = scores.shape
-        hidden = hidden_keys(self._keep(g))
+        hidden = hidden_keys(self._keep(g, hooks))
         if hidden is not None:
             scores = scores.masked_fill(hidden, float("-inf"))
         # nan_to_num: a head broken by non-finite scores (the attention-nan fault) contributes nothing
@@ -507,19 +484,6 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_compatible(sparse: BlockSparse | None, importance: ImportanceEviction | None, window: SlidingWindow | None,
-                      merging: TokenMerging | None, streamer: StreamedAttention | None) -> None:
-    """The features that cannot run together, refused when the runner is made."""
-    if merging is not None and window is not None:
-        raise ValueError("token merging is not supported with sliding-window attention (a merged block's "
-                         "slots are not its token positions)")
-    if window is not None and sparse is not None:
-        raise ValueError("block-sparse top-k reads are not supported with sliding-window attention")
-    if streamer is not None and (window is not None or importance is not None):
-        raise ValueError("long context (staging_blocks) is not supported with sliding-window attention "
-                         "or importance eviction")
 
 
 def _check_supported(model: Any) -> None:

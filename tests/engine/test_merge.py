@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvdoctor.engine.model.attention import AttnLayout, attend
 from kvdoctor.engine.config import EngineConfig
+from kvdoctor.engine.features.merging import TokenMerging
 from kvdoctor.engine.features.protocol import Step
 from kvdoctor.engine.kv.merge import DEAD_BIAS, SlotCounts, key_bias, merge_rows
 from kvdoctor.engine.model.model import tiny_llama
@@ -185,7 +186,7 @@ def test_a_run_with_merging_shrinks_old_blocks_only_and_every_check_is_clean(mod
                            local_blocks=2, verify="full")
     # WHEN it generates
     (gen,) = runner.generate([PROMPT], max_new_tokens=16)
-    merging = runner._merging
+    merging = runner.feature(TokenMerging)
     runner.close()
     monkeypatch.delenv("KVDOCTOR_TRACE")
     _, events, findings = findings_of(path)

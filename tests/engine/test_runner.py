@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvdoctor.engine.features.protocol import Step, StepFeature
+from kvdoctor.engine.model.attention import attend
 from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.engine.serving.runner import Runner, SamplingParams, UnsupportedModel, sample
 from kvdoctor.events import Batch, Read, Write, attn_rows
@@ -161,3 +162,51 @@ def test_a_step_feature_plugs_in_and_decides_the_compiled_path(model, monkeypatc
     assert probe.calls == [("begin", (0,)), *stores, ("commit", (0,))] + decode * 2
     # AND the compiled layers ran exactly on the decode steps when it leaves attention alone
     assert [c is not None for c in compiled] == [False] + [not changes_attention] * 2
+
+
+class _Taker(StepFeature):
+    """A step feature that changes attention through the hooks: the group's own mask, dense attention of its own
+    on layer 1 (the runner's on layer 0), and the first block of each row as what was read."""
+
+    changes_attention = True
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+
+    def begin_step(self, step: Step) -> None:
+        self.plan = step.plan
+
+    def layout(self, layer, group):
+        self.calls["layout", layer] += 1
+        return group.layout
+
+    def attend(self, layer, q, group, scale):
+        self.calls["attend", layer] += 1
+        if layer == 0:
+            return None
+        k, v = self.plan.gather(layer, group.blocks, group.kv_len, q.dtype)  # (B, H_kv, T, D) each
+        return attend(q, k, v, group.layout, scale=scale, scores=True)
+
+    def read_ids(self, seq, ids):
+        return list(ids[:1])
+
+
+def test_a_feature_changes_attention_through_the_protocol_hooks(model):
+    # GIVEN a runner, and one with a feature that takes layer 1's attention over and names one block per row read
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        _events(runner)
+        ref = runner.generate(PROMPTS, max_new_tokens=4)
+    with Runner.create(model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        taker = _Taker()
+        runner._features.append(taker)
+        seen = _events(runner)
+        # WHEN the prompts are generated
+        out = runner.generate(PROMPTS, max_new_tokens=4)
+    # THEN its attention (dense over the same blocks) gives the runner's own tokens
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+    # AND it took every group over on layer 1, and gave the mask of every group the runner attended on layer 0
+    assert taker.calls["attend", 0] == taker.calls["attend", 1] > 0
+    assert taker.calls["layout", 0] >= taker.calls["attend", 0]
+    # AND every read event lists the one block it named
+    reads = [e for e in seen if isinstance(e, Read)]
+    assert reads and all(len(e.blocks) == 1 for e in reads)

@@ -161,7 +161,7 @@ def test_topk_covering_every_page_equals_dense_exactly(model):
     # GIVEN cache blocks of 4 tokens and pages of 16 (4 blocks), k covering all 3 pages
     dense, r1, _ = _run(model)
     sparse, r2, _ = _run(model, topk=3, sparse_block_size=16)
-    assert r2._sparse.blocks_per_page == 4
+    assert r2.feature(BlockSparse).blocks_per_page == 4
     assert all(torch.equal(a, b) for a, b in zip(dense, sparse))
     r1.close()
     r2.close()
@@ -172,7 +172,8 @@ def test_pages_read_whole_and_read_events_list_cache_blocks(model):
     logits, runner, events = _run(model, topk=1, sparse_block_size=8, sink_blocks=1, local_blocks=1)
     # THEN a decode step over 11 blocks (6 pages) read sink page + top page + newest page: <= 6 blocks per head
     # (the newest page holds the 11th block only)
-    assert runner._sparse.read.rows_read == 2 * 2 * 5 and runner._sparse.read.rows_dense == 2 * 2 * 11
+    read = runner.feature(BlockSparse).read
+    assert read.rows_read == 2 * 2 * 5 and read.rows_dense == 2 * 2 * 11
     reads = [e for e in events if type(e).__struct_config__.tag == "read"]
     table = runner.cache.block_table("s")
     last = set(reads[-1].blocks)
@@ -216,7 +217,8 @@ def test_small_topk_reads_fewer_blocks_and_says_so_in_read_events(model):
     dense, r1, _ = _run(model)
     logits, runner, events = _run(model, topk=1, sink_blocks=1, local_blocks=1)
     # THEN a decode step read (layers x KV heads x 3 blocks) of the 10 blocks' rows ...
-    assert runner._sparse.read.rows_read == 2 * 2 * 3 and runner._sparse.read.rows_dense == 2 * 2 * 11
+    read = runner.feature(BlockSparse).read
+    assert read.rows_read == 2 * 2 * 3 and read.rows_dense == 2 * 2 * 11
     # ... its read events list the blocks some head read, a subset of the table, never all of it
     reads = [e for e in events if type(e).__struct_config__.tag == "read"]
     table = runner.cache.block_table("s")
