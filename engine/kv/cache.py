@@ -19,8 +19,8 @@ This class is a facade: each concept lives in a part of its own, and the methods
   (``engine.kv.faulthooks``), ``usage`` (``engine.kv.cachestats``), and the environment's trace
   (``engine.kv.envtrace``: ``KVDOCTOR_TRACE``).
 
-Callers outside the cache ask it queries (``has_sequence``, ``blocks_of``, ``free_blocks``, ``block``,
-``settle``) rather than reaching into the pool, the mover or the sequences table.
+Callers outside the cache ask it queries (a scheduler plans a step by ``held``, all its requests at once, and
+``room``, as vLLM's asks its KV cache manager; ``has_sequence``, ``blocks_of``, ``block``, ``settle``), never its parts.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .pool import Block, BlockPool
 from .prefix import PrefixCache
 from .prefix_reuse import PrefixReuse
 from .readplan import ReadPlan, Reads, RowLayout
-from .sequences import SeqState, SequenceTable, StepState
+from .sequences import Held, SeqState, SequenceTable, StepState
 from .staging import StagingArea
 from .storage import Arena, TensorArena, TierArenas
 from .mover import TierMover
@@ -147,8 +147,16 @@ class PagedKVCache:
         """The allocated block ``block_id``, or None."""
         return self.pool.blocks.get(block_id)
 
+    def held(self, seqs: Iterable[Any]) -> dict[Any, Held]:
+        """What each of ``seqs`` the cache holds has: its length, its blocks on the device, whether some are away."""
+        return self.seqs.held(seqs)
+
     def free_blocks(self, tier: str) -> int:
         return self.pool.slots[tier].num_free
+
+    def room(self) -> dict[str, int]:
+        """Each tier's free blocks, with the prefix cache's that no request holds (it gives them up when asked)."""
+        return {t: ts.num_free + self.prefix_reuse.reclaimable(t) for t, ts in self.pool.slots.items()}
 
     def settle(self, b: Block) -> bool:
         """Land ``b``'s prefetch if one is in flight; False when its copy was bad and discarded (it stays away)."""
@@ -357,11 +365,8 @@ class PagedKVCache:
         """Book finished prefetches, emit each tier's usage, close the step on the bus, unpin."""
         self.mover.poll()
         self.usage.end_step()
-        if self.prefix is not None:
-            hits, misses = self.prefix.end_step()
-            self.bus.end_step(num_tokens, prefix_hits=hits, prefix_misses=misses)
-        else:
-            self.bus.end_step(num_tokens)
+        counts = self.prefix.end_step() if self.prefix is not None else ()  # the step's prefix hits and misses
+        self.bus.end_step(num_tokens, **dict(zip(("prefix_hits", "prefix_misses"), counts)))
         self.digests.end_step()
         self.step.clear()
 

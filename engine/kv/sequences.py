@@ -8,12 +8,15 @@ from every owner), so the two never disagree.
 
 ``StepState`` is what the current step uses: sequences used in it are pinned until the step
 ends, so a slot handed out by ``reserve`` stays valid for the whole step.
+
+``Held`` is what a scheduler asks of the sequences it runs, many at once (``held``), as vLLM's scheduler
+asks its KV cache manager narrow questions rather than reading its block pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ... import callsite
 from ...events import Evict, Rollback, SeqEnd, SeqStart
@@ -24,7 +27,7 @@ from .pool import Block
 if TYPE_CHECKING:
     from .cache import PagedKVCache
 
-__all__ = ["SeqState", "StepState", "SequenceTable"]
+__all__ = ["Held", "SeqState", "StepState", "SequenceTable"]
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +67,15 @@ class StepState:
         self.pinned.clear()
         self.reserved.clear()
         self.held.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What a sequence holds, as a scheduler plans a step by it."""
+
+    length: int  # committed tokens
+    on_device: int  # blocks on the device, or landing there (a prefetch in flight has taken its slot)
+    away: bool  # some block is off the device or in flight: it must be brought back before the sequence runs
 
 
 class SequenceTable(dict):
@@ -212,6 +224,21 @@ class SequenceTable(dict):
             return 1.0
         end = max(s.length + s.pending, 1)
         return min(max(end - b.index * self.cache.block_size, 0) / end, 1.0)
+
+    def held(self, seqs: Iterable[Any]) -> dict[Any, Held]:
+        """What each of ``seqs`` that the table holds has (the others are left out), in one pass over their blocks."""
+        out = {}
+        for seq in seqs:
+            s = self.get(seq)
+            if s is None:
+                continue
+            on_device, away = 0, False
+            for b in s.blocks:
+                flight = b.inflight
+                on_device += b.tier == Tier.DEVICE or (flight is not None and flight.dst == Tier.DEVICE)
+                away = away or b.tier != Tier.DEVICE or flight is not None
+            out[seq] = Held(s.length, on_device, away)
+        return out
 
     def num_tokens(self, seq: Any) -> int:
         """Tokens ``gather`` returns: committed and reserved, less any evicted blocks."""

@@ -15,6 +15,10 @@ error, as do the other requests owning the lost blocks; the rest of the step run
 
 Everything is recorded by the cache and runner: ``batch``, ``write``, ``read``,
 ``attn``, ``swap_out``/``swap_in``, ``rollback`` and the lifecycle events.
+
+The scheduler plans by narrow questions to the cache, as vLLM's asks its KV cache manager: what the live
+requests hold (``held``: length, blocks on the device, blocks away), once as it plans and once for the chosen
+ones as it makes room, and each tier's room (``room``); it reaches into blocks only to preempt or recover.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from ...events import SeqId
 from ..config import Tier
 from ..errors import ChecksumMismatch, EngineError, StorageError
+from ..kv.sequences import Held
 from ..model.sampling import Generation, SamplingParams
 from .speculative import Draft, Drafter, DraftRequest, verify
 
@@ -132,8 +137,9 @@ class Scheduler:
         self._ids = itertools.count()
         self._eos = frozenset(runner.eos_token_ids)
         self.capacity = self.cache.config.capacity(Tier.DEVICE)
-        # long context: a sequence may hold blocks in every tier
+        # long context: a sequence may hold blocks in every tier, and a step may take fewer of a prompt's tokens
         self.total_capacity = sum(self.cache.config.capacity(t) for t in self.cache.config.tiers)
+        self._long_context = self.cache.staging is not None
 
     # ---- requests in and out ----
     def submit(self, request: Request) -> SeqId:
@@ -189,27 +195,27 @@ class Scheduler:
     def step(self) -> StepResult:
         cache = self.cache
         step = cache.bus.step
-        chosen, preempt = self._plan()
-        preempted = self._make_room(chosen, preempt)
+        chosen, preempt = self._plan(cache.held(self.live))
+        held = cache.held(lv.seq for lv in chosen)  # (a request _plan aborted gave its blocks up meanwhile)
+        preempted = self._make_room(chosen, preempt, held)
         chosen = self._resume(chosen)
         rows, ends = [], []
         budget = self.max_step_tokens
         for live in chosen:
+            done = held[live.seq].length if live.seq in held else 0  # preemption and resuming keep the chosen's lengths
             if live.state == "waiting":
                 self.runner.weights_watch.check()  # weights edited since the last step: salted anew before admission
                 cache.add_sequence(live.seq, prompt_len=len(live.request.prompt_ids), priority=live.request.priority,
                                    adapter=live.request.adapter)
-            if live.state in ("waiting", "dropped") and not cache.seq_len(live.seq):
-                cache.reuse_prefix(live.seq, live.tokens)  # with a prefix cache: compute only what is not cached
+            if live.state in ("waiting", "dropped") and not done:
+                done = cache.reuse_prefix(live.seq, live.tokens)  # with a prefix cache: compute only what is not cached
             live.state = "running"
-            done = cache.seq_len(live.seq)
             # (a cache holding more than the request's tokens, as after a rollback the spec-rollback-uncut
             # fault did not cut, is still given the newest token)
             todo = live.tokens[done:] or live.tokens[-1:]
             take = todo[: max(1, min(len(todo), budget))] if len(todo) > 1 else todo
-            limit = cache.max_step_tokens(live.seq)  # long context: a prompt longer than the device goes in chunks
-            if limit is not None:
-                take = take[:limit]
+            if self._long_context:  # a prompt longer than the device goes in chunks
+                take = take[: cache.max_step_tokens(live.seq)]
             budget -= len(take)
             rows.append((live.seq, take))
             ends.append(len(take) == len(todo))  # the row reaches the end of its tokens: sample after it
@@ -301,20 +307,21 @@ class Scheduler:
             "tokens_per_forward": self.num_generated / self.num_forwards if self.num_forwards else 0.0,
         }
 
-    def _plan(self) -> tuple[list[_Live], list[_Live]]:
-        """The requests to run this step (best rank first, as many as fit) and the resident ones left out."""
+    def _plan(self, held: dict[SeqId, Held]) -> tuple[list[_Live], list[_Live]]:
+        """The requests to run this step (best rank first, as many as fit) and the resident ones left out, by what
+        each ``held`` at the step's start."""
         chosen: list[_Live] = []
         left: list[_Live] = []
         room = self.capacity
         tokens = self.max_step_tokens
         for live in sorted(self.live.values(), key=lambda lv: lv.rank):
-            need = self._blocks_after_step(live)
+            need = self._blocks_after_step(live, held)
             whole = -(-len(live.tokens) // self.cache.block_size)
-            if whole > (self.total_capacity if self.cache.staging is not None else self.capacity):
+            if whole > (self.total_capacity if self._long_context else self.capacity):
                 # Longer than the whole device tier (every tier, with long context): it can never run.
                 self._finish(live, "aborted")
                 continue
-            todo = len(live.tokens) - (self.cache.seq_len(live.seq) if self.cache.has_sequence(live.seq) else 0)
+            todo = len(live.tokens) - (held[live.seq].length if live.seq in held else 0)
             fits = need <= room and len(chosen) < self.max_batch and (tokens > 0 or todo <= 1)
             if fits:
                 chosen.append(live)
@@ -328,13 +335,17 @@ class Scheduler:
         """Bring the chosen requests' blocks back to the device one request at a time, before the forward
         pass, so a slower tier that lets one down fails only the requests whose blocks it lost (and the
         one it could not bring back); returns those still to run. (Long context reads blocks where they
-        are, through staging: there a failure still reaches the caller of ``step``.)"""
-        if self.cache.staging is not None:
+        are, through staging: there a failure still reaches the caller of ``step``.)
+        What each holds is asked once preemption is over (it may have taken a shared block away), and a request
+        again at its turn once another's blocks were brought back (that may have moved its own)."""
+        if self._long_context:
             return chosen
+        held = self.cache.held(lv.seq for lv in chosen)
+        moved = False
         for live in chosen:
-            if live.seq not in self.live or not self.cache.has_sequence(live.seq):
-                continue
-            if any(b.tier != Tier.DEVICE or b.inflight is not None for b in self.cache.blocks_of(live.seq)):
+            h = (self.cache.held([live.seq]) if moved else held).get(live.seq)
+            if live.seq in self.live and h is not None and h.away:
+                moved = True
                 try:
                     self.cache.ensure_resident([live.seq])
                 except (StorageError, ChecksumMismatch) as exc:
@@ -361,27 +372,29 @@ class Scheduler:
         nxt = min(rest, key=lambda lv: lv.rank)
         if nxt.state != "swapped":
             return
-        growth = sum(max(self._blocks_after_step(lv) - self._device_blocks(lv.seq), 0) for lv in running)
+        held = self.cache.held(lv.seq for lv in running)
+        growth = sum(max(self._blocks_after_step(lv, held) - self._device_blocks(lv.seq, held), 0) for lv in running)
         room = self.cache.free_blocks(Tier.DEVICE) - growth
         if room > 0:
             self.cache.prefetch(nxt.seq, max_blocks=room)
 
-    def _blocks_after_step(self, live: _Live) -> int:
+    def _blocks_after_step(self, live: _Live, held: dict[SeqId, Held]) -> int:
         """Device blocks ``live`` holds once this step's tokens are in (a generous bound for chunked prefill),
-        draft tokens included. Long context: at most the device, which streams the rest (``_plan`` checks the
-        total against every tier)."""
+        draft tokens included, by what it ``held`` before. Long context: at most the device, which streams the rest
+        (``_plan`` checks the total against every tier)."""
         drafts = self.num_draft if self.drafter is not None else 0
-        held = self.cache.seq_len(live.seq) + 1 if self.cache.has_sequence(live.seq) else 0  # more than its tokens only
-        blocks = -(-(max(len(live.tokens), held) + drafts) // self.cache.block_size)  # after a rollback left uncut
-        if self.cache.staging is not None:
+        h = held.get(live.seq)
+        tokens = h.length + 1 if h is not None else 0  # more than its tokens only after a rollback left uncut
+        blocks = -(-(max(len(live.tokens), tokens) + drafts) // self.cache.block_size)
+        if self._long_context:
             return min(blocks, self.capacity)
         return blocks
 
-    def _device_blocks(self, seq: SeqId) -> int:
-        """Device blocks ``seq`` holds, counting those a prefetch is bringing up (their slots are taken)."""
-        if not self.cache.has_sequence(seq):
-            return 0
-        return sum(1 for b in self.cache.blocks_of(seq) if b.tier == Tier.DEVICE or (b.inflight is not None and b.inflight.dst == Tier.DEVICE))
+    @staticmethod
+    def _device_blocks(seq: SeqId, held: dict[SeqId, Held]) -> int:
+        """Device blocks ``seq`` ``held``, counting those a prefetch is bringing up (their slots are taken)."""
+        h = held.get(seq)
+        return h.on_device if h is not None else 0
 
     def _reclaimable(self, chosen: list[_Live]) -> int:
         """Device blocks that prefetches brought up for requests not running this step: their copies
@@ -397,36 +410,34 @@ class Scheduler:
                 n += b.tier == Tier.DEVICE
         return n
 
-    def _make_room(self, chosen: list[_Live], left: list[_Live]) -> list[SeqId]:
-        """Preempt the lowest-ranked resident requests left out until the chosen ones fit."""
-        tiers = self.cache.stats()["tiers"]
-        for name, t in tiers.items():  # a prefix cache's blocks that no request holds make room when asked
-            t["free_blocks"] += self.cache.reclaimable(name)
-        free = tiers[Tier.DEVICE]["free_blocks"]
-        need = sum(self._blocks_after_step(lv) - self._device_blocks(lv.seq) for lv in chosen)
+    def _make_room(self, chosen: list[_Live], left: list[_Live], held: dict[SeqId, Held]) -> list[SeqId]:
+        """Preempt the lowest-ranked resident requests left out until the chosen ones fit, by what the chosen
+        ``held``."""
+        room = self.cache.room()  # a prefix cache's blocks that no request holds make room when asked
+        free = room[Tier.DEVICE]
+        need = sum(self._blocks_after_step(lv, held) - self._device_blocks(lv.seq, held) for lv in chosen)
         if need > free:
-            free = (self._reclaimable(chosen) + self.cache.free_blocks(Tier.DEVICE)
-                    + self.cache.reclaimable(Tier.DEVICE))
+            free = self._reclaimable(chosen) + self.cache.room()[Tier.DEVICE]
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
             if need <= free:
                 break
-            free += self._preempt(live, tiers)
+            free += self._preempt(live, room)
             preempted.append(live.seq)
         return preempted
 
-    def _preempt(self, live: _Live, tiers: dict[str, Any]) -> int:
-        """Move ``live``'s blocks off the device: swap to host, else disk, else drop for recompute."""
+    def _preempt(self, live: _Live, room: dict[str, int]) -> int:
+        """Move ``live``'s blocks off the device: swap to host, else disk (where ``room`` has space for them; it is
+        taken from it), else drop for recompute."""
         # (a block the prefix-freed-in-use fault dropped under the request is no longer the pool's to move)
         on_device = [b.id for b in self.cache.blocks_of(live.seq) if b.tier == Tier.DEVICE and self.cache.block(b.id) is b]
         for dst in (Tier.HOST, Tier.DISK):
-            t = tiers.get(dst)
-            if t is not None and t["free_blocks"] >= len(on_device):
+            if room.get(dst, -1) >= len(on_device):
                 try:
                     self.cache.swap_out(on_device, dst=dst)
                 except StorageError:
                     continue  # nothing moved (a full disk, recorded as io_error): try the next way
-                t["free_blocks"] -= len(on_device)
+                room[dst] -= len(on_device)
                 live.state = "swapped"
                 return len(on_device)
         # Nowhere to keep the K/V: drop it and recompute from the tokens when the request resumes.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.engine.serving.runner import Runner
+from kvdoctor.engine.serving import scheduler
 from kvdoctor.engine.serving.scheduler import Request, Scheduler
 from kvdoctor.events import Batch, Rollback, SeqEnd, SwapIn, SwapOut
 
@@ -176,3 +178,50 @@ def test_greedy_rows_take_the_first_largest_logit_a_nan_counting_as_largest():
                            [0.5, 2.0, -1.0, 2.0]])
     # WHEN the scheduler takes each row's greedy token THEN it is torch's argmax, row by row
     assert _row_argmax(logits) == logits.argmax(dim=-1).tolist() == [1, 0, 0, 0, 1]
+
+
+def test_a_step_is_planned_by_narrow_questions_to_the_cache(model, monkeypatch):
+    # GIVEN four requests on a device tier too small for all of them, a host tier to swap to, and a count of
+    # the cache's queries the scheduler asks (its own calls, not the runner's)
+    runner = Runner.create(model, block_size=4, device_blocks=16, host_blocks=64, disk_blocks=0)
+    cache = runner.cache
+    asked = Counter()
+
+    def counted(name, method):
+        def query(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == scheduler.__file__:
+                asked[name] += 1
+            return method(*args, **kwargs)
+        return query
+
+    for name in ("held", "room", "stats", "seq_len", "has_sequence", "blocks_of"):
+        monkeypatch.setattr(cache, name, counted(name, getattr(cache, name)))
+    sched = Scheduler(runner, max_batch=4)
+    for p in PROMPTS:
+        sched.submit(Request(p, max_new_tokens=NEW))
+    steps = preempted = 0
+    while sched.has_work():
+        preempted += len(sched.step().preempted)
+        steps += 1
+    runner.close()
+    # THEN a request was preempted; each step asked what the requests hold as it planned, made room, resumed and
+    # prefetched (and, after a request's blocks came back, each request after it again: at most 3 at batch 4),
+    # each tier's room once (twice when it had to count what prefetches brought up); never the whole statistics
+    # nor a sequence's length; whether the cache holds a sequence only as requests came and went
+    assert preempted > 0
+    assert asked["held"] <= 4 * steps + 3 * preempted and asked["room"] <= 2 * steps
+    assert asked["stats"] == asked["seq_len"] == 0 and asked["has_sequence"] <= 3 * len(PROMPTS)
+
+
+def test_held_says_what_each_sequence_holds_and_where(make_cache):
+    # GIVEN a sequence of 3 blocks with one swapped to host, and one the cache does not hold
+    r = make_cache(device_blocks=8, host_blocks=8)
+    r.add("a", 10)
+    r.cache.swap_out(r.cache.block_table("a")[:1], dst="host")
+    # WHEN the scheduler's query asks for both
+    held = r.cache.held(["a", "nobody"])
+    # THEN the held one has its length, its two device blocks and one away; the other is left out
+    assert set(held) == {"a"}
+    assert (held["a"].length, held["a"].on_device, held["a"].away) == (10, 2, True)
+    # AND each tier's room is its free blocks (no prefix cache gives any up here)
+    assert r.cache.room() == {t: r.cache.free_blocks(t) for t in r.cache.config.tiers}
