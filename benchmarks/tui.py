@@ -8,21 +8,35 @@ with swaps, aborts and a leak fault, see ``kvdoctor.tui.synthetic``), then measu
    monitor, publish snapshots at 15 frames/s to a consumer that drops them), with checks,
 3. the same without checks, to show what the checks cost.
 
-The goal is >= 50k events/s for (2). Run:
+The goal is >= 50k events/s for (2). With ``--keys N``, instead, how fast the screen answers keys while the
+workload it watches competes for the CPU (issue 36's goal: within 200 ms): ``kvdoctor watch --demo``'s app
+(headless, the real app and feed) over the SmolLM2 demo in its child process, beside ``--loops`` single-threaded
+busy loops; every ``--interval`` seconds a key of ``--key-list`` (by default the tabs 1-5 in turn, as a user
+looks around; ``p`` pauses and resumes) is sent as the terminal sends it, and timed until its action ran
+(``handled``) and until the screen after it was painted (``painted``: what the user waits for). Median, 95th
+percentile and worst of each. Run:
 
     .venv/bin/python benchmarks/tui.py [--events 1000000]
+    .venv/bin/python benchmarks/tui.py --keys 40 [--loops 2] [--interval 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kvdoctor.trace import TraceReader, TraceWriter
+from kvdoctor.tui.app import KvdoctorApp
 from kvdoctor.tui.feed import LiveFeed, all_checks
 from kvdoctor.tui.state import Monitor, Snapshot
 from kvdoctor.tui.synthetic import SyntheticWorkload
@@ -72,10 +86,92 @@ def bench_feed(path: Path, checks: bool) -> tuple[int, float, int, int]:
     return feed.monitor.num_events, elapsed, frames, num_findings
 
 
+class _TimedApp(KvdoctorApp):
+    """The real app, noting when each key's action ran and when the screen after it was painted."""
+
+    CSS_PATH = str(Path(sys.modules[KvdoctorApp.__module__].__file__ or "").with_name("app.tcss"))  # the app's
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.marks: list[tuple[float, float]] = []
+
+    async def run_action(self, action: Any, *args: Any, **kwargs: Any) -> bool:
+        done = await super().run_action(action, *args, **kwargs)
+        handled = time.perf_counter()
+        self.call_after_refresh(lambda: self.marks.append((handled, time.perf_counter())))
+        return done
+
+
+async def _press_keys(keys: str, presses: int, interval: float) -> list[tuple[float, float]]:
+    """(handled, painted) seconds after sending each key, over the demo once it serves."""
+    from kvdoctor.tui.workload import Workload
+
+    with tempfile.TemporaryDirectory() as workdir:
+        workload = Workload.demo(seconds=900, workdir=workdir)
+        try:
+            app = _TimedApp(lambda publish: LiveFeed(str(workload.trace), publish, workload=workload, wait_s=600),
+                            workload=workload, show_pid=False)
+            async with app.run_test(size=(120, 36)) as pilot:
+                waited = time.monotonic()
+                while app.snapshot is None or app.snapshot.step < 5:  # the model loads, the first steps run
+                    assert time.monotonic() - waited < 300, "the demo served no step in 300 s"
+                    await pilot.pause(0.2)
+                waits = [await _time_key(app, keys[i % len(keys)], interval) for i in range(presses)]
+                await pilot.press("q")
+        finally:
+            workload.stop()
+    return waits
+
+
+async def _time_key(app: _TimedApp, key: str, rest: float) -> tuple[float, float]:
+    """Send ``key`` as the terminal's driver posts one; (handled, painted) seconds after; then ``rest`` seconds."""
+    from textual import events
+
+    marks = len(app.marks)
+    sent = time.perf_counter()
+    app._driver.send_message(events.Key(key, key))
+    while len(app.marks) == marks:
+        await asyncio.sleep(0.002)
+    handled, painted = app.marks[-1]
+    await asyncio.sleep(rest)
+    return handled - sent, painted - sent
+
+
+def _spread(values: list[float]) -> str:
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return f"median {statistics.median(ordered) * 1e3:.0f} ms, p95 {p95 * 1e3:.0f} ms, worst {ordered[-1] * 1e3:.0f} ms"
+
+
+def bench_keys(keys: str, presses: int, loops: int, interval: float) -> None:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    print(f"CPU {cpu} ({os.cpu_count()} CPUs), load {os.getloadavg()[0]:.1f} before; the demo on SmolLM2 beside "
+          f"{loops} busy loop(s), a key every {interval} s, keys {keys!r} in turn")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
+    try:
+        waits = asyncio.run(_press_keys(keys, presses, interval))
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    print(f"{len(waits)} keys, load {os.getloadavg()[0]:.1f} after")
+    print(f"handled: {_spread([h for h, _ in waits])}")
+    print(f"painted: {_spread([p for _, p in waits])}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--keys", type=int, metavar="N", help="time N keys over the live demo instead (see above)")
+    p.add_argument("--loops", type=int, default=2, help="with --keys: busy loops beside the demo (default 2)")
+    p.add_argument("--interval", type=float, default=0.5, help="with --keys: seconds between keys (default 0.5)")
+    p.add_argument("--key-list", default="12345",
+                   help="with --keys: the keys pressed in turn (default 12345, the tabs; p pauses and resumes)")
     args = p.parse_args()
+    if args.keys:
+        bench_keys(args.key_list, args.keys, args.loops, args.interval)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.kvtrace"
         t0 = time.perf_counter()

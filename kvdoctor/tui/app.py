@@ -10,6 +10,7 @@ checks, go on seeing every event.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from rich.text import Text
@@ -18,7 +19,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
-from textual.widgets import Footer, Input, TabbedContent, TabPane
+from textual.widgets import Input, TabbedContent, TabPane
 
 from ..findings import Finding
 from .feed import BusFeed, CheckerFactory, Feed, ReplayFeed, all_checks
@@ -30,6 +31,7 @@ from .widgets.attention import AttentionView
 from .widgets.blockmap import LEGEND, BlockMap
 from .widgets.eventlog import EventLog
 from .widgets.findings import FindingDetail, FindingsList, RecentFindings
+from .widgets.footer import KeysFooter
 from .widgets.gauges import TierGauges
 from .widgets.header import StatusHeader
 from .widgets.memory import MemoryView
@@ -45,11 +47,7 @@ _MAIN_WIDGET = {"overview": "blocks", "findings": "findings-list", "attention-ta
 
 
 class SnapshotReady(Message):
-    """Posted by the feed's thread; carries one immutable snapshot."""
-
-    def __init__(self, snapshot: Snapshot) -> None:
-        super().__init__()
-        self.snapshot = snapshot
+    """Posted by the feed's thread when a snapshot waits to be shown (the app's newest, ``KvdoctorApp._publish``)."""
 
 
 class KvdoctorApp(App[int]):
@@ -86,6 +84,9 @@ class KvdoctorApp(App[int]):
         self.show_pid = show_pid
         self.feed: Feed | None = None
         self._held: Snapshot | None = None  # the newest snapshot while paused
+        self._next: Snapshot | None = None  # the newest snapshot the feed published, until the UI thread takes it
+        self._next_lock = threading.Lock()
+        self._frame_due = 0.0  # monotonic time before which no snapshot is drawn (``_frame_drawn``)
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class KvdoctorApp(App[int]):
                 with VerticalScroll(id="output-pane", classes="panel") as out:
                     out.border_title = "the workload's output (newest last): the demo's answers"
                     yield OutputView().data_bind(KvdoctorApp.snapshot)
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.feed = self._make_feed(self._publish)
@@ -152,17 +153,41 @@ class KvdoctorApp(App[int]):
         return isinstance(self.feed, ReplayFeed)
 
     def _publish(self, snapshot: Snapshot) -> None:
-        """Called on the feed's thread."""
-        self.post_message(SnapshotReady(snapshot))
+        """Called on the feed's thread. At most one snapshot waits for the UI thread: a newer one replaces it. When
+        the CPU is busy (the workload watched competes for it) and drawing a frame takes longer than the feed's
+        frame interval, the screen skips to the newest state, and a key waits behind one frame at most, never a
+        queue of them."""
+        with self._next_lock:
+            waiting = self._next is not None
+            self._next = snapshot
+        if not waiting:
+            self.post_message(SnapshotReady())
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        wait = self._frame_due - time.monotonic()
+        if wait > 0:  # the snapshot stays in ``_next`` (newer ones replace it) until the UI thread has had its rest
+            self.set_timer(wait, lambda: self.post_message(SnapshotReady()))
+            return
+        with self._next_lock:
+            snapshot, self._next = self._next, None
+        if snapshot is None:
+            return
         if self.paused and not self.replay:
-            self._held = message.snapshot
+            self._held = snapshot
             return
         before = self.snapshot is not None and len(self.snapshot.traces) > 1
-        self.snapshot = message.snapshot
-        if before != (len(message.snapshot.traces) > 1):
+        self.snapshot = snapshot
+        if before != (len(snapshot.traces) > 1):
             self.refresh_bindings()  # the trace keys appear with a workload's second trace
+        self.call_after_refresh(self._frame_drawn, time.monotonic())
+
+    def _frame_drawn(self, started: float) -> None:
+        """A frame was applied and painted: the next waits as long as this one took. On a quiet machine a frame
+        takes a few milliseconds and the feed's rate rules; when the workload watched keeps the CPU busy, a frame
+        takes longer, and frames then use at most half of the UI thread's time, the rest left for keys (a frame
+        a second at least, whatever held the screen up)."""
+        now = time.monotonic()
+        self._frame_due = now + min(now - started, 1.0)
 
     # ---- actions ----------------------------------------------------------------------
 
