@@ -440,7 +440,8 @@ class BlockSparse(StepFeature):
             used = blocks.any(dim=1)  # (H_kv, nb): read by some query of the chunk
             self.read.blocks.setdefault(seq, set()).update(used.any(dim=0).nonzero().flatten().tolist())
             self.read.rows_read += int(used.sum())
-            tokens = blocks.repeat_interleave(bs, dim=-1)[..., :T]  # (H_kv, S, T)
+            tokens = blocks.repeat_interleave(bs, dim=-1)[..., :T]  # (H_kv, S, <= T)
+            tokens = F.pad(tokens, (0, T - tokens.shape[-1]))  # a row shorter than the batch's longest: no keys there
             tokens = tokens & causal[None] & (torch.arange(T, device=q.device) < t)
             allowed[r] = tokens.repeat_interleave(g, dim=0)
         bias = None if key_bias is None else key_bias.to(q.dtype).repeat_interleave(g, dim=1)[:, :, None]  # (B, H, 1, T)

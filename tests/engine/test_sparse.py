@@ -238,6 +238,28 @@ def test_h2o_eviction_in_the_runner_keeps_the_budget_and_emits_evict(model):
     runner.close()
 
 
+def test_h2o_keeps_every_row_of_a_batch_within_the_budget(model):
+    # GIVEN H2O over rows of different lengths decoded together (their attention masked per row, for the mass)
+    from kvdoctor.engine.serving.scheduler import Request, Scheduler
+
+    runner = Runner.create(model, block_size=4, device_blocks=64, host_blocks=0, importance="h2o",
+                           kv_budget_blocks=4, sink_blocks=1, local_blocks=1)
+    events: list = []
+    runner.bus.subscribe(events.extend)
+    sched = Scheduler(runner, max_batch=4)
+    seqs = [sched.submit(Request([(i * 13) % 120 + 3 for i in range(n)], max_new_tokens=8, ignore_eos=True))
+            for n in (9, 21, 37)]
+    # WHEN they run to the end, each step checking what every row holds
+    held = []
+    while sched.has_work():
+        sched.step()
+        held += [len(runner.cache.block_table(s)) for s in seqs if runner.cache.has_sequence(s)]
+    runner.close()
+    # THEN every row finished, none held more than the budget after a step, and blocks were evicted as H2O
+    assert all(len(sched.done[s].token_ids) == 8 for s in seqs) and max(held) <= 4
+    assert {e.reason for e in events if type(e).__struct_config__.tag == "evict"} == {"h2o"}
+
+
 def test_layout_unused_when_k_covers_all(make_cache):
     r = _filled(make_cache, 9)
     sp = BlockSparse(r.cache, k=8)
