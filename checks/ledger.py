@@ -25,6 +25,10 @@ __all__ = ["Ledger", "SeqState", "FREED_KEPT", "ENDED_KEPT"]
 # would grow with every request served.
 FREED_KEPT = 4096  # freed block ids whose last life is kept for "read after free"/"double free" evidence
 ENDED_KEPT = 65536  # ended sequence ids remembered, to tell "ended" from "never seen"
+# Ended sequences whose recorded stacks are kept (older ones keep their id and place only): a producer's stacks
+# are most of what an ended sequence costs (~1 KB, against ~100 bytes), and a finding about a sequence that ended
+# thousands of sequences ago is rare. Without this bound 8 traces of 2 M events held 345 MB.
+ENDED_STACKS_KEPT = 4096
 
 
 class SeqState:
@@ -77,8 +81,10 @@ class Ledger:
         self.orphans: dict[int, int] = {}
         self.stranded: dict[int, int] = {}
         # The user's stacks the producer recorded (empty when it records none), per sequence and kind:
-        # its seq_start's, its first alloc's, its seq_end's; kept as long as ``ended`` keeps the sequence.
+        # its seq_start's, its first alloc's, its seq_end's; kept for the last ``ENDED_STACKS_KEPT`` sequences that
+        # ended (at most as many as ``ended`` keeps; in the order they ended, ``_stacks_ended``).
         self.seq_stacks: dict[Any, dict[str, list[str]]] = {}
+        self._stacks_ended: deque = deque()
         # Each sequence's place in the order sequences started (kept as long as ``ended`` keeps it): what a
         # finding's fingerprint names instead of an id a server draws at random (``Finding.key``)
         self.seq_index: dict[Any, int] = {}
@@ -199,8 +205,12 @@ class Ledger:
         if len(self.ended) > self.ended_kept:
             gone, _ = self.ended.popitem(last=False)
             self.seq_index.pop(gone, None)
-            if self.seq_stacks:
-                self.seq_stacks.pop(gone, None)
+        if ev.seq in self.seq_stacks:
+            self._stacks_ended.append(ev.seq)
+            if len(self._stacks_ended) > min(ENDED_STACKS_KEPT, self.ended_kept):
+                gone = self._stacks_ended.popleft()
+                if gone not in self.seqs:  # not started again since
+                    self.seq_stacks.pop(gone, None)
         if state is None:
             return
         # seq_end releases every block the sequence still owns.
