@@ -15,6 +15,13 @@ prompt's K/V of the same length: the decode instance loads K/V that is not its p
 the instance, the request and the block (``handoff/digest-mismatch``). ``--fault block-size`` starts the
 decode instance with blocks of 64 tokens where the prefill used 32: the same K/V lands in blocks of another
 size (``handoff/layout-mismatch``, vLLM #30358).
+
+``--tp 2`` runs both instances at tensor parallel size 2 on a small random Llama (each rank holds one KV head):
+each worker then writes its rank's trace and its connector's. vLLM's ``ExampleConnector`` names a layer's file
+by the prompt alone, not by the rank, so both ranks of the prefill instance write their heads to one file and
+the decode instance's ranks load whichever landed (a race, layer by layer): ``kvdoctor check`` names the loads
+whose K/V differ from the newest save under their key (``handoff/digest-mismatch``). The connector is not made
+for tensor parallel; the check shows what it does there.
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ from vllm_offline import QUESTIONS, SYSTEM, _default_model
 _BLOCK = 32
 
 
-def instance(name: str, model: str, storage: str, block_size: int = _BLOCK):
+def instance(name: str, model: str, storage: str, block_size: int = _BLOCK, tp: int = 1):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, block_size=block_size,
                num_gpu_blocks_override=64, enable_prefix_caching=False, max_num_seqs=4, seed=0,
-               gpu_memory_utilization=0.2,
+               gpu_memory_utilization=0.2, tensor_parallel_size=tp,
                kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", engine_id=name,
                                                    kv_connector_extra_config={"shared_storage_path": storage}))
 
@@ -72,13 +79,21 @@ def main() -> None:
     ap.add_argument("--fault", choices=["foreign-kv", "block-size"],
                     help="foreign-kv: overwrite a prompt's K/V in the store with another's; block-size: the decode "
                     "instance pages its cache in blocks of 64 tokens where the prefill used 32")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of both instances (2: a small random "
+                    "Llama with an even head count, each worker bound to a core)")
     args = ap.parse_args()
 
     from vllm import SamplingParams
 
-    model = args.model or _default_model()
+    if args.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % 2) for i in range(args.tp)))
+        from vllm_tensor_parallel import tiny_llama_dir
+
+        model = args.model or tiny_llama_dir(tempfile.mkdtemp(prefix="kvdoctor-tiny-llama-"))
+    else:
+        model = args.model or _default_model()
     storage = tempfile.mkdtemp(prefix="kvdoctor-disaggregated-")
-    prefill = instance("prefill", model, storage)
+    prefill = instance("prefill", model, storage, tp=args.tp)
     tokenizer = prefill.get_tokenizer()
     # the question first: the connector keys a prompt by its tokens up to a block boundary, so prompts that
     # differ only after a long shared system prompt would share one entry in the store
@@ -93,7 +108,8 @@ def main() -> None:
         print(f"vllm_disaggregated: fault foreign-kv: store entry {overwrite_one(storage, set())[:12]}… now holds "
               "another prompt's K/V")
     # the decode instance finds each prompt's K/V in the store, loads it and decodes
-    decode = instance("decode", model, storage, block_size=2 * _BLOCK if args.fault == "block-size" else _BLOCK)
+    decode = instance("decode", model, storage, block_size=2 * _BLOCK if args.fault == "block-size" else _BLOCK,
+                      tp=args.tp)
     out = decode.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
                           use_tqdm=False)
     print(f"vllm_disaggregated: {len(out)} requests prefilled by one instance, decoded by another through {storage}")

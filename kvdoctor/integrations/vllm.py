@@ -101,7 +101,7 @@ def _patch_scheduler(path: str) -> None:
     # a worker in this process (any process vLLM starts) records its connector's saves and loads, in a trace
     # numbered from 2: the path itself stays the engine core's, which a user checking one file wants
     try:
-        vllm_connector.patch_example_connector(path, f"vllm {version}", lambda p: claim(p, 2)[0])
+        vllm_connector.patch_example_connector(path, f"vllm {version}", vllm_ranks.claim_locked)
     except Exception as exc:
         warn(f"not tracing vLLM's KV connector ({type(exc).__name__}: {exc})")
     # a worker of an engine with several ranks writes its rank's view of the cache, in a trace numbered likewise
@@ -168,7 +168,7 @@ class VllmTracer(BufferedTrace):
         self._wrapped: list[tuple[Any, str]] = []
         self.guard = Guard("vllm", self._record_error, self._stop)
         self.header = self._header(scheduler, engine)
-        self._open(claim(path)[0], self.header)
+        self._open(vllm_ranks.claim_locked(path, 1), self.header)
         self.guard.attempt("start-up", self._start, scheduler, methods)
         if self.guard.live:
             vllm_connector.attach(self, getattr(scheduler, "connector", None))  # it records the loads it schedules

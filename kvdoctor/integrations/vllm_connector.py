@@ -130,7 +130,11 @@ class WorkerTrace:
 
 
 def _worker_header(connector: Any, engine: str, t0_perf: int) -> Header:
-    """Who this worker is: its instance (the connector's engine id) and its ranks; a fact it lacks is left out."""
+    """Who this worker is: its instance (the connector's engine id) and its ranks; a fact it lacks is left out.
+
+    The ranks are named in ``engine``, not as ``tp_rank``/``pp_rank``: a header with those is a rank's view of
+    the engine's block table, which the ranks of one engine compare step by step; a connector's saves and loads
+    are no such view (beside a rank's own trace in a tensor-parallel worker, it would differ from it at start-up)."""
     fields: dict[str, Any] = {}
     config = getattr(connector, "_vllm_config", None)
     facts: dict[str, Callable[[], Any]] = {
@@ -141,16 +145,17 @@ def _worker_header(connector: Any, engine: str, t0_perf: int) -> Header:
         "dp_size": lambda: config.parallel_config.data_parallel_size,
         "tp_size": lambda: config.parallel_config.tensor_parallel_size,
         "pp_size": lambda: config.parallel_config.pipeline_parallel_size,
-        "tp_rank": _tp_rank,
-        "pp_rank": _pp_rank,
+        "tp": _tp_rank,
+        "pp": _pp_rank,
     }
     for name, get in facts.items():
         try:
             fields[name] = get()
         except Exception:
             pass
+    ranks = "".join(f" {r} {fields.pop(r)}" for r in ("tp", "pp") if r in fields)
     return Header(block_size=connector._block_size, num_layers=fields.pop("num_layers", 0),
-                  tiers=[TierSpec(name="device", capacity_blocks=0)], engine=f"{engine} worker", pid=os.getpid(),
+                  tiers=[TierSpec(name="device", capacity_blocks=0)], engine=f"{engine} worker{ranks}", pid=os.getpid(),
                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   t0=time.time_ns() - (time.perf_counter_ns() - t0_perf),
                   **{k: v for k, v in fields.items() if v is not None})

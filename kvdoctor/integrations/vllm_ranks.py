@@ -36,7 +36,7 @@ from ..trace_names import claim
 from .guard import Call, Guard, positions
 from .vllm_trace import BufferedTrace, warn
 
-__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE"]
+__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE", "claim_locked"]
 
 RANK_CACHE = "vllm"  # the owner a rank's cache holds every block it has seen as
 _TRACE = "_kvdoctor_rank"  # the attribute a model runner's trace hangs on
@@ -80,20 +80,20 @@ def _start(runner: Any, path: str, engine: str) -> RankTrace | bool:
         parallel = runner.vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size < 2:
             return False
-        return RankTrace(runner, _claim_locked(path), engine)
+        return RankTrace(runner, claim_locked(path), engine)
     except Exception as exc:  # the trace could not even start: the rank runs untraced
         warn(f"not tracing this vLLM rank ({type(exc).__name__}: {exc})")
         return False
 
 
-def _claim_locked(path: str) -> str:
-    """The next free ``run.N.kvtrace`` (N ≥ 2), created under a lock on its folder: ranks start at the same
-    moment, and two claiming the same name would write one file."""
+def claim_locked(path: str, first: int = 2) -> str:
+    """The next free ``run.N.kvtrace`` (N ≥ ``first``), created under a lock on its folder: ranks, their KV
+    connectors and the engine core start at the same moment, and two claiming the same name would write one file."""
     folder = os.path.dirname(os.path.abspath(path))
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        mine = claim(path, 2)[0]
+        mine = claim(path, first)[0]
         open(mine, "wb").close()  # written since the run began: the next rank's claim passes it by
         return mine
     finally:
@@ -111,6 +111,7 @@ class RankTrace(BufferedTrace):
         self._versions: dict[str, int] = {}  # request -> tokens written for it, all lives (the write versions)
         self._length: dict[str, int] = {}  # request -> where its writes end
         self._block_version: dict[int, int] = {}  # block -> version of the last write into it
+        self._fresh: dict[str, set[int]] = {}  # request -> blocks this rank first saw in its row
         self.guard = Guard("vllm", self._record_error, lambda: None)
         self._open(path, _rank_header(runner, engine, self._t0))
 
@@ -139,6 +140,7 @@ class RankTrace(BufferedTrace):
                 self._emit(Share, block=b, seq=seq)
             else:  # first sight: the request's, and the rank's cache's from now on
                 self._seen.add(b)
+                self._fresh.setdefault(seq, set()).add(b)
                 self._emit(Alloc, block=b, tier="device", seq=seq)
                 self._emit(Share, block=b, seq=RANK_CACHE)
         self._rows[seq] = list(row)
@@ -149,7 +151,7 @@ class RankTrace(BufferedTrace):
             self._emit(Release, block=b, seq=seq)
         if seq in self._versions:
             self._emit(SeqEnd, seq=seq, reason="finished")
-        for table in (self._versions, self._length):
+        for table in (self._versions, self._length, self._fresh):
             table.pop(seq, None)
 
     def compute(self, seq: str, pos: int, slots: list[int], row: list[int]) -> None:
@@ -175,6 +177,25 @@ class RankTrace(BufferedTrace):
         self._length[seq] = pos + n
         read = row[:-(-(pos + n) // bs)]
         self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read])
+
+
+    def arrived(self, seq: str, pos: int, row: list[int]) -> None:
+        """``seq``'s row starts at ``pos``: tokens before it that no forward pass of this rank computed, in blocks
+        it first saw in ``seq``'s row, were loaded by a KV connector (the engine core's trace writes them likewise),
+        before the batch that starts past them. Those in blocks seen before are a prefix hit's."""
+        start, end = self._length.get(seq, 0), pos
+        if end <= start:
+            return
+        fresh, bs = self._fresh.get(seq, ()), self.block_size
+        version = self._versions[seq]
+        for i in range(start // bs, min(len(row), -(-end // bs))):
+            if row[i] in fresh:
+                first, stop = max(start, i * bs), min(end, (i + 1) * bs)
+                version += stop - first
+                self._block_version[row[i]] = version
+                self._emit(Write, block=row[i], seq=seq, pos=first, n=stop - first, version=version)
+        self._versions[seq] = version
+        self._length[seq] = end
 
 
 def _updated(trace: RankTrace, runner: Any, call: Call) -> None:
@@ -205,8 +226,9 @@ def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
     # the blocks first, as the scheduler handed them out before the step (a prefix hit's blocks before its
     # batch row starts past them), then the batch and what each row writes and reads
     held = [[b for b in blocks[i, :per_row[i]].tolist() if b] for i in range(num_reqs)]
-    for seq, row in zip(rows, held):
+    for seq, row, pos in zip(rows, held, positions):
         trace.hold(seq, row)
+        trace.arrived(seq, pos, row)
     trace._emit(Batch, rows=list(rows), positions=positions, n=counts)
     start = 0
     for i, seq in enumerate(rows):

@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode under the vLLM plugin: two instances, four traces, one workload.
 
 ``examples/vllm_disaggregated.py`` prefills on one vLLM instance and decodes on another through the
-``ExampleConnector``; each engine core and each worker writes its own trace. Checked as one workload by
+``ExampleConnector``; each engine core and each worker writes its own trace (at TP=2 each worker its rank's
+and its connector's). Checked as one workload by
 ``kvdoctor check -- CMD``, a clean run is silent and a store entry overwritten with another prompt's K/V is
 named with the loading instance, request and block, and a decode instance with another block size than the
 prefill's is named too (about 2 minutes a run on 2 cores).
@@ -50,3 +51,21 @@ def test_prefill_then_decode_is_one_clean_workload_and_its_faults_are_named():
     # THEN the two instances sharing the store are named with the block sizes they disagree on
     assert sizes.returncode == 1, sizes.stdout + sizes.stderr[-3000:]
     assert "handoff/layout-mismatch" in sizes.stdout and "block_size (64 here, 32 there)" in sizes.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_at_tensor_parallel_2_each_worker_traces_its_rank_and_its_connector_and_only_the_shared_files_are_named():
+    pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
+    # GIVEN both instances at TP=2: each worker writes its rank's trace and its connector's beside it
+    run = _check("--tp", "2", "--max-tokens", "4")
+    # THEN ten traces are read (two engine cores, four ranks, four connectors): the ranks agree with each other
+    # (a connector's trace is no rank's view), and tokens the connector loaded count as the ranks' writes
+    assert run.returncode in (0, 1), run.stdout + run.stderr[-3000:]
+    assert "10 traces" in run.stdout and "tp 1 pp 0" in run.stdout, run.stdout[:2000]
+    # AND the only finding there can be is vLLM's own: ExampleConnector names a layer's file by the prompt
+    # alone, so both prefill ranks write one file and a decode rank may load the other rank's heads (which
+    # rank's write lands last is a race, so how many requests it hits varies from run to run)
+    rules = {line.split()[1] for line in run.stdout.splitlines() if line.startswith(("ERROR", "WARNING", "INFO"))}
+    assert rules <= {"handoff/digest-mismatch"}, run.stdout[-4000:]
+    assert (run.returncode == 1) == bool(rules), run.stdout[-4000:]
