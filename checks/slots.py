@@ -11,14 +11,23 @@ Nothing crashes; the model attends to garbage. Three rules:
 - ``padding-nonfinite``: a ``padding`` event saying a pass wrote non-finite K/V into a row's padding slots
   (transformers #46765, flash-attention #1745: a half-precision overflow at pad tokens). Attention masks
   those slots, but 0 x NaN in its weighted sum turns the row's output NaN a layer later: this names the row,
-  the slots, the layer and the step where the NaN was written, not where it surfaced.
+  the slots, the layer and the step where the NaN was written, not where it surfaced;
+- ``nonfinite-write``: a ``write`` saying it stored NaN or Inf into real slots (its ``nonfinite`` positions,
+  vllm PR #43990's NaN K/V read as real, transformers #46765's padding NaN reaching real rows). Every later
+  read of the block attends to them. Judged at the step's end: when, that step, the sequence's attention
+  went non-finite at a layer below the write's first, or it read a block holding non-finite K/V below it
+  (a NaN value weighs the output NaN with finite scores), the NaN came up through the hidden state from
+  where an earlier finding names it; otherwise the write is where it began (sequence, block, positions,
+  first layer, step, and the writer's frames).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..events import Alloc, Evict, Free, Padding, Read, Snapshot, Truncate, Write
+import msgspec
+
+from ..events import Alloc, Attn, AttnStep, Evict, Free, Padding, Read, Snapshot, Truncate, Write
 from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase, Rule
@@ -48,23 +57,78 @@ class SlotsCheck(CheckBase):
              "after a crop or reset the cache reports another length than the cut asked to leave"),
         Rule("padding-nonfinite", "error",
              "a pass wrote non-finite K/V into a row's padding slots, which attention masks but multiplies by 0"),
+        Rule("nonfinite-write", "error", "a write stored NaN or Inf K/V into real slots, which later reads attend to"),
     )
 
     def __init__(self, ledger=None) -> None:
         super().__init__(ledger)
         self.written: dict[int, list[tuple[int, int]]] = {}  # block -> (pos, n) of each write since allocation
+        self._nan_blocks: dict[int, int] = {}  # block -> the lowest layer of the non-finite K/V written into it
+        self._nan_writes: dict = {}  # seq -> its first write this step that stored non-finite K/V
+        # seq -> the lowest layer where, this step, its attention went non-finite or a block it read holds NaN/Inf
+        self._nan_below: dict = {}
 
     def handlers(self):
         return {Alloc: self._gone, Free: self._gone, Evict: self._gone, Write: self._write, Read: self._read,
-                Truncate: self._truncate, Snapshot: self._snapshot, Padding: self._padding}
+                Truncate: self._truncate, Snapshot: self._snapshot, Padding: self._padding, Attn: self._attn,
+                AttnStep: self._attn_step}
 
     def _gone(self, ev: Alloc | Free | Evict) -> Sequence[Finding]:
         self.written.pop(ev.block, None)
+        if self._nan_blocks:
+            self._nan_blocks.pop(ev.block, None)
         return NO_FINDINGS
 
     def _write(self, ev: Write) -> Sequence[Finding]:
         self.written.setdefault(ev.block, []).append((ev.pos, ev.n))
+        if ev.nonfinite:
+            self._nan_writes.setdefault(ev.seq, ev)
+            layer = ev.nonfinite_layer if ev.nonfinite_layer is not None else 0
+            self._nan_blocks[ev.block] = min(layer, self._nan_blocks.get(ev.block, layer))
         return NO_FINDINGS
+
+    def _below(self, seq, layer: int) -> None:
+        """``seq`` met non-finite K/V or attention at ``layer`` this step."""
+        if layer < self._nan_below.get(seq, layer + 1):
+            self._nan_below[seq] = layer
+
+    def _attn(self, ev: Attn) -> Sequence[Finding]:
+        if ev.nonfinite:
+            self._below(ev.seq, ev.layer)
+        return NO_FINDINGS
+
+    def _attn_step(self, ev: AttnStep) -> Sequence[Finding]:
+        for layer, counts in enumerate(ev.nonfinite):
+            if any(counts):  # a clean step: one pass over the counts per layer
+                for seq, n in zip(ev.seqs, counts):
+                    if n:
+                        self._below(seq, layer)
+        return NO_FINDINGS
+
+    def end_step(self, step: int) -> Sequence[Finding]:
+        if not self._nan_writes:
+            self._nan_below.clear()
+            return NO_FINDINGS
+        out = []
+        for seq, ev in self._nan_writes.items():
+            below = self._nan_below.get(seq)
+            layer = ev.nonfinite_layer
+            if (below is not None and layer is not None and below < layer) or not self.once("nonfinite-write", seq):
+                continue  # the NaN came up from a layer below: attention/nonfinite names where it began
+            where = f", first at layer {layer}" if layer is not None else ""
+            f = self.finding(
+                "nonfinite-write",
+                f"sequence {seq!r} wrote non-finite K/V (NaN or Inf) into block {ev.block} at position(s) "
+                f"{_ranges(sorted(ev.nonfinite))}{where} at step {ev.step}: every later read of the block attends to "
+                f"them, and a NaN key or value turns the scores or the output NaN (vllm PR #43990, transformers #46765)",
+                seq=seq, block=ev.block, layer=layer, step=ev.step, positions=list(ev.nonfinite)[:64],
+                events=[self.event_dict(ev)], history=self.ledger.block_history(ev.block))
+            if ev.stack:  # the writer first: the finding's location is the user's line that ran the write
+                f = msgspec.structs.replace(f, stacks={"write": ev.stack, **self.ledger.stacks(ev.block, seq)})
+            out.append(f)
+        self._nan_writes.clear()
+        self._nan_below.clear()
+        return out
 
     def _snapshot(self, ev: Snapshot) -> Sequence[Finding]:
         for b in ev.blocks:  # attached mid-run: what each block's writes so far left in it
@@ -73,6 +137,10 @@ class SlotsCheck(CheckBase):
         return NO_FINDINGS
 
     def _read(self, ev: Read) -> Sequence[Finding]:
+        if self._nan_blocks:
+            held = [self._nan_blocks[b] for b in ev.blocks if b in self._nan_blocks]
+            if held:
+                self._below(ev.seq, min(held))
         if ev.span is None:
             return NO_FINDINGS
         start, end = ev.span

@@ -44,6 +44,9 @@ FAULTS: dict[str, str] = {
     "cleared under the cache would be",
     "noise": "once, from step 2 on: the keys of a sequence's first block get small noise (about 1% of their "
     "size) at the middle layer: nearly the right values, which attention statistics do not notice",
+    # A write whose values are wrong and whose events say so (the write's nonfinite positions): slots sees it.
+    "nonfinite-write": "once, from step 2 on: the first token a step stores gets a NaN in its keys at the middle "
+    "layer as it is written, as a kernel or an fp16 overflow would write it (its record holds the NaN too)",
     # Prefix-cache faults (engine.kv.prefix): the cache hands a request K/V that is not its prefix's.
     "prefix-unsalted": "the prefix cache keys blocks by their tokens alone, leaving out the salt (model, weights, "
     "KV codec, rope scaling, adapter): a request under another adapter hits blocks computed under the first",
@@ -93,6 +96,7 @@ class Faults:
         self.prefix_freed_in_use = name == "prefix-freed-in-use"
         self.rollback_uncut = name == "spec-rollback-uncut"
         self.free_during_prefetch = name == "free-during-prefetch"
+        self.nonfinite_write = name == "nonfinite-write"
         self.nan_layer = num_layers // 2
         self._batched_steps = 0
         self._misalign_step = -1
@@ -101,12 +105,16 @@ class Faults:
         self.corrupt_layer = num_layers // 2  # the layer bit-flip and wrong-scale hit
         self.shift: tuple[int, int] | None = None  # row-off-by-one: (meant flat slot, step) written one row on
         self.used_slots: set[int] = set()  # stale-slot: device slots handed out so far (a reuse holds old bytes)
-        # What a content fault corrupted once it fired: {"block", "seq", "layer", "step"} (tests, docs, demos)
+        # What a content fault (or nonfinite-write) corrupted once it fired: {"block", "seq", "layer", "step"}
         self.hit: dict[str, Any] | None = None
 
     def content_due(self, step: int) -> bool:
         """True while a content fault is on and has not fired yet, from its first step on."""
         return self.content is not None and self.hit is None and step >= _CONTENT_FROM_STEP
+
+    def nonfinite_due(self, step: int) -> bool:
+        """True while nonfinite-write is on and has not fired yet, from the content faults' first step on."""
+        return self.nonfinite_write and self.hit is None and step >= _CONTENT_FROM_STEP
 
     def fired(self, block: int, seq: Any, layer: int | None, step: int) -> None:
         self.hit = {"block": block, "seq": seq, "layer": layer, "step": step}

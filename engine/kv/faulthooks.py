@@ -62,6 +62,24 @@ class FaultHooks:
         moved[slots == shift[0]] += 1
         return moved
 
+    def nonfinite_write(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """nonfinite-write: the keys ``k`` (N, H, D) a store writes at ``slots``, the first token's first key element
+        NaN at the fault's layer once (a copy: the caller's tensor stays as the model computed it)."""
+        c = self.cache
+        f, step, bs = c.faults, c.bus.step, c.block_size
+        if layer != f.corrupt_layer or not f.nonfinite_due(step) or not slots.numel():
+            return k
+        flat = int(slots[0])
+        b, seq, pos = next(((b, q, p + flat % bs - p % bs) for q in c.step.reserved for b, p, _ in c.seqs[q].writes
+                            if b.slot == flat // bs), (None, None, None))
+        if b is None:
+            return k
+        f.fired(b.id, seq, layer, step)
+        f.hit["pos"] = pos
+        k = k.clone()
+        k[0, 0, 0] = float("nan")
+        return k
+
     def corrupt_after_write(self, s: SeqState) -> None:
         """The content faults that strike right after ``s``'s write (see ``engine.faults``)."""
         c = self.cache

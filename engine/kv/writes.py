@@ -5,6 +5,8 @@ them, ``commit`` once all layers are stored.
 device is full), brings the block being appended to back to the device and gives the sequence its own
 copy of it when it is shared. ``commit`` advances the version by the tokens written and emits a
 ``write`` per block touched: every write advances the version, so a stale copy shows up as an older one.
+A write whose stored K or V holds a NaN or an Inf says so, with its positions, first layer and writer
+(``engine.kv.nonfinite``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ... import callsite
 from ...events import Write
 from ..config import Tier
+from .nonfinite import NonFiniteScan
 from .pool import Block
 from .sequences import SeqState
 
@@ -28,6 +32,7 @@ __all__ = ["Writes"]
 class Writes:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
+        self.nonfinite = NonFiniteScan(cache)
 
     def reserve(self, seq: Any, n: int) -> torch.Tensor:
         c = self.cache
@@ -109,6 +114,8 @@ class Writes:
         meant = slots
         if c.faults.row_off_by_one:
             slots = c.fault_hooks.row_off_by_one(layer, slots)
+        if c.faults.nonfinite_write:
+            k = c.fault_hooks.nonfinite_write(layer, slots, k)
         plan = c.layout.plan(slots)
         blk, off = plan.blk, plan.off
         digest = c.bus.enabled and c.digests.recording
@@ -141,7 +148,8 @@ class Writes:
 
     def store_rows(self, slots: torch.Tensor) -> torch.Tensor | None:
         c = self.cache
-        if c.faults.row_off_by_one or not c.codec.native or not c.single_codec():
+        if (c.faults.row_off_by_one or c.faults.nonfinite_due(c.bus.step) or not c.codec.native
+                or not c.single_codec()):
             return None
         return c.layout.plan(slots).rows
 
@@ -163,6 +171,7 @@ class Writes:
         if not 0 <= n <= s.pending:
             raise ValueError(f"commit of {n} tokens for {seq!r}: must be in [0, {s.pending}] (reserved)")
         left = n
+        bad = self.nonfinite.of(s) if c.bus.enabled else None
         for b, pos, m in s.writes:
             if left <= 0:
                 break
@@ -177,7 +186,11 @@ class Writes:
             else:
                 b.digest = None  # its bytes changed unrecorded: nothing to verify them against from now on
             if c.bus.enabled:
-                c.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version, digest=digest)
+                at = b.slot * c.block_size - pos + pos % c.block_size  # flat slot of position p: at + p
+                nan = {p: bad[at + p] for p in range(pos, pos + m) if at + p in bad} if bad else None
+                c.bus.emit(Write, block=b.id, seq=seq, pos=pos, n=m, version=s.version, digest=digest,
+                           nonfinite=sorted(nan) if nan else None, nonfinite_layer=min(nan.values()) if nan else None,
+                           stack=callsite.user_stack() if nan else None)
         if c.faults.content is not None:
             c.fault_hooks.corrupt_after_write(s)
         s.length += n

@@ -83,3 +83,42 @@ def test_nan_written_into_padding_slots_is_named_where_written_and_clean_padding
     (f,) = [f for f in trace.run() if f.check == "slots"]
     assert (f.rule, f.seq, f.layer, f.step) == ("padding-nonfinite", "b", 1, 0)
     assert "padding slots 0-2 at layer 1" in f.message and f.evidence["nonfinite"] == 6
+
+
+def test_nan_written_into_real_slots_names_sequence_block_positions_layer_step_and_writer(trace):
+    # GIVEN two sequences; "b" writes K/V that hold a NaN at positions 5-6 from layer 3, its attention going
+    # non-finite at that same layer (a query reads its own key), "a" writes finite K/V
+    trace.start("a")
+    trace.start("b")
+    trace.alloc(1, "a")
+    trace.alloc(2, "b")
+    trace.write(1, "a", 4, pos=0)
+    trace.write(2, "b", 3, pos=4, nonfinite=[5, 6], nonfinite_layer=3, stack=["app.py:12 serve"])
+    trace.attn("b", 3, nonfinite=2)
+    trace.end_step()
+    # THEN one finding names the write: sequence, block, positions, first layer, step, and the writer's frames
+    (f,) = [f for f in trace.run() if f.check == "slots"]
+    assert (f.rule, f.seq, f.block, f.layer, f.step) == ("nonfinite-write", "b", 2, 3, 0)
+    assert f.evidence["positions"] == [5, 6] and "position(s) 5-6, first at layer 3" in f.message
+    assert f.stacks["write"] == ["app.py:12 serve"] and f.code_location == ("app.py", 12)
+
+
+def test_nan_that_came_up_from_below_is_left_to_where_it_began(trace):
+    # GIVEN a NaN written by "a" at layer 2 (reported), then, a step later, "b" and "c" writing NaN from layer 3:
+    # "b" because it read a's block holding NaN at layer 2 (a NaN value, finite scores), "c" because its
+    # attention went non-finite at layer 2
+    for seq, block in (("a", 1), ("b", 2), ("c", 3)):
+        trace.start(seq)
+        trace.alloc(block, seq)
+    trace.write(1, "a", 1, pos=0, nonfinite=[0], nonfinite_layer=2)
+    trace.end_step()
+    trace.next_step()
+    trace.share(1, "b")
+    trace.write(2, "b", 1, pos=4, nonfinite=[4], nonfinite_layer=3)
+    trace.read("b", [1, 2])
+    trace.write(3, "c", 1, pos=0, nonfinite=[0], nonfinite_layer=3)
+    trace.attn("c", 2, nonfinite=1)
+    trace.end_step()
+    # THEN only the first write is named: the later ones are its consequences
+    findings = [f for f in trace.run() if f.check == "slots"]
+    assert [(f.rule, f.seq, f.layer, f.step) for f in findings] == [("nonfinite-write", "a", 2, 0)]

@@ -80,10 +80,10 @@ def test_statistics_and_digest_sums_taken_inside_agree_with_the_kernels_over_the
         runner.bus.subscribe(lambda events: None)
         step = runner._decode_step
 
-        def kept(plan, groups, lens, slots, keep, stats):
+        def kept(plan, groups, lens, slots, hooks, keep, stats):
             if poison and len(steps) == 3:
                 runner.cache.layer_kv(0).fill_(float("nan"))
-            steps.append(d := step(plan, groups, lens, slots, True, stats))
+            steps.append(d := step(plan, groups, lens, slots, hooks, True, stats))
             if d is not None:  # the statistics and shares buffers serve the next step too: kept as they were
                 run = d.run
                 d.run = lambda *a: (run(*a), _keep(d))[0]

@@ -31,7 +31,7 @@ def test_env_var_switches_a_fault_on_and_rejects_unknown_names(tmp_path, monkeyp
     assert set(FAULTS) == {"leak-swapped", "stale-version", "stale-staging", "batch-misalign", "attention-nan",
                            "overwrite-foreign", "stale-slot", "wrong-scale", "bit-flip", "row-off-by-one",
                            "zeroed-block", "noise", "free-during-prefetch", "prefix-unsalted", "prefix-overwritten",
-                           "prefix-freed-in-use", "spec-rollback-uncut"}
+                           "prefix-freed-in-use", "spec-rollback-uncut", "nonfinite-write"}
 
 
 def test_leak_swapped_keeps_swapped_blocks_allocated_after_seq_end(make_cache):
