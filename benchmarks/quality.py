@@ -112,6 +112,8 @@ def texts(tokenizer: Any, context: int) -> dict[str, list[int]]:
 @torch.inference_mode()
 def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namespace) -> dict[str, Any]:
     """Perplexity over ``ids[:context]`` (chunked prefill), then decode steps for the bytes read."""
+    from kvdoctor.engine.features.merging import TokenMerging
+    from kvdoctor.engine.features.sparse import BlockSparse
     from kvdoctor.engine.serving.runner import Runner
 
     ctx = args.context
@@ -138,15 +140,17 @@ def evaluate(model: Any, ids: list[int], setting: Setting, args: argparse.Namesp
     read, dense = [], []
     for i in range(args.decode):
         runner.forward([("text", [ids[ctx + i]])])
-        if runner._sparse is not None:
-            read.append(runner._sparse.bytes_read)
-            dense.append(runner._sparse.bytes_dense)
+        sparse = runner.feature(BlockSparse)
+        if sparse is not None:
+            read.append(sparse.bytes_read)
+            dense.append(sparse.bytes_dense)
         else:  # dense attention reads every block, each in its own codec (mixed: fp16 or nf4)
             codecs = [cache.block(b).codec for b in cache.block_table("text")]
             read.append(sum(c.layout(codec).row_bytes for codec in codecs) * c.num_layers * c.num_kv_heads)
             dense.append(read[-1])
         cache.end_step()
-    live, total = runner._merging.live_rows("text") if runner._merging is not None else (1, 1)
+    merging = runner.feature(TokenMerging)
+    live, total = merging.live_rows("text") if merging is not None else (1, 1)
     runner.close()
     return {
         "live_share": live / total,

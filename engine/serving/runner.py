@@ -22,7 +22,6 @@ import torch
 from ...events import AttnStep, Batch, SeqId
 from ..bus import Bus
 from ..config import EngineConfig
-from ..features.merging import TokenMerging
 from ..features.protocol import Group, Step, StepFeature, implementing
 from ..features.registry import step_features
 from ..kv.cache import PagedKVCache
@@ -162,11 +161,6 @@ class Runner:
     def feature(self, kind: type[F]) -> F | None:
         """The active step feature of type ``kind`` (what it read, merged or evicted so far); None when off."""
         return next((f for f in self._features if isinstance(f, kind)), None)
-
-    @property
-    def merging(self) -> TokenMerging | None:
-        """Token merging (``EngineConfig.merge``): its threshold and what it merged so far; None when off."""
-        return self.feature(TokenMerging)
 
     @property
     def bus(self) -> Bus:

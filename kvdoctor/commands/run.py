@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_draft < 1:
         raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
     from ..engine.errors import EngineError
+    from ..engine.features.merging import TokenMerging
     from ..engine.model.model import ModelLoadError, load_model
     from ..engine.serving.runner import Runner, SamplingParams, UnsupportedModel
     from ..engine.serving.scheduler import Request, Scheduler
@@ -215,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         stats = runner.cache.stats()
         cache = runner.cache
         reads = cache.rows_from_device + cache.rows_from_slower
-        merging = runner.merging.stats() if runner.merging is not None else None
+        merger = runner.feature(TokenMerging)
+        merging = merger.stats() if merger is not None else None
         team = runner.threads  # before close gives the user's threads back
         threads = {"adaptive": team.adaptive, "team": team.team, "changes": team.changes}
     except EngineError as exc:

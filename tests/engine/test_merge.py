@@ -242,7 +242,7 @@ def test_block_sparse_reads_weigh_merged_slots_as_dense_reads_do(model):
         for t in PROMPT[96:100]:  # decode steps over merged blocks
             logits.append(runner.forward([("a", [t])]))
             runner.cache.end_step()
-        merged = runner.merging.blocks_merged
+        merged = runner.feature(TokenMerging).blocks_merged
         runner.close()
         return torch.cat(logits), merged
 
