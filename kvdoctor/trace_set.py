@@ -175,8 +175,13 @@ class TraceSet:
             live = header.pid is not None and header.pid != os.getpid() and _writer_alive(Path(path), header.pid)
         if not live:
             return TraceSource(path), False
-        # the follower stops with the process its header names; a trace may appear before its header (--follow)
-        return FollowSource(path, wait_s=self.wait_s, poll_s=0.02), True
+        # the follower stops with the process its header names; a trace may appear before its header (--follow).
+        # One a started workload wrote without naming its writer ends with the workload (its header is whole:
+        # ``scan`` found it so).
+        pid = None
+        if self.child is not None:
+            pid = read_header(path).pid or self.child.pid
+        return FollowSource(path, pid=pid, wait_s=self.wait_s, poll_s=0.02), True
 
     def writers_alive(self) -> bool:
         """Whether a process (other than this one) that wrote one of the traces still runs: it may write another."""
