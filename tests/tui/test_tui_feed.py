@@ -12,9 +12,8 @@ import pytest
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.feed import LiveFeed, ReplayFeed
 from kvdoctor.tui.synthetic import SyntheticWorkload
-from kvdoctor.tui.traces import WorkloadFeed
 from kvdoctor.tui.workload import Workload
-from kvdoctor.workload import TraceSet, WorkloadSession
+from tui_helpers import one_trace_feed, workload_feed
 
 
 class Frames:
@@ -119,16 +118,7 @@ def test_corrupt_line_in_a_replay_names_the_line(tmp_path: Path, clean_trace: Pa
     assert feed.failed is not None and ":51:" in feed.failed
 
 
-def _one_trace_feed(workload: Workload, publish) -> LiveFeed:
-    return LiveFeed(str(workload.trace), publish, workload=workload, wait_s=60)
-
-
-def _workload_feed(workload: Workload, publish) -> WorkloadFeed:
-    traces = TraceSet.of_child(workload, str(workload.trace.parent), name=workload.title, wait_s=60)
-    return WorkloadFeed(WorkloadSession(traces, name_traces=True), publish, workload=workload)
-
-
-@pytest.mark.parametrize("feed", [_one_trace_feed, _workload_feed], ids=["the demo's feed", "watch -- CMD's feed"])
+@pytest.mark.parametrize("feed", [one_trace_feed, workload_feed], ids=["the demo's feed", "watch -- CMD's feed"])
 def test_a_crashing_workload_is_reported_with_its_last_words_and_its_state_kept(tmp_path: Path, feed):
     # GIVEN a workload that writes two steps of a trace and then dies of an exception
     script = tmp_path / "crash.py"
@@ -154,7 +144,7 @@ def test_a_command_that_writes_no_trace_says_so_with_how_it_ended(tmp_path: Path
     # GIVEN `watch -- CMD` of a command that exits at once without building kvdoctor's engine
     workload = Workload([sys.executable, "-c", "raise SystemExit(3)"], workdir=str(tmp_path))
     frames = Frames()
-    feed = run(_workload_feed(workload, frames), timeout=90)
+    feed = run(workload_feed(workload, frames), timeout=90)
     # THEN the screen says no trace came, and how the command ended
     assert feed.failed is not None and "wrote no kvdoctor trace" in feed.failed and "exit 3" in feed.failed
     assert frames.last.ended == feed.failed

@@ -12,11 +12,11 @@ import pytest
 from kvdoctor.cli import main
 from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.app import KvdoctorApp
-from kvdoctor.tui.feed import LiveFeed
 from kvdoctor.tui.synthetic import SyntheticWorkload
 from kvdoctor.tui.widgets.findings import RecentFindings
 from kvdoctor.tui.workload import Workload
-from tui_helpers import live_app, replayed, screen_text, sync, wait_ended, wait_for
+from tui_helpers import (live_app, one_trace_feed, replayed, screen_text, sync, wait_ended, wait_for,
+                         workload_feed)
 
 
 @sync
@@ -67,12 +67,12 @@ with TraceWriter(os.environ["KVDOCTOR_TRACE"], w.header()) as writer:
 """
 
 
+@pytest.mark.parametrize("feed", [one_trace_feed, workload_feed], ids=["the demo's screen", "watch -- CMD's screen"])
 @sync
-async def test_the_output_screen_shows_what_the_workload_printed(tmp_path: Path):
+async def test_the_output_screen_shows_what_the_workload_printed(tmp_path: Path, feed):
     # GIVEN a workload kvdoctor started that prints an answer as it serves (as the demo does)
     workload = Workload([sys.executable, "-c", ANSWERING], workdir=str(tmp_path))
-    app = KvdoctorApp(lambda publish: LiveFeed(str(workload.trace), publish, workload=workload, wait_s=60),
-                      workload=workload, show_pid=False)
+    app = KvdoctorApp(lambda publish: feed(workload, publish), workload=workload, show_pid=False)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_ended(pilot)
         # WHEN the Output screen is opened THEN the answer is on it

@@ -11,6 +11,9 @@ from kvdoctor.trace import TraceWriter
 from kvdoctor.tui.app import KvdoctorApp
 from kvdoctor.tui.feed import LiveFeed, ReplayFeed
 from kvdoctor.tui.synthetic import SyntheticWorkload
+from kvdoctor.tui.traces import WorkloadFeed
+from kvdoctor.tui.workload import Workload
+from kvdoctor.workload import TraceSet, WorkloadSession
 
 RECORDED = Path(__file__).resolve().parent.parent / "data" / "tui-demo-leak-swapped.kvtrace"
 
@@ -26,6 +29,17 @@ def replay_app(path: Path, **feed_kwargs: Any) -> KvdoctorApp:
     """An app replaying ``path`` to its end at once (speed 0), without pids in the header."""
     feed_kwargs.setdefault("speed", 0)
     return KvdoctorApp(lambda publish: ReplayFeed(str(path), publish, **feed_kwargs), show_pid=False)
+
+
+def one_trace_feed(workload: Workload, publish: Any) -> LiveFeed:
+    """The feed of the demo's screen: the one trace a workload kvdoctor started writes."""
+    return LiveFeed(str(workload.trace), publish, workload=workload, wait_s=60)
+
+
+def workload_feed(workload: Workload, publish: Any) -> WorkloadFeed:
+    """The feed of ``watch -- CMD``'s screen: every trace a workload kvdoctor started writes."""
+    traces = TraceSet.of_child(workload, str(workload.trace.parent), name=workload.title, wait_s=60)
+    return WorkloadFeed(WorkloadSession(traces, name_traces=True), publish, workload=workload)
 
 
 def live_app(path: Path, **feed_kwargs: Any) -> KvdoctorApp:
