@@ -19,9 +19,9 @@ size (``handoff/layout-mismatch``, vLLM #30358).
 ``--tp 2`` runs both instances at tensor parallel size 2 on a small random Llama (each rank holds one KV head):
 each worker then writes its rank's trace and its connector's. vLLM's ``ExampleConnector`` names a layer's file
 by the prompt alone, not by the rank, so both ranks of the prefill instance write their heads to one file and
-the decode instance's ranks load whichever landed (a race, layer by layer): ``kvdoctor check`` names the loads
-whose K/V differ from the newest save under their key (``handoff/digest-mismatch``). The connector is not made
-for tensor parallel; the check shows what it does there.
+the decode instance's ranks load whichever landed (a race, layer by layer): each rank's load pairs with the
+same rank's save, and ``kvdoctor check`` names every request one of whose ranks loaded the other rank's heads
+(``handoff/digest-mismatch``). The connector is not made for tensor parallel; the check shows what it does there.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ tokens) does it in two places, and the plugin wraps both, class-level, in every 
 - **the scheduler** (engine core) decides that a request's first tokens come from the store
   (``update_state_after_alloc``): the engine core's trace records a ``load`` with the request, the blocks,
   the connector's key (the folder's name: the same on every instance for the same tokens) and the tokens;
+  with several ranks, one ``load`` per rank, whose key ends in the rank (``@tp1pp0``): each rank saves and
+  loads its share of the heads and layers, so a rank's load pairs with the same rank's save;
 - **the worker** moves the bytes inside its forward pass (``save_kv_layer`` per layer, ``wait_for_save`` at
   the end; ``start_load_kv`` before it). A worker runs in a process of its own, so it writes a trace of its
   own (``workload.N.kvtrace`` beside the engine core's), tagged with its instance and its tensor- and
@@ -107,6 +109,7 @@ class WorkerTrace:
         self._t0 = time.perf_counter_ns()
         self.step = 0
         self.pending: dict[str, list] = {}  # key -> [request, digests so far] of this forward's saves
+        self.shard = _shard(connector)  # this rank's share of every key it saves and loads
         self.writer: TraceWriter | None = None
         self.guard = Guard("vllm", self._record_error, lambda: None)
         self.writer = TraceWriter(path, _worker_header(connector, engine, self._t0))
@@ -207,6 +210,22 @@ def _key(connector: Any, token_ids: Any, mm_hashes: list[str]) -> str:
     return os.path.basename(connector._generate_foldername_debug(token_ids, mm_hashes, create_folder=False))
 
 
+def _shards(connector: Any) -> list[str]:
+    """What each rank of an engine with several appends to a key: its K/V is its share of the heads and layers,
+    so a rank's load pairs with the same rank's save (``@tp0pp0``); nothing with one rank."""
+    parallel = connector._vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    return [f"@tp{t}pp{p}" for p in range(pp) for t in range(tp)] if tp * pp > 1 else [""]
+
+
+def _shard(connector: Any) -> str:
+    """This worker's suffix of ``_shards``."""
+    parallel = connector._vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1:
+        return ""
+    return f"@tp{_tp_rank()}pp{_pp_rank()}"
+
+
 def _blocks(request: Any, block_size: int) -> list[int]:
     return list(dict.fromkeys(int(s) // block_size for s in request.slot_mapping.tolist()))
 
@@ -219,7 +238,8 @@ def _saved_layer(trace: WorkerTrace, connector: Any, layer_name: str, kv_layer: 
     bs = connector._block_size
     for request in _requests(connector, store=True):
         rows = _rows(kv_layer, request.slot_mapping.to(kv_layer.device), bs)
-        entry = trace.pending.setdefault(_key(connector, request.token_ids, request.mm_hashes), [request, None])
+        key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
+        entry = trace.pending.setdefault(key, [request, None])
         entry[1] = _add(entry[1], _block_digests(rows, layer_name, bs))
 
 
@@ -249,7 +269,7 @@ def _loaded(trace: WorkerTrace, connector: Any, forward_context: Any, *args: Any
                 continue
             kv = kv[0] if isinstance(kv, (list, tuple)) else kv
             digests = _add(digests, _block_digests(_rows(kv, request.slot_mapping.to(kv.device), bs), layer_name, bs))
-        key = _key(connector, request.token_ids, request.mm_hashes)
+        key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
         transfer = f"load:{key[:12]}:{next(_ids)}"
         trace._emit(TransferStart, transfer=transfer, op="load", blocks=_blocks(request, bs),
                     src=f"connector:{connector._storage_path}", dst="device", key=key,
@@ -274,7 +294,8 @@ def _will_load(tracer: Any, connector: Any, request: Any, blocks: Any, num_exter
     mm = [f.identifier for f in getattr(request, "mm_features", None) or ()]
     key = _key(connector, torch.tensor(prompt)[:valid], mm)
     ids = [b for b in blocks.get_block_ids()[0][:valid // bs]]
-    transfer = f"load:{key[:12]}:{next(_ids)}"
-    tracer._emit(TransferStart, transfer=transfer, op="load", blocks=ids, seq=request.request_id,
-                 src=f"connector:{connector._storage_path}", dst="device", key=key, num_tokens=valid)
-    tracer._emit(TransferDone, transfer=transfer)
+    for shard in _shards(connector):  # every rank loads its share: the request is named on each rank's load
+        transfer = f"load:{key[:12]}:{next(_ids)}"
+        tracer._emit(TransferStart, transfer=transfer, op="load", blocks=ids, seq=request.request_id,
+                     src=f"connector:{connector._storage_path}", dst="device", key=key + shard, num_tokens=valid)
+        tracer._emit(TransferDone, transfer=transfer)
