@@ -16,7 +16,8 @@ then), by CPU time (on a shared machine, what other processes take is not counte
 step that verifies runs its layers ``_REPEATS`` more pairs of times on a copy of its input, verifying and not, in
 turn first; the median difference per block verified, times the blocks verified a step, is the verification
 inside attention; plus what is verified by a pass over a block's bytes (the torch path, a mismatch looked at
-again) and the sampler, timed around their calls. A step's time leaves the extra runs out. On the torch path
+again) and the sampler, timed around their calls; beside it, the commits' look for NaN/Inf in the K/V they
+stored (``engine/kv/nonfinite.py``), timed the same way. A step's time leaves the extra runs out. On the torch path
 (``--torch-layers``) each block verified is costed as a pass (``verify``, timed in a run of ``full``). Usage::
 
     .venv/bin/python benchmarks/corruption.py [--faults bit-flip noise] [--prompt-tokens 640] [--torch-layers]
@@ -121,8 +122,9 @@ def cost(lm: Any, batch: int, new_tokens: int, prompt_tokens: int | None) -> dic
     picks: list[int] = []
     runner.bus.subscribe(lambda evs: picks.extend(sum(d is not None for d in e.digests or ()) for e in evs
                                                   if isinstance(e, Read)))
-    inside = {"sample": 0.0, "verify": 0.0}
-    originals = {name: getattr(book, name) for name in inside}
+    inside = {"sample": 0.0, "verify": 0.0, "of": 0.0}  # "of": the commits' look for NaN/Inf K/V (nonfinite)
+    owners = {"sample": book, "verify": book, "of": runner.cache.writes.nonfinite}
+    originals = {name: getattr(owners[name], name) for name in inside}
     per_block: list[float] = []  # CPU seconds verifying one block inside the compiled layers' attention costs
     extra = [0.0]  # CPU seconds of the runs ``twice`` adds
     run_layers = DecodeStep.run
@@ -173,7 +175,7 @@ def cost(lm: Any, batch: int, new_tokens: int, prompt_tokens: int | None) -> dic
         return spent / steps, sum(picks) / steps, {k: v / steps for k, v in inside.items()}
 
     for name in inside:
-        setattr(book, name, timed(name))
+        setattr(owners[name], name, timed(name))
     DecodeStep.run = twice
     try:
         _, full_blocks, full_parts = decode("full")  # every block of every read by a pass: the cost of one
@@ -182,7 +184,7 @@ def cost(lm: Any, batch: int, new_tokens: int, prompt_tokens: int | None) -> dic
         DecodeStep.run = run_layers
         book.mode = "sample"
         for name, fn in originals.items():
-            setattr(book, name, fn)
+            setattr(owners[name], name, fn)
         runner.close()
     block_us = 1e6 * full_parts["verify"] / full_blocks
     pairs = len(per_block)
@@ -195,7 +197,8 @@ def cost(lm: Any, batch: int, new_tokens: int, prompt_tokens: int | None) -> dic
             "picks_per_step": round(per_step, 3), "block_us": round(block_us, 1),
             "sample_us": round(1e6 * parts["sample"], 1), "passes_us": round(passes_us, 1), "kernel_pairs": pairs,
             "block_in_attention_us": round(block_in_attention_us, 1), "in_attention_us": round(in_attention_us, 1), "sweep_us": round(total_us, 1),
-            "share": round(total_us / (1e6 * step_s), 5)}
+            "share": round(total_us / (1e6 * step_s), 5), "nonfinite_us": round(1e6 * parts["of"], 1),
+            "nonfinite_share": round(parts["of"] / step_s, 5)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"at {r['block_us']} us each by a pass, sampler {r['sample_us']} us")
             print(json.dumps(r) if args.json else
                   f"batch {batch} ({r['blocks']} blocks a row): {r['picks_per_step']} blocks verified a step, {how}: "
-                  f"{r['sweep_us']} us of a {r['step_ms']} ms step ({100 * r['share']:.2f}%)", flush=True)
+                  f"{r['sweep_us']} us of a {r['step_ms']} ms step ({100 * r['share']:.2f}%); the commits' look for "
+                  f"NaN/Inf K/V {r['nonfinite_us']} us ({100 * r['nonfinite_share']:.3f}%)", flush=True)
         return 0
     prompts = prompts_of(lm.tokenizer, args.prompt_tokens)
     for fault in [None, *args.faults]:
