@@ -196,7 +196,8 @@ def cost(lm: Any, batch: int, new_tokens: int, prompt_tokens: int | None) -> dic
     return {"batch": batch, "blocks": -(-len(prompts[0]) // 16), "step_ms": round(1e3 * step_s, 2),
             "picks_per_step": round(per_step, 3), "block_us": round(block_us, 1),
             "sample_us": round(1e6 * parts["sample"], 1), "passes_us": round(passes_us, 1), "kernel_pairs": pairs,
-            "block_in_attention_us": round(block_in_attention_us, 1), "in_attention_us": round(in_attention_us, 1), "sweep_us": round(total_us, 1),
+            "block_in_attention_us": round(block_in_attention_us, 1),
+            "in_attention_us": round(in_attention_us, 1), "sweep_us": round(total_us, 1),
             "share": round(total_us / (1e6 * step_s), 5), "nonfinite_us": round(1e6 * parts["of"], 1),
             "nonfinite_share": round(parts["of"] / step_s, 5)}
 

@@ -119,8 +119,9 @@ class SlotsCheck(CheckBase):
             f = self.finding(
                 "nonfinite-write",
                 f"sequence {seq!r} wrote non-finite K/V (NaN or Inf) into block {ev.block} at position(s) "
-                f"{_ranges(sorted(ev.nonfinite))}{where} at step {ev.step}: every later read of the block attends to "
-                f"them, and a NaN key or value turns the scores or the output NaN (vllm PR #43990, transformers #46765)",
+                f"{_ranges(sorted(ev.nonfinite))}{where} at step {ev.step}: every later read of the block attends "
+                f"to them, and a NaN key or value turns the scores or the output NaN (vllm PR #43990, "
+                f"transformers #46765)",
                 seq=seq, block=ev.block, layer=layer, step=ev.step, positions=list(ev.nonfinite)[:64],
                 events=[self.event_dict(ev)], history=self.ledger.block_history(ev.block))
             if ev.stack:  # the writer first: the finding's location is the user's line that ran the write

@@ -1,4 +1,5 @@
-"""NaN written into real slots is found at the write that stored it (``engine.kv.nonfinite``, ``slots/nonfinite-write``)."""
+"""NaN written into real slots is found at the write that stored it (``engine.kv.nonfinite``,
+``slots/nonfinite-write``)."""
 
 from __future__ import annotations
 
