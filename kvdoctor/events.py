@@ -55,9 +55,8 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="h
     created: str | None = None
     pid: int | None = None
     calibration: str | None = None  # the INT8 key-scale calibration the cache used: its text and digest
-    # Who wrote the trace, in a workload of several (v1.x; docs/trace-format.md "A workload is all of its
-    # traces"): the instance (one engine a client talks to: a prefill or a decode server, a data-parallel
-    # engine), its role, and this process's place in it. Absent: a single process, rank 0 of 1.
+    # Who wrote the trace in a workload of several (v1.x; trace-format.md): the instance (an engine a client talks
+    # to: a prefill or decode server, a data-parallel engine), its role, this process's place. Absent: one process.
     instance: str | None = None
     role: str | None = None  # what the instance does with K/V it shares: "prefill", "decode", "both"
     dp_rank: int | None = None
@@ -90,17 +89,15 @@ class SeqStart(Event, tag="seq_start"):
     adapter: str | None = None
     adapter_id: int | str | None = None
     salt: str | None = None
-    # the request's other prefix-cache key parts, each as the caller gave it (sglang's extra_key, multimodal hashes):
-    # tagged apart here, whatever the engine does with them, so a check can see parts that coincide untagged
-    extra_keys: list[str] | None = None
+    # the request's other prefix-key parts as the caller gave them (sglang's extra_key, multimodal hashes), tagged
+    extra_keys: list[str] | None = None  # apart here, so a check can see parts that coincide untagged
 
 
 class SeqEnd(Event, tag="seq_end"):
     seq: SeqId
     reason: str = "finished"  # "finished" or "aborted"
-    # why an aborted sequence was failed by the engine (a 1.x addition): the typed error's name, as
-    # "StorageError" when a slower tier lost or could not take its blocks; absent when a caller aborted it
-    error: str | None = None
+    # v1.x, why the engine failed an aborted sequence: the typed error's name ("StorageError": a slower tier lost
+    error: str | None = None  # or could not take its blocks); absent when a caller aborted it
     stack: list[str] | None = None  # Python frames that ended or aborted the sequence, when recorded
 
 
@@ -140,6 +137,9 @@ class Write(Event, tag="write"):
     n: int
     version: int
     digest: int | None = None  # of the block's content after this write (integrity; docs/trace-format.md)
+    nonfinite: list[int] | None = None  # v1.x: positions of this write whose K or V is NaN/Inf at some layer,
+    nonfinite_layer: int | None = None  # the first such layer,
+    stack: list[str] | None = None  # and the Python frames that wrote them (on such a write only)
 
 
 class Read(Event, tag="read"):

@@ -302,17 +302,17 @@ class PagedKVCache:
         (tokens stored but not yet committed included; evicted blocks skipped)."""
         return self.reads.gather(seq, layer)
 
-    def sample_reads(self, seqs: Sequence[Any]) -> list[int] | None:
-        """For each of ``seqs``' next reads, the block index (-1: none) the sampler picks to verify, for a reader
-        that digests it in its own pass and hands ``emit_read`` what it found; None unless ``verify="sample"``."""
+    def sample_reads(self, seqs: Sequence[Any]) -> list[list[int]] | None:
+        """For each of ``seqs``' next reads, the block indices the sampler picks to verify, for a reader that
+        digests them in its own pass and hands ``emit_read`` what it found; None unless ``verify="sample"``."""
         return self.reads.sample_reads(seqs)
 
     def emit_read(self, seq: Any, blocks: Sequence[int] | None = None, layer: int | None = None, *,
                   versions: Sequence[int] | None = None, tiers: Sequence[str] | None = None,
-                  checked: tuple[int, int | None] | None = None) -> None:
+                  checked: Sequence[tuple[int, int]] | None = None) -> None:
         """Record that attention read ``blocks`` of ``seq`` (default: all), with the versions read (default: each
         block's own) and the tier each came from. ``checked``: ``(block index, digest over the bytes read)`` of
-        the block ``sample_reads`` picked, or ``(-1, None)`` when it picked none."""
+        each block ``sample_reads`` picked (none: empty), from a reader that digested them as it read them."""
         self.reads.emit_read(seq, blocks, layer, versions=versions, tiers=tiers, checked=checked)
 
     def observe_attention(self, seq: Any, layer: int | None, block_scores: Sequence[float] | torch.Tensor) -> None:

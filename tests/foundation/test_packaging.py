@@ -222,3 +222,12 @@ def test_the_engines_top_modules_import_no_layer():
            for name in _imports(path) if _engine_layer(name) is not None and not (
                path.stem == "config" and name == "kvdoctor.engine.kv.codecs")]
     assert not bad, "\n".join(bad)
+
+
+def test_no_source_file_is_over_600_lines():
+    # a module longer than that owns more than one concept (docs/architecture.md): split it by concept
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.c", "*.h"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    long = {p: n for p in tracked.stdout.split() if (n := len((ROOT / p).read_text().splitlines())) > 600}
+    assert long == {}
