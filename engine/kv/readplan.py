@@ -68,7 +68,7 @@ class RowPlan:
 class BlockTable(NamedTuple):
     """What attention reads for a group of a step's rows, for every layer."""
 
-    slots: torch.Tensor  # (B, num_blocks) device-arena slots of each row's blocks, short rows padded with slot 0
+    slots: torch.Tensor  # (B, num_blocks) device-arena slots of each row's blocks, short rows padded with their first
     kv_rows: torch.Tensor | None  # (2*B*H_kv*num_blocks,) where each block's keys, then values, start; None: decode
     extent: int  # rows of the strided arena view ``kv_rows`` indexes
 
@@ -91,10 +91,17 @@ class ReadPlan:
         return any(r.streamed for r in self.rows)
 
     def table(self, rows: Sequence[int]) -> BlockTable:
-        """The block table of the step's ``rows`` (indices in the step's order): the mask hides the padding."""
+        """The block table of the step's ``rows`` (indices in the step's order): the mask hides the padding. A
+        short row is padded with its own first block, never another sequence's: a hidden key still meets
+        attention (its V times a zero probability, and 0 × NaN is NaN), so a NaN in a block of someone else's
+        would reach this row (vLLM PR #43990's class)."""
         reads = self._reads
         tables = [reads.slots_of(self._states[i]) for i in rows]
-        slots = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True) if len(tables) > 1 else tables[0][None]
+        if len(tables) > 1:
+            n = max(len(t) for t in tables)
+            slots = torch.stack([t if len(t) == n else torch.cat((t, t[:1].expand(n - len(t)))) for t in tables])
+        else:
+            slots = tables[0][None]
         if self.layer_kv is None:
             return BlockTable(slots, None, 0)
         return BlockTable(slots, *reads.cache.layout.read_rows(slots))
