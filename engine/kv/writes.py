@@ -70,10 +70,13 @@ class Writes:
         hooks = c.fault_hooks
         for i in range(first_new, first_new + num_new):
             reused = hooks.reuse_cached_block(seq, i) if c.faults.prefix_overwritten else None
-            if reused is None:  # a fresh block holds what its slot's last owner left: zeroed, the tail a
-                reused = c.pool.alloc(Tier.DEVICE, seq, i)  # read hides past the row's keys stays finite
-                dst, d = c.devs.at(reused.slot)
-                dst.view(d, 1).zero_()
+            if reused is None:
+                reused = c.pool.alloc(Tier.DEVICE, seq, i)
+                # A fresh block holds what its slot's last owner left. Unless this reservation writes all of it,
+                # it is zeroed: the slots a read hides past the row's keys stay finite (0 x NaN is NaN).
+                if not start <= i * bs <= end - bs:
+                    dst, d = c.devs.at(reused.slot)
+                    dst.view(d, 1).zero_()
             s.blocks.append(reused)
             step.held.add(s.blocks[-1].id)
             if c.faults.content == "stale-slot":

@@ -18,7 +18,7 @@ run is a handful of readings. The kernels and torch's ops share one OpenMP runti
 every kernel takes ``torch.get_num_threads()``, so one ``torch.set_num_threads`` sizes them all. The size
 changes only the split of the work, never its results: tokens are the same whatever the team.
 
-Every policy in a process (a runner, a draft model's runner, a runner made while another runs) starts from
+Every policy in a process (a runner, a draft model's runner, an ``EngineCache`` under ``generate``) starts from
 the user's setting, not from a team another policy has shrunk: the size the policies last set is kept here, and
 a team torch reports at that size reads as the setting the user had before (``user_threads``).
 
