@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -148,13 +147,10 @@ def bench_keys(keys: str, presses: int, loops: int, interval: float) -> None:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     print(f"CPU {cpu} ({os.cpu_count()} CPUs), load {os.getloadavg()[0]:.1f} before; the demo on SmolLM2 beside "
           f"{loops} busy loop(s), a key every {interval} s, keys {keys!r} in turn")
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
-    try:
+    from contention import BusyLoops  # this folder is the script's: on the path
+
+    with BusyLoops(loops):
         waits = asyncio.run(_press_keys(keys, presses, interval))
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     print(f"{len(waits)} keys, load {os.getloadavg()[0]:.1f} after")
     print(f"handled: {_spread([h for h, _ in waits])}")
     print(f"painted: {_spread([p for _, p in waits])}")
