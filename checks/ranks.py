@@ -31,12 +31,8 @@ _DECISIONS = (SeqStart, SeqEnd, Alloc, Share, Release, Free, Evict, Batch, Write
 _PENDING_STEPS = 4096  # steps one rank may run ahead of a lagging one before its oldest are dropped unjudged
 
 
-def _decision(ev: Any) -> tuple:
-    """What a scheduler decided, as ranks of one engine must all record it (no timings, no digests)."""
-    return _DECIDE[type(ev)](ev)
-
-
-# One function per kind, found by the event's type: this runs for most events of every rank's trace.
+# What a scheduler decided, as ranks of one engine must all record it (no timings, no digests): one function
+# per kind, found by the event's type, since this runs for most events of every rank's trace.
 _DECIDE: dict[type, Any] = {
     Batch: lambda ev: ("batch", tuple(ev.rows), tuple(ev.positions), tuple(ev.n)),
     SeqStart: lambda ev: ("seq_start", ev.seq, ev.prompt_len),

@@ -7,7 +7,6 @@ header, as it opens a file twice. ``kvdoctor.trace`` reads what these open.
 
 from __future__ import annotations
 
-import gzip
 import os
 import select
 import stat

@@ -417,7 +417,9 @@ class Scheduler:
         free = room[Tier.DEVICE]
         need = sum(self._blocks_after_step(lv, held) - self._device_blocks(lv.seq, held) for lv in chosen)
         if need > free:
-            free = self._reclaimable(chosen) + self.cache.room()[Tier.DEVICE]
+            settled = self._reclaimable(chosen)
+            room = self.cache.room()  # settling prefetches gave slots back, maybe on the slower tiers too
+            free = settled + room[Tier.DEVICE]
         preempted = []
         for live in sorted(left, key=lambda lv: lv.rank, reverse=True):
             if need <= free:
