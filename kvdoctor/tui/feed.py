@@ -157,6 +157,13 @@ class Feed(threading.Thread):
             self._dirty = True
             self._publish()
 
+    def _start_attribution(self) -> None:
+        """The workload is our child, so py-spy may read its stacks when a finding fires."""
+        if self.workload is not None:
+            from ..attribution import Attributor
+
+            self._attributor = Attributor(pid=self.workload.pid, pyspy_timeout_s=3.0)
+
     def _read_output(self) -> None:
         """The end of the workload's output (the demo's answers), read again whenever its log grew."""
         if self.workload is None:
@@ -194,7 +201,10 @@ class Feed(threading.Thread):
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not self._dirty or (not force and now - self._last_publish < self._interval):
+        if not force and now - self._last_publish < self._interval:
+            return
+        self._read_output()  # what the workload printed since the last frame (the Output screen)
+        if not self._dirty:
             return
         with self.lock:
             snap = self._snapshot()
@@ -240,15 +250,10 @@ class SourceFeed(Feed):
             self._fail(self._explain(str(exc)))
             return
         self._reset(header)
-        if self.workload is not None:
-            from ..attribution import Attributor
-
-            # The workload is our child, so py-spy may read its stacks when a finding fires.
-            self._attributor = Attributor(pid=self.workload.pid, pyspy_timeout_s=3.0)
+        self._start_attribution()
         self._set_status(self._running)
         try:
             for batch in source.batches():
-                self._read_output()
                 if batch:
                     self._consume(batch)
                 else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections import deque
 from typing import Any
 
@@ -84,12 +83,8 @@ class WorkloadFeed(Feed):
     def _run(self) -> None:
         workload, metrics = self.workload, self._metrics
         self._set_status(f"starting {workload.title}" if workload is not None else f"reading {self.session.name}")
-        attributor = None
-        if workload is not None:
-            from ..attribution import Attributor
-
-            # The workload is our child, so py-spy may read its stacks when a finding fires.
-            attributor = Attributor(pid=workload.pid, pyspy_timeout_s=3.0)
+        self._start_attribution()
+        attributor = self._attributor
         running = f"following {self.session.name}"
         for tag, event, _ in self.session.tagged():
             if tag is None:
@@ -130,11 +125,6 @@ class WorkloadFeed(Feed):
         ended = self.workload.exit_message() if self.workload is not None else "end of every trace"
         unusable = self.session.traces.unusable
         return ended + (f"; {len(unusable)} unusable (see the findings)" if unusable else "")
-
-    def _publish(self, force: bool = False) -> None:
-        if self.workload is not None and (force or time.monotonic() - self._last_publish >= self._interval):
-            self._read_output()  # what the workload printed since the last frame (the Output screen)
-        super()._publish(force)
 
     def _add_trace(self, tag: TraceTag) -> Monitor:
         monitor = self._monitors[tag.index] = Monitor(tag.header, self._limits)
