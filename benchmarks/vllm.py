@@ -89,20 +89,6 @@ def tracer_share(llm, tracer, prompts: list[list[int]], new_tokens: int) -> floa
     return spent[0] / (time.perf_counter() - t0)
 
 
-def tiny_llama_dir(folder: str) -> str:
-    """A small random Llama (seed 0) vLLM's CPU attention runs at tensor parallel size 2 (head size 64, 4 heads,
-    2 KV heads: one a rank), saved with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from kvdoctor.engine.model.model import convert_embedded, tiny_llama
-
-    tok = AutoTokenizer.from_pretrained(str(convert_embedded()))
-    tiny_llama(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2,
-               vocab_size=len(tok), max_position_embeddings=1024).model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 def _rank_live(worker, live: bool) -> None:
     """In a worker: pause or resume its rank's tracing (the wrappers stay, as when a trace stops)."""
     trace = worker.model_runner.__dict__.get("_kvdoctor_rank")
@@ -191,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from kvdoctor.engine.model.model import convert_embedded
+    from kvdoctor.engine.model.model import convert_embedded, tiny_llama_dir
     from kvdoctor.integrations.vllm import VllmTracer
 
     trace_dir = tempfile.mkdtemp(prefix="kvd-vllm-bench-")

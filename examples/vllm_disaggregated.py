@@ -87,7 +87,7 @@ def main() -> None:
 
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % 2) for i in range(args.tp)))
-        from vllm_tensor_parallel import tiny_llama_dir
+        from kvdoctor.engine.model.model import tiny_llama_dir
 
         model = args.model or tiny_llama_dir(tempfile.mkdtemp(prefix="kvdoctor-tiny-llama-"))
     else:

@@ -24,19 +24,6 @@ QUESTIONS = ["What is a KV cache?", "Why do long prompts use more memory?", "Wha
              "When should a server preempt a request?", "What is continuous batching?", "Why quantize the cache?"]
 
 
-def tiny_llama_dir(folder: str) -> str:
-    """The model: random weights from a config with a fixed seed, SmolLM2's tokenizer (its chat template)."""
-    from transformers import AutoTokenizer
-
-    from kvdoctor.engine.model.model import convert_embedded, tiny_llama
-
-    tok = AutoTokenizer.from_pretrained(str(convert_embedded()))
-    tiny_llama(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab_size=len(tok),
-               max_position_embeddings=1024).model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
@@ -47,6 +34,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from vllm import LLM, SamplingParams
+
+    from kvdoctor.engine.model.model import tiny_llama_dir
 
     llm = LLM(model=tiny_llama_dir(tempfile.mkdtemp(prefix="kvdoctor-tiny-llama-")), dtype="float32",
               enforce_eager=True, max_model_len=512, block_size=32, num_gpu_blocks_override=args.blocks,

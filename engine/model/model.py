@@ -293,3 +293,16 @@ def tiny_llama(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, str(dtype).removeprefix("torch."))).eval()
     return LoadedModel(model=model, tokenizer=None, name=f"tiny-llama-seed{seed}")
+
+
+def tiny_llama_dir(folder: str) -> str:
+    """``folder`` holding a small random Llama (seed 0) that vLLM's CPU attention runs at tensor parallel size 2
+    (head size 64, 4 heads, 2 KV heads: one a rank), saved with SmolLM2's tokenizer (its chat template): a model
+    directory as vLLM loads one, without a hub."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(convert_embedded()))
+    tiny_llama(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab_size=len(tok),
+               max_position_embeddings=1024).model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
