@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from .child import TracedChild
 from .errors import TraceError, UsageError
+from .events import Header
 from .session import FollowSource, TraceSource, _stderr_fd, _writer_alive
 
 __all__ = ["TraceSet", "trace_files"]
@@ -76,7 +77,7 @@ class TraceSet:
         self.follow: bool | None = None
         self.await_first = False  # a followed directory with no trace yet: wait for one (up to wait_s)
         self._tmp: tempfile.TemporaryDirectory | None = None
-        self._writers: dict[str, int | None] = {}  # trace path -> its writer's pid (``writers_alive``)
+        self._headers: dict[str, Header] = {}  # trace path -> its header, once whole (it does not change after)
 
     # ---- ways to make one ------------------------------------------------------------
 
@@ -145,10 +146,8 @@ class TraceSet:
         for path in sorted((os.path.join(self.watch, n) for n in names if _is_trace_name(n)), key=_order):
             if path in known:
                 continue
-            from .trace import read_header
-
             try:
-                read_header(path)
+                self.header(path)
             except TraceError as exc:
                 first = self.pending.setdefault(path, time.monotonic())
                 if time.monotonic() - first > min(self.wait_s, 10.0):
@@ -165,13 +164,21 @@ class TraceSet:
         (removed once checked)."""
         return os.path.basename(path) if self.child is not None else path
 
+    def header(self, path: str) -> Header:
+        """The trace's header, read once (``scan``, ``source`` and ``writers_alive`` all want it); a
+        ``TraceError`` while it is not whole yet."""
+        header = self._headers.get(path)
+        if header is None:
+            from .trace import read_header
+
+            header = self._headers[path] = read_header(path)
+        return header
+
     def source(self, path: str) -> tuple[Any, bool]:
         """The source for one trace of the set, and whether it is followed."""
-        from .trace import read_header
-
         live = self.follow
         if live is None:
-            header = read_header(path)
+            header = self.header(path)
             live = header.pid is not None and header.pid != os.getpid() and _writer_alive(Path(path), header.pid)
         if not live:
             return TraceSource(path), False
@@ -180,20 +187,18 @@ class TraceSet:
         # ``scan`` found it so).
         pid = None
         if self.child is not None:
-            pid = read_header(path).pid or self.child.pid
+            pid = self.header(path).pid or self.child.pid
         return FollowSource(path, pid=pid, wait_s=self.wait_s, poll_s=0.02), True
 
     def writers_alive(self) -> bool:
         """Whether a process (other than this one) that wrote one of the traces still runs: it may write another."""
-        from .trace import _pid_alive, read_header
+        from .trace import _pid_alive
 
         for path in self.paths:
-            if path not in self._writers:
-                try:
-                    self._writers[path] = read_header(path).pid
-                except TraceError:
-                    self._writers[path] = None
-            pid = self._writers[path]
+            try:
+                pid = self.header(path).pid
+            except TraceError:
+                continue  # not whole yet: its writer is asked again next time
             if pid is not None and pid != os.getpid() and _pid_alive(pid):
                 return True
         return False
