@@ -93,17 +93,11 @@ def read_only(paths: list[str]) -> dict:
 def per_trace(paths: list[str]) -> dict:
     """Every check of each of ``paths`` on its own, as ``kvdoctor check --trace FILE`` runs them, one after
     another in this process (no rules across traces)."""
-    from kvdoctor.config import Config
-    from kvdoctor.session import TraceSource
+    from kvdoctor.session import Session, TraceSource
 
     t0, c0, n = time.perf_counter(), time.process_time(), 0
     for path in paths:
-        source = TraceSource(path)
-        suite = Config().make_suite(source.wait_header().model)
-        for batch in source.batches():
-            suite.observe_many(batch)
-            n += len(batch)
-        suite.finish()
+        n += Session(TraceSource(path)).run().num_events
     return _rates(n, t0, c0)
 
 
