@@ -11,7 +11,7 @@ listed, switched off and capped like every other rule (its suite's ledger is unu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import msgspec
 
@@ -58,12 +58,16 @@ class AcrossCheck(CheckBase):
     once every trace ended.
 
     A check that compares each trace with itself step by step (ranks: every rank's decisions of a step, whatever
-    the others did meanwhile) needs no merged order: it sets ``merged`` False and is handed each trace's events a
-    batch at a time, in that trace's own order, as the merge reads them (``see_batch``), and ``trace_ended`` right
-    after the trace's last batch. Its events never wait in the merge's heap, where most of a workload's events
-    would otherwise pass one by one."""
+    the others did meanwhile) needs no merged order: it sets ``merged`` False and gives each trace a ``recorder``,
+    which turns the trace's events, a batch at a time in the trace's own order, into compact records (tuples of
+    plain values, so the process that checks a finished trace on its own can make and send them); the check
+    takes them in with ``see_records`` as the merge reaches each batch, the last with ``ended``. Its events never
+    wait in the merge's heap, where most of a workload's events would otherwise pass one by one. Where records
+    were made without the details a finding shows, ``reread`` (set by the workload) records the trace again."""
 
     merged: ClassVar[bool] = True
+    # the records of a trace made again in this process with every detail, batch by batch (a check not merged)
+    reread: Callable[[TraceTag], Iterable[list]] | None = None
 
     def wants(self, tag: TraceTag) -> tuple[type[Event], ...]:
         """The event kinds of ``tag``'s trace this check reads (none: the merge skips that trace for it)."""
@@ -75,10 +79,15 @@ class AcrossCheck(CheckBase):
     def see(self, tag: TraceTag, event: Event) -> Sequence[Finding]:
         return NO_FINDINGS
 
-    def see_batch(self, tag: TraceTag, events: Sequence[Event]) -> Sequence[Finding]:
-        """A batch of ``tag``'s events, all kinds, in the trace's order (a check that is not ``merged``)."""
-        kinds = frozenset(self.wants(tag))
-        return [f for event in events if type(event) in kinds for f in self.see(tag, event)]
+    def recorder(self, tag: TraceTag, keep: bool = True) -> Any:
+        """What of ``tag``'s trace a check that is not ``merged`` keeps: an object with ``record(events)`` and
+        ``end()``, each returning a list of records; ``keep`` False leaves out what only a finding's evidence
+        needs (``reread`` brings it back). None: nothing of this trace."""
+        return None
+
+    def see_records(self, tag: TraceTag, records: Sequence[Any], ended: bool = False) -> Sequence[Finding]:
+        """A batch's records of ``tag``'s trace (a check that is not ``merged``); ``ended``: the trace's last."""
+        return NO_FINDINGS
 
     def trace_ended(self, tag: TraceTag) -> Sequence[Finding]:
         return NO_FINDINGS

@@ -12,9 +12,13 @@ engine of its own and is not compared.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import hashlib
+from typing import Any, Iterable, Sequence
 
-from ..events import Alloc, Batch, Evict, Free, Header, Read, Release, SeqEnd, SeqStart, Share, StepEnd, Write
+import msgspec
+
+from ..events import (Alloc, Batch, Evict, Free, Header, Read, Release, SeqEnd, SeqStart, Share, StepEnd, Write, decode,
+                      encode)
 from ..findings import Finding
 
 from .across import AcrossCheck, TraceTag
@@ -72,25 +76,81 @@ def _device_capacity(h: Header) -> int | None:
     return next((t.capacity_blocks for t in h.tiers if t.name == "device"), None)
 
 
-class _Rank:
-    """One rank's decisions per step, kept until every rank of its engine has finished that step."""
+# What a rank's recorder hands the rule, in the order its trace showed it (tuples: msgspec-encodable, so a worker
+# process reading the trace can send them): a step closed (its decisions' digest and count, and the decisions
+# themselves where the recorder keeps them), the trace moved on to another step, a read at a layer not the rank's.
+_CLOSED, _STEP, _LAYER = 0, 1, 2
 
-    def __init__(self, tag: TraceTag) -> None:
-        self.tag = tag
+
+def _digest(decisions: list[tuple]) -> bytes:
+    """Equal for equal decision lists (ints and strings only, so their encoding is one-to-one), 16 bytes for any."""
+    return hashlib.blake2b(msgspec.msgpack.encode(decisions), digest_size=16).digest()
+
+
+class RankRecorder:
+    """One rank's trace as the ranks rule needs it, made where the trace is read: each step's decisions as a digest
+    (and, when ``keep``, the decisions too, for the evidence of a divergence), the steps it moved through, its reads
+    at layers its stage does not hold. A process that checks a finished trace on its own sends these records (a few
+    bytes a step) instead of the decisions; the rule asks for the decisions of a step again only where two ranks
+    differ (``AcrossCheck.reread``)."""
+
+    def __init__(self, tag: TraceTag, keep: bool = True) -> None:
+        self.held = tag.header.layers
+        self.keep = keep
         self.step = -1  # the step being recorded (-1: no event yet)
         self.done_through = -1  # every step up to this one is complete
         self.current: list[tuple] = []
-        self.steps: dict[int, list[tuple]] = {}
-        self.ended = False
 
-    def close_step(self) -> None:
+    def _close(self, out: list) -> None:
         if self.step >= 0 and self.step > self.done_through:
-            if self.current:
-                self.steps[self.step] = self.current
-                if len(self.steps) > _PENDING_STEPS:
-                    del self.steps[next(iter(self.steps))]
+            current = self.current
+            if current:
+                out.append((_CLOSED, self.step, _digest(current), len(current), current if self.keep else None))
+            else:
+                out.append((_CLOSED, self.step, None, 0, None))
             self.current = []
             self.done_through = self.step
+
+    def record(self, events: Iterable[Any]) -> list[tuple]:
+        """The records of a batch of the trace's events (all kinds, in the trace's order)."""
+        out: list[tuple] = []
+        wanted, decide, step = _WANTED, _DECIDE, self.step
+        current = self.current
+        for event in events:
+            kind = type(event)
+            if kind not in wanted:
+                continue
+            if event.step != step:
+                if step >= 0:
+                    self._close(out)
+                step = self.step = event.step
+                current = self.current
+                out.append((_STEP,))
+            if kind is StepEnd:
+                self._close(out)
+                current = self.current
+            elif kind is Read and event.layer is not None:
+                if self.held is not None and event.layer not in self.held:
+                    out.append((_LAYER, encode(event)))
+            else:
+                current.append(decide[kind](event))
+        return out
+
+    def end(self) -> list[tuple]:
+        """The records the trace's end completes (its last step)."""
+        out: list[tuple] = []
+        self._close(out)
+        return out
+
+
+class _Rank:
+    """One rank's closed steps (their records), kept until every rank of its engine has finished them."""
+
+    def __init__(self, tag: TraceTag) -> None:
+        self.tag = tag
+        self.done_through = -1  # every step up to this one is complete
+        self.steps: dict[int, tuple] = {}  # step -> its _CLOSED record, for steps with decisions
+        self.ended = False
 
 
 class RanksCheck(AcrossCheck):
@@ -159,37 +219,35 @@ class RanksCheck(AcrossCheck):
                                           layers=both, other_trace=peer.name))
         return out
 
-    def see(self, tag: TraceTag, event: Any) -> Sequence[Finding]:
-        return self.see_batch(tag, (event,))
+    def recorder(self, tag: TraceTag, keep: bool = True) -> RankRecorder | None:
+        return RankRecorder(tag, keep) if tag.engine_key is not None else None
 
-    def see_batch(self, tag: TraceTag, events: Any) -> Sequence[Finding]:
-        """Record the batch's decisions step by step; then compare the steps every rank has finished (once a
-        batch: a step is compared when its last rank finished it, whichever event that was)."""
+    def see_records(self, tag: TraceTag, records: Sequence[Any], ended: bool = False) -> Sequence[Finding]:
+        """Take in a batch's records step by step; then compare the steps every rank has finished (once a batch:
+        a step is compared when its last rank finished it, whichever event that was). A rank whose trace ended is
+        judged up to its end and then left out (what it did not record is not a decision)."""
         rank = self.ranks.get(tag.index)
         if rank is None:
             return NO_FINDINGS
         out: list[Finding] = []
-        wanted, decide, step = _WANTED, _DECIDE, rank.step
-        current = rank.current
-        for event in events:
-            kind = type(event)
-            if kind not in wanted:
-                continue
-            if event.step != step:
-                if step >= 0:
-                    rank.close_step()
-                step = rank.step = event.step
-                current = rank.current
-                if len(rank.steps) >= _PENDING_STEPS // 2:  # a batch of many short steps: compare before any drops
-                    out.extend(self._judge(tag.engine_key))
-            if kind is StepEnd:
-                rank.close_step()
-                current = rank.current
-            elif kind is Read and event.layer is not None:
-                out.extend(self._layer(rank, event))
+        key = tag.engine_key
+        steps = rank.steps
+        for rec in records:
+            kind = rec[0]
+            if kind == _CLOSED:
+                rank.done_through = rec[1]
+                if rec[2] is not None:
+                    steps[rec[1]] = rec
+                    if len(steps) > _PENDING_STEPS:
+                        del steps[next(iter(steps))]
+            elif kind == _STEP:
+                if len(steps) >= _PENDING_STEPS // 2:  # a batch of many short steps: compare before any drops
+                    out.extend(self._judge(key))
             else:
-                current.append(decide[kind](event))
-        out.extend(self._judge(tag.engine_key))
+                out.extend(self._layer(rank, decode(rec[1])))
+        if ended:
+            rank.ended = True
+        out.extend(self._judge(key))
         return out
 
     def _layer(self, rank: _Rank, ev: Read) -> Sequence[Finding]:
@@ -201,17 +259,8 @@ class RanksCheck(AcrossCheck):
                            f"stage does not hold (it holds {_span(held)})", seq=ev.seq, layer=ev.layer, step=ev.step,
                            block=ev.blocks[0] if ev.blocks else None, held=held, event=self.event_dict(ev))]
 
-    def trace_ended(self, tag: TraceTag) -> Sequence[Finding]:
-        rank = self.ranks.get(tag.index)
-        if rank is None:
-            return NO_FINDINGS
-        rank.close_step()
-        rank.ended = True
-        return self._judge(tag.engine_key, final=True)
-
-    def _judge(self, key: Any, final: bool = False) -> list[Finding]:
-        """Compare every step all of ``key``'s ranks have finished; a rank whose trace ended is judged up to
-        its end and then left out (what it did not record is not a decision)."""
+    def _judge(self, key: Any) -> list[Finding]:
+        """Compare every step all of ``key``'s ranks have finished."""
         peers = self.engines.get(key, [])
         live = [r for r in peers if not r.ended]
         through = min((r.done_through for r in live), default=None)
@@ -227,17 +276,16 @@ class RanksCheck(AcrossCheck):
 
     def _compare(self, step: int, members: list[_Rank]) -> list[Finding]:
         ref = members[0]
-        mine = ref.steps.get(step, [])
+        mine_rec = ref.steps.get(step)
         out: list[Finding] = []
         for other in members[1:]:
-            theirs = other.steps.get(step, [])
-            if theirs == mine:
+            theirs_rec = other.steps.get(step)
+            if _digest_of(theirs_rec) == _digest_of(mine_rec) or not self.once("divergence", other.tag.index):
                 continue
+            mine, theirs = self._decisions(ref, mine_rec), self._decisions(other, theirs_rec)
             i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
             a = mine[i] if i < len(mine) else None
             b = theirs[i] if i < len(theirs) else None
-            if not self.once("divergence", other.tag.index):
-                continue
             named = [_block_and_seq(d) for d in (b, a)]
             block = next((blk for blk, _ in named if blk is not None), None)
             seq = next((sq for _, sq in named if sq is not None), None)
@@ -248,6 +296,23 @@ class RanksCheck(AcrossCheck):
                 step=step, block=block, seq=seq, other_trace=ref.tag.name,
                 theirs=[list(d) for d in theirs[i:i + 8]], reference=[list(d) for d in mine[i:i + 8]]))
         return out
+
+    def _decisions(self, rank: _Rank, rec: tuple | None) -> list[tuple]:
+        """A closed step's decisions: kept in its record, or recorded again from the rank's trace."""
+        if rec is None:
+            return []
+        if rec[4] is not None:
+            return rec[4]
+        assert self.reread is not None, f"the decisions of {rank.tag.name} were not kept and cannot be read again"
+        for records in self.reread(rank.tag):
+            for again in records:
+                if again[0] == _CLOSED and again[1] == rec[1] and again[2] == rec[2]:
+                    return again[4]
+        raise AssertionError(f"step {rec[1]} of {rank.tag.name} read again differs from its first reading")
+
+
+def _digest_of(rec: tuple | None) -> bytes | None:
+    return rec[2] if rec is not None else None
 
 
 def _facts(values: dict[str, Any]) -> str:

@@ -26,7 +26,9 @@ notes and as a ``workload/unusable-trace`` finding.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import os
 import queue
 import threading
 import time
@@ -42,6 +44,7 @@ from .events import Header
 from .findings import Finding
 from .report import Report, apply_baseline
 from .trace_set import TraceSet, trace_files
+from .workload_pool import RemoteTrace, WorkerFailed, WorkerPool, available_cpus
 
 __all__ = ["TraceSet", "WorkloadSession", "trace_files", "LIVE_GRACE_S"]
 
@@ -59,12 +62,16 @@ class _Member:
     source: Any
     suite: CheckSuite
     live: bool
+    remote: bool = False  # checked by a worker process: ``source`` and ``suite`` are its ``RemoteTrace``
     wants: list[tuple[Any, frozenset]] = field(default_factory=list)  # merged cross-trace checks, the kinds they read
-    direct: list[Any] = field(default_factory=list)  # cross-trace checks fed this trace's batches as read (not merged)
+    # cross-trace checks fed this trace's records as read (not merged), each with its recorder of this trace (None:
+    # the records come from the worker)
+    direct: list[tuple[Any, Any]] = field(default_factory=list)
     wanted: frozenset = frozenset()  # every kind some cross-trace check reads of this trace
     t0: int = 0
     queue: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=_AHEAD))
-    head: list | None = None
+    head: Any = None  # the next batch (a list of events, or a worker's ``Frame``)
+    head_t: int = 0  # its first event's t
     ended: bool = False
     idle: bool = False
     last_t: int = 0  # wall-clock ns of the last event fed
@@ -101,8 +108,11 @@ class _Member:
         if self._batches is not None:
             try:
                 self.head = next(b for b in self._batches if b)
+                self.head_t = self.head.first_t if self.remote else self.head[0].t
             except StopIteration:
                 self.ended = True
+            except WorkerFailed:
+                raise
             except Exception as exc:  # a malformed line, a vanished file: the driver names the trace
                 self.error, self.ended = exc, True
             return self.head is not None
@@ -113,14 +123,19 @@ class _Member:
         if item is _END:
             self.ended = True
             return False
-        self.head = item
+        self.head, self.head_t = item, item[0].t
         return True
 
 class WorkloadSession:
     """Every check over every trace of a workload: per trace, and across them (see the module docstring)."""
 
-    def __init__(self, traces: TraceSet, config: Config | None = None, *, name_traces: bool | None = None) -> None:
+    def __init__(self, traces: TraceSet, config: Config | None = None, *, name_traces: bool | None = None,
+                 workers: int | None = None) -> None:
         self.traces = traces
+        # worker processes that check finished traces in ``run`` (None: one per CPU; 1: all in this process)
+        self.workers = workers
+        self._pool: WorkerPool | None = None
+        self._parallel = False  # this drive may hand finished traces to workers (``run``, not per event)
         self.name_traces = name_traces  # findings name their trace: always, never, or (None) when there are several
         self.config = config or Config()
         self.across = make_across_suite(disabled=self.config.disable, severity=self.config.severity,  # type: ignore[arg-type]
@@ -141,6 +156,9 @@ class WorkloadSession:
     # ---- running ---------------------------------------------------------------------
 
     def run(self) -> "WorkloadSession":
+        """Check every trace to its end. Finished traces (two or more, files, with more than one CPU) are checked
+        in worker processes (``kvdoctor.workload_pool``), with the findings one process would give, in its order."""
+        self._parallel = True
         for _ in self._drive(per_event=False):
             pass
         return self
@@ -179,6 +197,8 @@ class WorkloadSession:
         finally:
             for m in self.members:
                 m.source.close()
+            if self._pool is not None:
+                self._pool.close()
             self.traces.close()
         yield None, None, self.close()
 
@@ -186,8 +206,9 @@ class WorkloadSession:
         paths = list(self.traces.paths)
         if self.traces.child is not None or self.traces.await_first:
             paths = self._first_traces()
+        pool = self._workers(paths)
         for path in paths:
-            self._add(path, strict=len(paths) == 1 and self.traces.watch is None)
+            self._add(path, strict=len(paths) == 1 and self.traces.watch is None, pool=pool)
         for m in self.members:  # a trace that says no t0 counts from the earliest the others say
             if m.tag.header.t0 is None:
                 m.t0 = self.t0_base or 0
@@ -219,7 +240,22 @@ class WorkloadSession:
             time.sleep(0.05)
         return []
 
-    def _add(self, path: str, strict: bool = False) -> None:
+    def _workers(self, paths: list[str]) -> WorkerPool | None:
+        """Worker processes for the finished traces among ``paths``, where they can help: checked to the end
+        (``run``), two or more trace files, none followed, more than one CPU (or ``workers`` asks)."""
+        workers = self.workers if self.workers is not None else available_cpus()
+        if not self._parallel or workers < 2 or len(paths) < 2 or self.traces.child is not None \
+                or self.traces.follow or not all(os.path.isfile(p) for p in paths):
+            return None
+        try:
+            if any(self.traces.source(p)[1] for p in paths):
+                return None  # a trace still written is followed here; the others keep its pace
+        except TraceError:
+            pass  # ``_add`` names it
+        self._pool = WorkerPool(min(workers, len(paths)), self.config)
+        return self._pool
+
+    def _add(self, path: str, strict: bool = False, pool: WorkerPool | None = None) -> None:
         """Open one more trace of the workload; one that cannot be opened is named, unless it is the only one."""
         try:
             source, live = self.traces.source(path)
@@ -231,8 +267,11 @@ class WorkloadSession:
             return
         index = len(self.members)
         tag = TraceTag(index=index, name=self.traces.label(path), header=header)
-        suite = self.config.make_suite(header.model)
-        m = _Member(tag=tag, source=source, suite=suite, live=live)
+        if pool is not None and not live:
+            source = suite = pool.add(tag, path)
+        else:
+            suite = self.config.make_suite(header.model)
+        m = _Member(tag=tag, source=source, suite=suite, live=live, remote=isinstance(source, RemoteTrace))
         if header.t0 is not None:
             m.t0 = header.t0
             if self.t0_base is None or header.t0 < self.t0_base:
@@ -244,11 +283,22 @@ class WorkloadSession:
             if kinds and check.merged:
                 m.wants.append((check, frozenset(kinds)))
             elif kinds:
-                m.direct.append(check)
+                m.direct.append((check, None if m.remote else check.recorder(tag)))
+                if m.remote:
+                    check.reread = functools.partial(self._reread, check)
         m.wanted = frozenset().union(*(kinds for _, kinds in m.wants))
         self.members.append(m)
         self._accept(None, [f for check in self.across.checks for f in check.trace_added(tag)])
         m.start()
+
+    def _reread(self, check: Any, tag: TraceTag) -> Iterator[list]:
+        """``check``'s records of a trace a worker checked, made again here with every detail, batch by batch."""
+        from .session import TraceSource
+
+        recorder = check.recorder(tag)
+        for batch in TraceSource(self.members[tag.index].source.path).batches():
+            yield recorder.record(batch)
+        yield recorder.end()
 
     def _unusable(self, path: str, why: str) -> None:
         path = self.traces.label(path)
@@ -279,7 +329,7 @@ class WorkloadSession:
         if not ready:
             time.sleep(0.01)
             return None
-        return min(ready, key=lambda m: (m.t0 + m.head[0].t, m.tag.index))
+        return min(ready, key=lambda m: (m.t0 + m.head_t, m.tag.index))
 
     def _discover(self) -> None:
         if self.traces.watch is None or time.monotonic() - self._last_scan < _SCAN_S:
@@ -302,8 +352,15 @@ class WorkloadSession:
         self._discover()  # a trace opened just before the workload exited
         return len(self.members) == before and all(m.ended for m in self.members)
 
-    def _feed(self, m: _Member, batch: list, per_event: bool) -> Iterator[tuple[TraceTag, Any, list[Finding]]]:
+    def _feed(self, m: _Member, batch: Any, per_event: bool) -> Iterator[tuple[TraceTag, Any, list[Finding]]]:
         index, tag = m.tag.index, m.tag
+        if m.remote:  # a worker's frame of a batch: what the batch's events would have given here
+            self._accept(index, batch.found)
+            for (check, _), records in zip(m.direct, batch.direct):
+                self._accept(None, check.see_records(tag, records))
+            m.last_t = m.t0 + batch.last_t
+            self._merge(m, batch.cross)
+            return
         if per_event:
             observe = m.suite.observe
             for event in batch:
@@ -313,16 +370,20 @@ class WorkloadSession:
             found = m.suite.observe_many(batch)
             if found:
                 self._accept(index, found)
-        for check in m.direct:
-            self._accept(None, check.see_batch(tag, batch))
+        for check, recorder in m.direct:
+            self._accept(None, check.see_records(tag, recorder.record(batch)))
         m.last_t = m.t0 + batch[-1].t
         wanted = m.wanted
         if wanted:
-            t0, cross, order = m.t0, self._cross, self._order
-            for event in [e for e in batch if type(e) in wanted]:
-                order += 1
-                heapq.heappush(cross, (t0 + event.t, index, order, event))
-            self._order = order
+            self._merge(m, [e for e in batch if type(e) in wanted])
+
+    def _merge(self, m: _Member, events: list) -> None:
+        """Events of ``m`` that merged cross-trace checks read wait in the heap for every trace to pass them."""
+        t0, index, cross, order = m.t0, m.tag.index, self._cross, self._order
+        for event in events:
+            order += 1
+            heapq.heappush(cross, (t0 + event.t, index, order, event))
+        self._order = order
 
     def _watermark(self) -> tuple[int, int]:
         """Cross-trace events before this (wall ns, trace index) can no longer be preceded by one unread."""
@@ -332,7 +393,7 @@ class WorkloadSession:
             if m.ended:
                 continue
             if m.head is not None:
-                t = m.t0 + m.head[0].t
+                t = m.t0 + m.head_t
             elif m.live and m.idle and time.monotonic() - m.idle_since > LIVE_GRACE_S:
                 t = max(m.last_t, now_ns - int(LIVE_GRACE_S * 1e9))
             else:
@@ -360,7 +421,10 @@ class WorkloadSession:
                 raise m.error
             self._unusable(m.tag.name, f"{m.error} (its events before that were checked)")
         self._accept(m.tag.index, m.suite.finish())
-        self._accept(None, [f for check in self.across.checks if not check.merged for f in check.trace_ended(m.tag)])
+        ends = m.source.end.direct if m.remote and m.source.end is not None else \
+            [recorder.end() if recorder is not None else [] for _, recorder in m.direct]
+        for (check, _), records in zip(m.direct, ends):
+            self._accept(None, check.see_records(m.tag, records, ended=True))
         for note in m.source.notes:
             self.notes.append(f"{m.tag.name}: {note}" if len(self.members) > 1 else note)
         # the trace's end joins the merge after its last event, so the rules across traces see it in order

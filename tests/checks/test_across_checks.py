@@ -7,6 +7,8 @@ without the bend are the near miss that stays silent.
 
 from __future__ import annotations
 
+import msgspec
+
 from kvdoctor.events import Header, TierSpec, TransferDone, TransferStart
 from kvdoctor.trace import TraceWriter
 from kvdoctor.workload import TraceSet, WorkloadSession
@@ -20,13 +22,19 @@ def header(block_size=4, num_layers=4, **who) -> Header:
 
 
 def check(tmp_path, *traces: tuple[Header, list]):
+    """The traces' findings, checked as one workload in this process and by worker processes, which must agree
+    finding for finding, in order."""
     paths = []
     for i, (h, events) in enumerate(traces):
         path = tmp_path / f"w{i}.kvtrace"
         with TraceWriter(path, h) as w:
             w.write_many(events)
         paths.append(str(path))
-    return WorkloadSession(TraceSet.open(paths)).run().findings
+    here = WorkloadSession(TraceSet.open(paths), workers=1).run()
+    pooled = WorkloadSession(TraceSet.open(paths), workers=2).run()
+    assert (pooled._pool is not None) == (len(paths) > 1) and here._pool is None
+    assert msgspec.json.encode(pooled.findings) == msgspec.json.encode(here.findings)
+    return here.findings
 
 
 def rank_steps(diverge: bool = False) -> list:
