@@ -17,18 +17,32 @@
  * (they break the whole softmax), as attention.py's torch passes define them. */
 #include "attn_stats.h"
 
-void kvdoctor_attn_stats(const float *const *scores, const float *const *probs, const int32_t *keep, int64_t keep_ls,
-                         int64_t L, int64_t B, int64_t H, int64_t T, int64_t sink, float *summary, float *hent,
-                         float *hmax, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t lb = 0; lb < L * B; lb++) {
+/* One call's statistics (a share of the pool's: (layer, row) pairs). */
+typedef struct {
+  const float *const *scores, *const *probs;
+  const int32_t *keep;
+  int64_t keep_ls, B, H, T, sink;
+  float *summary, *hent, *hmax;
+} stats_job;
+
+static void stats_rows(void *ctx, int64_t first, int64_t end, int64_t step) {
+  const stats_job *j = (const stats_job *)ctx;
+  const int64_t B = j->B, H = j->H, T = j->T;
+  for (int64_t lb = first; lb < end; lb += step) {
     const int64_t l = lb / B, b = lb % B;
-    const int32_t *k = keep ? keep + l * keep_ls + b * T : NULL;
+    const int32_t *k = j->keep ? j->keep + l * j->keep_ls + b * T : NULL;
     Head heads[H];
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = (b * H + h) * T;
-      heads[h] = head_stats(scores[l] + row, probs ? probs[l] + row : NULL, k, T, sink);
+      heads[h] = head_stats(j->scores[l] + row, j->probs ? j->probs[l] + row : NULL, k, T, j->sink);
     }
-    row_summary(heads, H, summary + lb * SUMMARY, hent ? hent + lb * H : NULL, hmax ? hmax + lb * H : NULL);
+    row_summary(heads, H, j->summary + lb * SUMMARY, j->hent ? j->hent + lb * H : NULL, j->hmax ? j->hmax + lb * H : NULL);
   }
+}
+
+void kvdoctor_attn_stats(const float *const *scores, const float *const *probs, const int32_t *keep, int64_t keep_ls,
+                         int64_t L, int64_t B, int64_t H, int64_t T, int64_t sink, float *summary, float *hent,
+                         float *hmax, int threads) {
+  stats_job job = {scores, probs, keep, keep_ls, B, H, T, sink, summary, hent, hmax};
+  kvdoctor_parallel(L * B, threads, 0, stats_rows, &job);
 }

@@ -3,7 +3,7 @@
 #ifndef KVDOCTOR_ATTN_STATS_H
 #define KVDOCTOR_ATTN_STATS_H
 #include <math.h>
-#include "openmp.h"
+#include "pool.h"
 #include <stdint.h>
 #include <string.h>
 

@@ -5,7 +5,6 @@
  * (read for ownership): a third trip over the bytes, which memcpy's string moves skip. On the Intel Xeon
  * (docs/benchmarks.md) numba's loop of regular stores ran at 0.91x a memcpy over 90 MiB of blocks, these
  * at 1.2x. A batch this large leaves the caches anyway; a small one (stream 0) stays in them for its reader. */
-#include "openmp.h" /* not threaded: native.py's check that a library shares torch's runtime */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__)

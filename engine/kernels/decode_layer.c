@@ -125,33 +125,52 @@ HOT uint64_t unit_sum(const void *x, const int64_t *w, int64_t n, const int bf) 
   return bf ? dot_i16((const int16_t *)x, w, n) : dot_i32((const int32_t *)x, w, n);
 }
 
-/* With units (M of them, or NULL), each row's new K and V heads as a digest unit sum by the weights wk and wv
- * (H_kv, D), taken as they are stored (still in the core's cache: after the step they cost a cold pass). */
-HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
-                   const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
-                   void *kv, const int64_t *rows, const int64_t *wk, const int64_t *wv, uint64_t *units,
-                   float *scratch, int threads) {
-  const int64_t Q = (H + 2 * Hkv) * D, half = D / 2, size = bf ? 2 : 4;
-  float *xn = scratch, *y = xn + M * hidden, *mv = y + M * Q;
-  rms_norm(x, norm_w, eps, xn, M, hidden, bf);
-  matvec(xn, wqkv, y, mv, M, Q, hidden, threads, bf);
-#pragma omp parallel for schedule(static) num_threads(threads) if (M >= ROWS_PARALLEL)
-  for (int64_t m = 0; m < M; m++) {
-    const float *ym = y + m * Q;
+/* Rows of layer_pre's per-row glue (a share of the pool's): q and k rotated, v copied, into qkv (its row
+ * stride Q), from the product y; with units, each row's new K and V heads as a digest unit sum by the
+ * weights wk and wv (H_kv, D), taken as they are stored (still in the core's cache: after the step they cost
+ * a cold pass). */
+typedef struct {
+  int bf;
+  int64_t H, Hkv, D, Q;
+  const float *y;
+  const void *cos, *sin;
+  void *qkv;
+  const int64_t *wk, *wv;
+  uint64_t *units;
+} rope_job;
+
+HOT void rope_rows_of(const int bf, const rope_job *j, int64_t first, int64_t end, int64_t step) {
+  const int64_t H = j->H, Hkv = j->Hkv, D = j->D, Q = j->Q, half = D / 2, size = bf ? 2 : 4;
+  for (int64_t m = first; m < end; m += step) {
+    const float *ym = j->y + m * Q;
     for (int64_t h = 0; h < H + Hkv; h++) /* q and k heads, rotated: x cos + rotate_half(x) sin */
       for (int64_t i = 0; i < D; i++) {
         const int64_t at = h * D + i, other = i < half ? at + half : at - half; /* a select: loops vectorize */
         const float sign = i < half ? -1.f : 1.f;
         const float a = rnd(ym[at], bf), r = sign * rnd(ym[other], bf);
-        const float c = ld(cos, m * D + i, bf), s = ld(sin, m * D + i, bf);
-        st(qkv, m * Q + at, rnd(a * c, bf) + rnd(r * s, bf), bf);
+        const float c = ld(j->cos, m * D + i, bf), s = ld(j->sin, m * D + i, bf);
+        st(j->qkv, m * Q + at, rnd(a * c, bf) + rnd(r * s, bf), bf);
       }
-    for (int64_t i = (H + Hkv) * D; i < Q; i++) st(qkv, m * Q + i, ym[i], bf); /* v */
-    if (units) {
-      const char *k = (const char *)qkv + (m * Q + H * D) * size;
-      units[m] = unit_sum(k, wk, Hkv * D, bf) + unit_sum(k + Hkv * D * size, wv, Hkv * D, bf);
+    for (int64_t i = (H + Hkv) * D; i < Q; i++) st(j->qkv, m * Q + i, ym[i], bf); /* v */
+    if (j->units) {
+      const char *k = (const char *)j->qkv + (m * Q + H * D) * size;
+      j->units[m] = unit_sum(k, j->wk, Hkv * D, bf) + unit_sum(k + Hkv * D * size, j->wv, Hkv * D, bf);
     }
   }
+}
+POOL_BODY_BF(rope_rows, rope_job, rope_rows_of)
+
+/* With units (M of them, or NULL), each row's new K/V digest unit sum (rope_rows). */
+HOT void layer_pre(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, const void *x,
+                   const void *norm_w, float eps, const void *wqkv, const void *cos, const void *sin, void *qkv,
+                   void *kv, const int64_t *rows, const int64_t *wk, const int64_t *wv, uint64_t *units,
+                   float *scratch, int threads) {
+  const int64_t Q = (H + 2 * Hkv) * D, size = bf ? 2 : 4;
+  float *xn = scratch, *y = xn + M * hidden, *mv = y + M * Q;
+  rms_norm(x, norm_w, eps, xn, M, hidden, bf);
+  matvec(xn, wqkv, y, mv, M, Q, hidden, threads, bf);
+  rope_job rope = {bf, H, Hkv, D, Q, y, cos, sin, qkv, wk, wv, units};
+  kvdoctor_parallel(M, M >= ROWS_PARALLEL ? threads : 1, 0, rope_rows, &rope);
   /* the stores in row order, on one thread: where two rows' plans share a slot (a fault's misaligned write),
    * the later row's K/V is what the slot holds, as the cache's own store and the digests' records take it */
   for (int64_t m = 0; m < M; m++)
@@ -306,6 +325,49 @@ HOT void attend_group(const int bf, int64_t M, int64_t H, int64_t Hkv, int64_t D
   }
 }
 
+/* (row, kv head) pairs of a layer's attention (a share of the pool's): attend_group's arguments. */
+typedef struct {
+  int bf;
+  int64_t M, H, Hkv, D, nb, bs, T, sink;
+  const void *qkv, *kv;
+  const int64_t *kv_rows;
+  const int32_t *lens;
+  float scale;
+  float *scores, *probs, *o;
+  Head *stats;
+  const Verify *vf;
+} attend_job;
+
+HOT void attend_pairs_of(const int bf, const attend_job *j, int64_t first, int64_t end, int64_t step) {
+  const int64_t H = j->H, Hkv = j->Hkv;
+  for (int64_t bk = first; bk < end; bk += step) {
+    const int64_t first_head = bk / Hkv * H + bk % Hkv * (H / Hkv); /* the group's first head, as b * H + h */
+    attend_group(bf, j->M, H, Hkv, j->D, j->qkv, j->kv, j->kv_rows, j->nb, j->bs, j->lens, j->scale, j->scores,
+                 j->probs, j->T, bk / Hkv, bk % Hkv, j->o + first_head * j->D, j->stats ? j->stats + first_head : NULL,
+                 j->sink, j->vf);
+  }
+}
+POOL_BODY_BF(attend_pairs, attend_job, attend_pairs_of)
+
+/* Rows of SiLU(gate) * up (a share of the pool's): y's rows hold gate then up (2 I), out's the product, rounded. */
+typedef struct {
+  int bf;
+  int64_t I;
+  float *y, *out;
+} swiglu_job;
+
+HOT void swiglu_rows_of(const int bf, const swiglu_job *j, int64_t first, int64_t end, int64_t step) {
+  const int64_t I = j->I;
+  for (int64_t m = first; m < end; m += step) {
+    float *g = j->y + m * 2 * I, *u = g + I, *out = j->out + m * I;
+    for (int64_t i = 0; i < 2 * I; i++) g[i] = rnd(g[i], bf);
+    if (bf) EACH8(g, g, I, silu8_bf16);
+    else EACH8(g, g, I, silu8_f32);
+    for (int64_t i = 0; i < I; i++) out[i] = rnd(g[i] * u[i], bf);
+  }
+}
+POOL_BODY_BF(swiglu_rows, swiglu_job, swiglu_rows_of)
+
 HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I, void *x,
                     const void *qkv, const void *kv, const int64_t *kv_rows, int64_t nb, int64_t bs,
                     const int32_t *lens, float scale, float *scores, float *probs, int64_t T, Head *stats,
@@ -314,25 +376,15 @@ HOT void layer_post(const int bf, int64_t M, int64_t hidden, int64_t H, int64_t 
   float *o = scratch, *y = o + M * H * D, *xn = y + M * 2 * I, *mv = xn + M * (I > hidden ? I : hidden);
   const int64_t work = M * H * T * D;
   /* rows of different lengths: (row, kv head) pairs dealt in turn, or the longer rows all fall to one thread */
-#pragma omp parallel for schedule(static, 1) num_threads(threads) if (work > 65536)
-  for (int64_t bk = 0; bk < M * Hkv; bk++) {
-    const int64_t first = bk / Hkv * H + bk % Hkv * (H / Hkv); /* the group's first head, as b * H + h */
-    attend_group(bf, M, H, Hkv, D, qkv, kv, kv_rows, nb, bs, lens, scale, scores, probs, T, bk / Hkv, bk % Hkv,
-                 o + first * D, stats ? stats + first : NULL, sink, vf);
-  }
+  attend_job attend = {bf, M, H, Hkv, D, nb, bs, T, sink, qkv, kv, kv_rows, lens, scale, scores, probs, o, stats, vf};
+  kvdoctor_parallel(M * Hkv, work > 65536 ? threads : 1, 1, attend_pairs, &attend);
   for (int64_t i = 0; i < M * H * D; i++) o[i] = rnd(o[i], bf);
   matvec(o, wo, y, mv, M, hidden, H * D, threads, bf);
   residual(x, y, M * hidden, bf);
   rms_norm(x, norm_w, eps, xn, M, hidden, bf);
   matvec(xn, wgu, y, mv, M, 2 * I, hidden, threads, bf);
-#pragma omp parallel for schedule(static) num_threads(threads) if (M >= ROWS_PARALLEL)
-  for (int64_t m = 0; m < M; m++) { /* SiLU(gate) * up, the product rounded too */
-    float *g = y + m * 2 * I, *u = g + I, *out = xn + m * I;
-    for (int64_t i = 0; i < 2 * I; i++) g[i] = rnd(g[i], bf);
-    if (bf) EACH8(g, g, I, silu8_bf16);
-    else EACH8(g, g, I, silu8_f32);
-    for (int64_t i = 0; i < I; i++) out[i] = rnd(g[i] * u[i], bf);
-  }
+  swiglu_job swiglu = {bf, I, y, xn}; /* SiLU(gate) * up, the product rounded too */
+  kvdoctor_parallel(M, M >= ROWS_PARALLEL ? threads : 1, 0, swiglu_rows, &swiglu);
   matvec(xn, wd, y, mv, M, hidden, I, threads, bf);
   residual(x, y, M * hidden, bf);
 }

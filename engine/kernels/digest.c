@@ -8,18 +8,25 @@
  * through the caches, each numpy call costs ~15 us); unsigned arithmetic wraps as numpy's int64 does. */
 #include "digest.h"
 
+/* One call's sums (a share of the pool's: layers). */
+typedef struct {
+  const char *base;
+  int64_t ls, H, C, W, sh, sc, so;
+  const int64_t *wt;
+  uint64_t *out;
+} sums_job;
+
 #define SUMS(NAME, T, DOTFN)                                                                                \
-  static void NAME(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,  \
-                   int64_t sc, const int64_t *wt, uint64_t *out, int64_t so, int threads) {              \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (L * H * C * W > (1 << 16))")      \
-    for (int64_t l = 0; l < L; l++) {                                                                    \
-      const T *x = (const T *)(base + l * ls);                                                           \
-      for (int64_t c = 0; c < C; c++) {                                                                  \
-        uint64_t acc = 0;                                                                                \
-        for (int64_t h = 0; h < H; h++) acc += DOTFN(x + h * sh + c * sc, wt + h * W, W);               \
-        out[l * so + c] += acc;                                                                          \
-      }                                                                                                  \
-    }                                                                                                    \
+  static void NAME(void *ctx, int64_t first, int64_t end, int64_t step) {                                  \
+    const sums_job *j = (const sums_job *)ctx;                                                             \
+    for (int64_t l = first; l < end; l += step) {                                                          \
+      const T *x = (const T *)(j->base + l * j->ls);                                                       \
+      for (int64_t c = 0; c < j->C; c++) {                                                                 \
+        uint64_t acc = 0;                                                                                  \
+        for (int64_t h = 0; h < j->H; h++) acc += DOTFN(x + h * j->sh + c * j->sc, j->wt + h * j->W, j->W); \
+        j->out[l * j->so + c] += acc;                                                                      \
+      }                                                                                                    \
+    }                                                                                                      \
   }
 
 SUMS(sums_u8, uint8_t, dot_u8)
@@ -28,9 +35,9 @@ SUMS(sums_i32, int32_t, dot_i32)
 
 void kvdoctor_unit_sums(const char *base, int64_t ls, int64_t L, int64_t H, int64_t C, int64_t W, int64_t sh,
                         int64_t sc, int64_t itemsize, const int64_t *wt, uint64_t *out, int64_t so, int threads) {
-  if (itemsize == 1) sums_u8(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
-  else if (itemsize == 2) sums_i16(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
-  else sums_i32(base, ls, L, H, C, W, sh, sc, wt, out, so, threads);
+  sums_job job = {base, ls, H, C, W, sh, sc, so, wt, out};
+  const pool_body body = itemsize == 1 ? sums_u8 : itemsize == 2 ? sums_i16 : sums_i32;
+  kvdoctor_parallel(L, L * H * C * W > (1 << 16) ? threads : 1, 0, body, &job);
 }
 
 

@@ -2,7 +2,7 @@
  * takes them: dot_u8, dot_i16, dot_i32. */
 #ifndef KVDOCTOR_DIGEST_H
 #define KVDOCTOR_DIGEST_H
-#include "openmp.h"
+#include "pool.h"
 #include <stdint.h>
 
 /* sum over i < n of x[i] * w[i], wrapping: one row's part of a unit sum (decode_layer.c takes them too) */

@@ -2,10 +2,10 @@
  * w float32 or bfloat16 (the top half of a float: on AMX tiles, in AVX-512 BF16 dot products, or widened).
  *
  * Bandwidth-bound at one row: every weight is read once per call whatever M is. Rows of w are split
- * across the OpenMP team (the caller's torch thread pool: this library links the same libgomp), four
- * at a time; each group of four is multiplied by XROWS of x's rows at a time (4 where AVX-512 gives 32
- * vector registers: 16 sums, 4 inputs, a weight; 2 with AVX2's 16), so one load of a weight vector
- * feeds XROWS FMAs and a group is read from memory once and from the core's cache M / XROWS - 1 times.
+ * across kvdoctor's thread pool (pool.c), four at a time; each group of four is multiplied by XROWS of x's
+ * rows at a time (4 where AVX-512 gives 32 vector registers: 16 sums, 4 inputs, a weight; 2 with AVX2's 16),
+ * so one load of a weight vector feeds XROWS FMAs and a group is read from memory once and from the core's
+ * cache M / XROWS - 1 times.
  * At 8 rows the products are as much compute as streaming: two passes of four rows, not four of two,
  * took a SmolLM2 step's products from 24.1 to 21.0 ms on a 2-core Xeon (AVX-512), and float32 runs in
  * 16-lane vectors there. Each output keeps one vector of partial sums added at the end, which rounds

@@ -2,7 +2,7 @@
  * matvec_f32 and matvec_bf16, y (M, N) = x (M, K) . w (N, K)^T (+ b), and the vector helpers they use. */
 #ifndef KVDOCTOR_MATVEC_H
 #define KVDOCTOR_MATVEC_H
-#include "openmp.h"
+#include "pool.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -151,15 +151,28 @@ static inline void round_outputs(float *y, int64_t M, int64_t N, int64_t n0, int
     for (int64_t r = 0; r < R; r++) y[m * N + n0 + r] = bf16_value(y[m * N + n0 + r]);
 }
 
-/* The driver: w's rows split over the threads, x's rows XROWS at a time within each group of ROWS (then
- * 2, then 1: each count a constant, so the compiler keeps the sums in registers); with round, the outputs
- * rounded to bf16 values. */
+/* One call's product, as the pool's threads share it (a share: groups of ROWS rows of w). */
+typedef struct {
+  const void *x, *w;
+  const float *b;
+  float *y;
+  int64_t M, N, K;
+  int round;
+} matvec_job;
+
+/* The driver: w's rows split over the threads in groups of ROWS, x's rows XROWS at a time within each group
+ * (then 2, then 1: each count a constant, so the compiler keeps the sums in registers); with round, the
+ * outputs rounded to bf16 values. */
 #define MATVEC(NAME, W, BLOCKFN, PREPARE)                                                                \
-  static void NAME(const float *x, const W *w, const float *b, float *y, float *scratch, int64_t M, int64_t N,  \
-            int64_t K, int threads, int round) {                                                         \
-    const void *xs = PREPARE(x, scratch, M, K);                                                         \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                    \
-    for (int64_t n0 = 0; n0 < N; n0 += ROWS) {                                                           \
+  static void NAME##_groups(void *ctx, int64_t first, int64_t end, int64_t step) {                      \
+    const matvec_job *j = (const matvec_job *)ctx;                                                       \
+    const void *xs = j->x;                                                                               \
+    const W *w = (const W *)j->w;                                                                        \
+    const float *b = j->b;                                                                               \
+    float *y = j->y;                                                                                     \
+    const int64_t M = j->M, N = j->N, K = j->K;                                                          \
+    for (int64_t g = first; g < end; g += step) {                                                        \
+      const int64_t n0 = g * ROWS;                                                                       \
       int64_t m = 0;                                                                                     \
       if (N - n0 >= ROWS) {                                                                              \
         for (; m + XROWS <= M; m += XROWS) BLOCKFN(xs, w, b, y, N, K, n0, ROWS, m, XROWS);               \
@@ -168,8 +181,13 @@ static inline void round_outputs(float *y, int64_t M, int64_t N, int64_t n0, int
       } else { /* the last few rows of w */                                                              \
         for (; m < M; m++) BLOCKFN(xs, w, b, y, N, K, n0, N - n0, m, 1);                                 \
       }                                                                                                  \
-      if (round) round_outputs(y, M, N, n0, N - n0 < ROWS ? N - n0 : ROWS);                              \
+      if (j->round) round_outputs(y, M, N, n0, N - n0 < ROWS ? N - n0 : ROWS);                           \
     }                                                                                                    \
+  }                                                                                                      \
+  static void NAME(const float *x, const W *w, const float *b, float *y, float *scratch, int64_t M, int64_t N,  \
+            int64_t K, int threads, int round) {                                                         \
+    matvec_job job = {PREPARE(x, scratch, M, K), w, b, y, M, N, K, round};                              \
+    kvdoctor_parallel((N + ROWS - 1) / ROWS, threads, 0, NAME##_groups, &job);                           \
   }
 
 static inline const void *as_is(const float *x, float *scratch, int64_t M, int64_t K) {
@@ -226,47 +244,59 @@ static int amx_allowed(void) {
   return allowed;
 }
 
+/* Groups of 32 rows of w (a share of the pool's), each thread with its own tile configuration. */
+typedef struct {
+  matvec_job mv; /* x: x^T as the B tile reads it */
+  tile_config cfg;
+} tiles_job;
+
+static void tile_groups(void *ctx, int64_t first, int64_t end, int64_t step) {
+  const tiles_job *j = (const tiles_job *)ctx;
+  const uint16_t *xt = (const uint16_t *)j->mv.x, *w = (const uint16_t *)j->mv.w;
+  const float *b = j->mv.b;
+  float *y = j->mv.y;
+  const int64_t M = j->mv.M, N = j->mv.N, K = j->mv.K;
+  _tile_loadconfig(&j->cfg);
+  float sums[2][16 * 16];
+  for (int64_t pair = first; pair < end; pair += step) { /* two groups of 16 rows share each load of x^T */
+    const int64_t n0 = pair * 32;
+    const int two = n0 + 16 < N;
+    const uint16_t *w0 = w + n0 * K, *w1 = w0 + 16 * K, *next = w + (n0 + 32 < N ? n0 + 32 : n0) * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < K; k += 32) {
+      for (int r = 0; r < 32; r++) __builtin_prefetch(next + r * K + k, 0, 2); /* as BLOCK's prefetch */
+      _tile_loadd(4, xt + k * M, M * 4);
+      _tile_loadd(2, w0 + k, K * 2);
+      _tile_dpbf16ps(0, 2, 4);
+      if (two) {
+        _tile_loadd(3, w1 + k, K * 2);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+    }
+    _tile_stored(0, sums[0], M * 4);
+    if (two) _tile_stored(1, sums[1], M * 4);
+    for (int g = 0; g <= two; g++)
+      for (int64_t i = 0; i < 16; i++)
+        for (int64_t m = 0; m < M; m++)
+          y[m * N + n0 + g * 16 + i] = sums[g][i * M + m] + (b ? b[n0 + g * 16 + i] : 0.f);
+    if (j->mv.round) round_outputs(y, M, N, n0, two ? 32 : 16);
+  }
+  _tile_release();
+}
+
 static void matvec_bf16_tiles(const float *x, const uint16_t *w, const float *b, float *y, float *scratch,
                               int64_t M, int64_t N, int64_t K, int threads, int round) {
   uint16_t *xt = (uint16_t *)scratch; /* (K / 2, M, 2) */
   for (int64_t i = 0; i < K / 2; i++)
     for (int64_t m = 0; m < M; m++)
       for (int e = 0; e < 2; e++) xt[(i * M + m) * 2 + e] = to_bf16(x[m * K + 2 * i + e]);
-  tile_config cfg = {.palette = 1};
+  tiles_job job = {{xt, w, b, y, M, N, K, round}, {.palette = 1}};
   for (int t = 0; t < 5; t++) { /* 0, 1: sums (16 rows x M floats); 2, 3: 16 rows of w; 4: x^T */
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = t == 2 || t == 3 ? 64 : (uint16_t)(M * 4);
+    job.cfg.rows[t] = 16;
+    job.cfg.colsb[t] = t == 2 || t == 3 ? 64 : (uint16_t)(M * 4);
   }
-#pragma omp parallel num_threads(threads)
-  {
-    _tile_loadconfig(&cfg);
-    float sums[2][16 * 16];
-#pragma omp for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 32) { /* two groups of 16 rows share each load of x^T */
-      const int two = n0 + 16 < N;
-      const uint16_t *w0 = w + n0 * K, *w1 = w0 + 16 * K, *next = w + (n0 + 32 < N ? n0 + 32 : n0) * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t k = 0; k < K; k += 32) {
-        for (int r = 0; r < 32; r++) __builtin_prefetch(next + r * K + k, 0, 2); /* as BLOCK's prefetch */
-        _tile_loadd(4, xt + k * M, M * 4);
-        _tile_loadd(2, w0 + k, K * 2);
-        _tile_dpbf16ps(0, 2, 4);
-        if (two) {
-          _tile_loadd(3, w1 + k, K * 2);
-          _tile_dpbf16ps(1, 3, 4);
-        }
-      }
-      _tile_stored(0, sums[0], M * 4);
-      if (two) _tile_stored(1, sums[1], M * 4);
-      for (int g = 0; g <= two; g++)
-        for (int64_t i = 0; i < 16; i++)
-          for (int64_t m = 0; m < M; m++)
-            y[m * N + n0 + g * 16 + i] = sums[g][i * M + m] + (b ? b[n0 + g * 16 + i] : 0.f);
-      if (round) round_outputs(y, M, N, n0, two ? 32 : 16);
-    }
-    _tile_release();
-  }
+  kvdoctor_parallel((N + 31) / 32, threads, 0, tile_groups, &job);
 }
 
 static void matvec_bf16(const float *x, const uint16_t *w, const float *b, float *y, float *scratch, int64_t M,

@@ -1,4 +1,4 @@
-"""C kernels compiled for this CPU on first use, run on torch's own OpenMP threads.
+"""C kernels compiled for this CPU on first use, their loops shared by kvdoctor's own thread pool.
 
 Some hot loops are a few lines of C and many passes of torch: the decode step's matrix products
 (``matvec``), the attention statistics of a step (``attention``), the content digests of the K/V a
@@ -8,18 +8,17 @@ keyed by its source and the headers it includes, the flags and the CPU's feature
 uses another's code includes that code's header (``matvec.h``), never its ``.c`` file: each library
 exports only its own functions.
 
-A library links ``libgomp.so.1``, the OpenMP runtime torch's wheel loads, so its threads are torch's
-threads: a second runtime would have two pools spinning against each other on the same cores.
-``load`` asks the dynamic loader which runtime the library's OpenMP calls reach (each source defines
-``kvdoctor_openmp_symbol`` for that) and uses it only if that is a ``libgomp.so.1`` mapped before it
-was loaded (torch's; other packages' private copies, such as sentencepiece's renamed libgomp, do not
-count). Where that cannot hold (no compiler, not Linux, another runtime) ``load`` says why, and the
-caller uses torch.
+Their parallel loops run on ``pool.c``'s threads, not OpenMP's: the pool's wait can be bounded at run time
+from the load (``pool.py`` says why). The pool is one library for the whole process, loaded before any
+kernel with its symbols global, so every kernel's ``kvdoctor_parallel`` reaches the same threads (a pool per
+library would have one set of threads spinning while another's work). Where a kernel cannot be built or
+loaded (no compiler, not Linux) ``load`` says why, and the caller uses torch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -28,12 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
 from ... import knobs
 from ..paths import cache_home
 
-__all__ = ["build_key", "function", "library_of", "load", "source"]
+__all__ = ["build_key", "function", "load", "pool_library", "source"]
 
 _KERNELS = Path(__file__).parent
 
@@ -43,7 +40,7 @@ def source(name: str) -> Path:
     return _KERNELS / name
 
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC"]
 
 
 def _cpu_flags() -> str:
@@ -84,47 +81,45 @@ def _build(cc: str, source: Path) -> Path:
     return out
 
 
-def _mapped_libgomp() -> set[str]:
-    with open("/proc/self/maps") as fh:
-        return {os.path.realpath(line.split()[-1]) for line in fh if "/libgomp" in line}
+@functools.cache
+def pool_library() -> ctypes.CDLL | str:
+    """The thread pool's library (``pool.c``), built and loaded once with its symbols global, where the kernels
+    loaded after it find ``kvdoctor_parallel``; or why it cannot be."""
+    lib = _built(knobs.get(knobs.CC), source("pool.c"), ctypes.RTLD_GLOBAL)
+    if isinstance(lib, str):
+        return lib
+    lib.kvdoctor_pool_spin.argtypes, lib.kvdoctor_pool_spin.restype = [ctypes.c_int64], None
+    lib.kvdoctor_pool_workers.argtypes, lib.kvdoctor_pool_workers.restype = [], ctypes.c_int64
+    return lib
 
 
-class _DlInfo(ctypes.Structure):
-    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
-                ("saddr", ctypes.c_void_p)]
-
-
-def library_of(address: int) -> str | None:
-    """The path of the shared library that holds ``address`` (glibc's ``dladdr``)."""
-    info = _DlInfo()
-    libc = ctypes.CDLL(None)
-    if not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.fname:
-        return None
-    return os.path.realpath(info.fname.decode())
-
-
-def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | str:
-    """``source`` built for this CPU and loaded, its functions in ``signatures`` (name -> argument
-    ctypes; they return nothing) typed; or why it cannot run here on torch's threads."""
-    if not torch.backends.openmp.is_available():
-        return "this torch build has no OpenMP thread pool to share"
-    cc = knobs.get(knobs.CC)
+def _built(cc: str, source: Path, mode: int = ctypes.DEFAULT_MODE) -> ctypes.CDLL | str:
+    """``source`` built for this CPU and loaded, or why it cannot be."""
     try:
-        before = _mapped_libgomp()  # torch's, loaded with torch
-        lib = ctypes.CDLL(str(_build(cc, source)))
-        lib.kvdoctor_openmp_symbol.restype = ctypes.c_void_p
-        runtime = library_of(lib.kvdoctor_openmp_symbol())
-        for name, argtypes in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+        return ctypes.CDLL(str(_build(cc, source)), mode=mode)
     except FileNotFoundError as exc:
         return f"no C compiler: {exc.filename or cc} not found"
     except subprocess.CalledProcessError as exc:
         return f"{cc} failed to build {source.name}: {exc.stderr.decode(errors='replace').strip()[-300:]}"
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot build or load {source.name}: {exc}"
-    if runtime not in before or not os.path.basename(runtime).startswith("libgomp.so"):
-        return f"its OpenMP calls reach {runtime}, not the libgomp torch loaded: two thread pools would fight"
+
+
+def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | str:
+    """``source`` built for this CPU and loaded after the thread pool, its functions in ``signatures`` (name ->
+    argument ctypes; they return nothing) typed; or why it cannot run here."""
+    pool = pool_library()
+    if isinstance(pool, str):
+        return f"no thread pool for the kernels: {pool}"
+    lib = _built(knobs.get(knobs.CC), source)
+    if isinstance(lib, str):
+        return lib
+    try:
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+    except AttributeError as exc:
+        return f"cannot load {source.name}: {exc}"
     return lib
 
 

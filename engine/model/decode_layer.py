@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ... import knobs
-from ..kernels import native
+from ..kernels import native, pool
 from .attention import AttnStats, Newest
 from .matvec import MAX_ROWS
 from .weights import LayerWeights
@@ -280,7 +280,7 @@ class DecodeStep:
                      keep=int(self.keep_scores), T=self.T, heads=heads, sink=sink, summary=summary, hent=hent,
                      hmax=hmax, counts=counts, wk=wk, wv=wv, units=units, mix=mix, U=U, shares=shares, vblock=vblock,
                      vk=0 if self._verify is None else self._verify.shape[1], vsums=vsums, vtotal=vtotal, final_w=L._final[0], scratch=self.scratch.data_ptr(),
-                     final_eps=L._final[1], threads=torch.get_num_threads())
+                     final_eps=L._final[1], threads=pool.team())
         L._kernel(ctypes.byref(args))
         return Newest(self.newest[:, 0], self.newest[:, 1]) if self.keep_scores else None
 

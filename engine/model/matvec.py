@@ -3,16 +3,16 @@
 A decode step multiplies a few rows (one per sequence) by every weight of the model, so it is
 bound by how fast the weights stream from memory. MKL's one-row product (``F.linear``) streams at
 one core's bandwidth whether torch has one thread or two, and oneDNN's prepacked product does little
-better; a plain loop split across torch's own OpenMP threads streams at what both cores give, and up
-to ``MAX_ROWS`` rows it beats both (figures: docs/benchmarks.md, "The decode path's parts"). Above
-``MAX_ROWS`` (prefill) MKL's GEMM is faster.
+better; a plain loop split across the kernels' thread pool (``engine.kernels.pool``) streams at what both
+cores give, and up to ``MAX_ROWS`` rows it beats both (figures: docs/benchmarks.md, "The decode path's
+parts"). Above ``MAX_ROWS`` (prefill) MKL's GEMM is faster.
 bfloat16 weights stream half the bytes: multiplied on AMX's tiles from 4 rows on where the CPU has them,
 by AVX-512 BF16's dot products below that, and elsewhere widened to float32 in registers (two integer
 operations per 16 weights). At 8 rows the products are as much compute as streaming, which is what the
 tiles (and, in float32, AVX-512's 16-lane vectors over four rows a pass) are for.
 
-The kernel (``matvec.c``) is built and loaded by ``native``, on torch's threads; where it cannot be
-(no compiler, another OpenMP runtime) callers use ``F.linear``.
+The kernel (``matvec.c``) is built and loaded by ``native``; where it cannot be (no compiler) callers use
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ... import knobs
-from ..kernels import native
+from ..kernels import native, pool
 
 __all__ = ["DTYPES", "MAX_ROWS", "Matvec", "load", "probe"]
 
@@ -54,7 +54,7 @@ class Matvec:
         scratch = torch.empty_like(x) if w.dtype == torch.bfloat16 else None  # x as the bf16 kernel reads it
         self.kernels[w.dtype](x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
                               scratch.data_ptr() if scratch is not None else None,
-                              x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads(), int(round_bf16))
+                              x.shape[0], w.shape[0], w.shape[1], pool.team(), int(round_bf16))
         return y
 
 
@@ -72,6 +72,6 @@ def probe() -> Matvec | str:
 
 
 def load() -> Matvec | None:
-    """The compiled kernel, or None where it cannot run sharing torch's threads (``probe`` says why)."""
+    """The compiled kernel, or None where it cannot be built or loaded (``probe`` says why)."""
     kernel = probe()
     return kernel if isinstance(kernel, Matvec) else None
