@@ -1,28 +1,38 @@
-"""How many threads a step runs on: all of this process's CPUs when they are free, its fair share when other
-processes want them.
+"""How a step's threads wait and how many there are: spinning on all of this process's CPUs when they are free,
+sleeping at once when other processes want them.
 
-A decode step is many short parallel regions (each compiled kernel's loop, each torch op), each ending in a
-barrier. When another process holds one of the team's CPUs, the barrier waits for a descheduled thread, and
-the threads that arrived spin while they wait: a step beside two single-threaded busy loops on two cores took
-4.5× its quiet time, where a fair share of the CPUs (two of four runnable threads) would cost 2×. A team that
-fits the CPUs the others leave has no such waits.
+A decode step is ~211 short parallel loops in kvdoctor's compiled kernels (7 a layer, the lm head's product;
+torch's ops open none while decoding), each ending when its slowest thread does. When another process holds
+one of the team's CPUs, a loop waits for a descheduled thread, and threads that spin while they wait burn the
+slices it needs: on libgomp's spin a step beside two single-threaded busy loops on two cores took 4-13× its
+quiet time, where a fair share of the CPUs (two of four runnable threads) would cost 2×. Sleeping at once
+(``OMP_WAIT_POLICY=PASSIVE``) came close to that share but cost 9-14% on a quiet machine, and libgomp's wait is
+fixed when torch loads. A team shrunk to the CPUs the others leave (this policy's answer before) gets a third
+of a CPU less than a full team that sleeps: 0.099 s a token at batch 1 beside two loops, against PASSIVE's 0.059.
 
-So the team follows the load. At most every ``interval`` seconds, at a step's start, the policy reads how much
-CPU time other processes took on this process's CPUs since the last reading (``/proc/stat`` per CPU, less this
-process's own time from ``/proc/self/stat``) and sizes the team to the CPUs they left, rounded to whole CPUs,
-never above the size the process started with (the user's ``torch.set_num_threads`` or ``OMP_NUM_THREADS``)
-and never below one. The team shrinks only for a load two readings in a row saw, and grows back at the first
-reading that finds the CPUs free: a burst of someone else's work (a compiler, a page-cache flush, a kernel
-thread) that shares one reading would otherwise halve a quiet run's team until the next reading, and a short
-run is a handful of readings. The kernels and torch's ops share one OpenMP runtime (``engine.kernels.native``) and
-every kernel takes ``torch.get_num_threads()``, so one ``torch.set_num_threads`` sizes them all. The size
-changes only the split of the work, never its results: tokens are the same whatever the team.
+So the kernels run on their own pool (``engine.kernels.pool``), whose wait this policy sets at run time, and
+their team stays the user's whole setting. At most every ``interval`` seconds, at a step's start, the policy
+reads how much CPU time other processes took on this process's CPUs since the last reading (``/proc/stat`` per
+CPU, less this process's own time from ``/proc/self/stat``). Where they left fewer whole CPUs than the team, a
+pool thread that waits (for work, or for its team mates) sleeps at once; where they left them all, it spins for
+``SPIN_FREE_US`` first, through the gaps between a step's loops. The pool's caller also takes any share of a
+loop no worker has started, so a sleeping or descheduled worker costs its share's work, not a wait. Torch's
+own team (prefill's products and the other torch ops) still shrinks to the CPUs the others leave, rounded to
+whole CPUs and never below one: libgomp's threads keep their spin, and a prefill beside busy loops ran faster
+on fewer of them.
+
+A load counts only when two readings in a row saw it, and the policy goes back to spinning (and torch's team
+to its size) at the first reading that finds the CPUs free: a burst of someone else's work (a compiler, a
+page-cache flush, a kernel thread) that shares one reading would otherwise slow a quiet run until the next
+reading, and a short run is a handful of readings. Neither the team nor the wait changes a result: tokens are
+the same whatever they are.
 
 Every policy in a process (a runner, a draft model's runner, an ``EngineCache`` under ``generate``) starts from
 the user's setting, not from a team another policy has shrunk: the size the policies last set is kept here, and
 a team torch reports at that size reads as the setting the user had before (``user_threads``).
 
-``KVDOCTOR_THREADS=fixed`` keeps the team at its starting size (an A/B, or a machine where ``/proc`` lies).
+``KVDOCTOR_THREADS=fixed`` keeps both as they start: torch's team, and the pool spinning as it does where no
+policy runs (an A/B, or a machine where ``/proc`` lies).
 """
 
 from __future__ import annotations
@@ -34,8 +44,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import knobs
+from ..kernels import pool
 
-__all__ = ["ThreadPolicy", "cpu_busy", "others_busy", "user_threads"]
+__all__ = ["SPIN_FREE_US", "ThreadPolicy", "cpu_busy", "others_busy", "user_threads"]
+
+SPIN_FREE_US = pool.SPIN_US  # CPUs free: a waiting pool thread spins this long, across a step's gaps, first
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -101,16 +114,18 @@ def _resize(team: int) -> None:
 
 @dataclass
 class ThreadPolicy:
-    """Sizes the OpenMP team of the steps that follow from the load other processes put on this one's CPUs."""
+    """Sets the wait of the kernels' pool and the size of torch's team for the steps that follow, from the load
+    other processes put on this one's CPUs."""
 
     interval: float = 0.25  # seconds between two readings: long enough to average a step's bursts
     adaptive: bool = field(default_factory=lambda: knobs.get(knobs.THREADS) == "adaptive")
     base: int = field(default_factory=user_threads)  # the most the team may have: the user's setting
-    team: int = 0  # the team's size now
-    changes: int = 0  # how often the team changed size: a benchmark's evidence that the policy acted
+    team: int = 0  # torch's team now (the kernels' is always base)
+    spin_us: int = SPIN_FREE_US  # the pool's spin now: SPIN_FREE_US, or 0 while others want the CPUs
+    changes: int = 0  # how often the team or the spin changed: a benchmark's evidence that the policy acted
     _cpus: set[int] = field(default_factory=set)
     _last: tuple[float, float, float] | None = None
-    _seen: float = 0.0  # the others' load the previous reading saw: a shrink needs it too
+    _seen: float = 0.0  # the others' load the previous reading saw: a slow-down needs it too
 
     def __post_init__(self) -> None:
         self.team = self.base
@@ -120,7 +135,7 @@ class ThreadPolicy:
             self.adaptive = False
 
     def before_step(self) -> int:
-        """The team for the step about to run: unchanged until ``interval`` has passed since the last reading."""
+        """Torch's team for the step about to run: unchanged until ``interval`` has passed since the last reading."""
         if not self.adaptive or self.base <= 1:
             return self.team
         if self._last is not None and time.monotonic() - self._last[0] < self.interval:
@@ -130,9 +145,12 @@ class ThreadPolicy:
             return self.team
         sustained, self._seen = min(others, self._seen), others
         team = max(1, min(self.base, round(len(self._cpus) - sustained)))  # a CPU others hold half of is theirs
-        if team != self.team:
-            _resize(team)
-            self.team, self.changes = team, self.changes + 1
+        spin = SPIN_FREE_US if team == self.base else 0
+        pool.configure(self.base, spin)  # at every reading: another policy's restore may have reset it
+        if team != self.team or spin != self.spin_us:
+            if team != self.team:
+                _resize(team)
+            self.team, self.spin_us, self.changes = team, spin, self.changes + 1
         return team
 
     def restore(self) -> None:
@@ -142,3 +160,6 @@ class ThreadPolicy:
             if torch.get_num_threads() == self.team:
                 _resize(self.base)
             self.team = self.base
+        if self._last is not None:  # it has configured the pool
+            pool.configure(None, SPIN_FREE_US)
+            self.spin_us = SPIN_FREE_US

@@ -1,5 +1,6 @@
-"""The thread policy: the team follows the CPUs other processes leave, comes back when they leave, never goes
-above the user's setting, and the tokens do not depend on it."""
+"""The thread policy: the kernels' pool sleeps at once while other processes want the CPUs and spins when they
+leave, the kernels keep the user's whole team while torch's follows the CPUs the others leave, neither goes
+above the user's setting, and the tokens do not depend on them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvdoctor.engine import Request, Runner, Scheduler
+from kvdoctor.engine.kernels import pool
 from kvdoctor.engine.model import threads as threads_mod
 from kvdoctor.engine.model.model import tiny_llama
 from kvdoctor.engine.model.threads import ThreadPolicy, others_busy
@@ -24,6 +26,7 @@ def restore_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+    pool.configure(None, pool.SPIN_US)
 
 
 def _policy(monkeypatch, readings, base):
@@ -42,6 +45,22 @@ def test_the_team_takes_the_cpus_the_others_leave_and_gives_them_back(monkeypatc
     # first reading that finds the others gone
     assert [p.before_step() for _ in range(6)] == [4, 4, 3, 1, 1, 4]
     assert torch.get_num_threads() == 4 and p.changes == 3
+
+
+def test_the_pool_sleeps_while_others_want_the_cpus_and_the_kernels_keep_the_whole_team(monkeypatch, restore_threads):
+    # GIVEN a policy on 4 CPUs that may use 4 threads, and others' load going 0, 3, 3, 0, 3, 3
+    p = _policy(monkeypatch, [0.0, 3.0, 3.0, 0.0, 3.0, 3.0], base=4)
+    waits = []
+    for _ in range(6):  # WHEN six steps start
+        team = p.before_step()
+        waits.append((team, pool.team(), pool.spin_us()))
+    # THEN torch's team shrinks under the load two readings saw, the kernels' stays 4, and the pool's threads
+    # sleep at once for as long as the load lasts, spinning again at the first free reading
+    free, busy = (4, 4, threads_mod.SPIN_FREE_US), (1, 4, 0)
+    assert waits == [free, free, busy, free, free, busy] and p.changes == 3
+    # WHEN the policy closes under load THEN the pool is as in a process without a policy
+    p.restore()
+    assert pool.spin_us() == pool.SPIN_US and pool.team() == torch.get_num_threads() == 4
 
 
 def test_a_burst_one_reading_saw_leaves_the_team_alone(monkeypatch, restore_threads):
