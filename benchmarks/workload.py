@@ -9,8 +9,13 @@ merge: allocation, frees and batches of all ranks go through it). Each measureme
 process, which reports its wall and CPU time and its peak resident memory (``VmHWM``):
 
 - ``one trace``: the single trace, as ``kvdoctor check --trace FILE`` reads it (the baseline);
-- ``workload``: every copy, as ``kvdoctor check --trace DIR`` reads them (each trace checked on its own,
-  merged by wall-clock time for the rules across traces).
+- ``workload``: every copy, as ``kvdoctor check --trace DIR`` reads them: each trace checked on its own by a
+  worker process (one per CPU), merged by wall-clock time for the rules across traces;
+- ``1 process``: the same in one process (``WorkloadSession(workers=1)``, as traces still being written are).
+
+Each case prints wall events/s, events per CPU-second (the process's and its workers' CPU time: what a loaded
+machine still measures fairly) and peak memory: the process's peak resident set plus, with workers, as many
+times the largest worker's peak as run at once (an upper bound: pages a forked worker shares count twice).
 
 With ``--floor``, also what bounds a faster check: ``read``, the single trace read and decoded with nothing
 checked (the floor of one process), and ``split``, the copies' per-trace checks (no rules across traces) in
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -66,16 +72,22 @@ def make_workload(directory: Path, events: int, traces: int) -> list[Path]:
     return [source, *paths]
 
 
-def measure(paths: list[str]) -> dict:
-    """Check ``paths`` as one workload in this process: events/s and peak memory."""
+def measure(paths: list[str], workers: int | None = None) -> dict:
+    """Check ``paths`` as one workload from this process (``workers``: as ``WorkloadSession`` takes it): events/s,
+    CPU time with the workers', and peak memory with the workers'."""
     from kvdoctor.workload import TraceSet, WorkloadSession
 
     t0, c0 = time.perf_counter(), time.process_time()
-    session = WorkloadSession(TraceSet.open(paths, follow=False)).run()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"traces": len(session.members), "events": session.num_events, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
-            "events_per_s": round(session.num_events / wall), "events_per_cpu_s": round(session.num_events / cpu),
-            "peak_rss_mb": _peak_rss_mb(),
+    session = WorkloadSession(TraceSet.open(paths, follow=False), workers=workers).run()
+    wall = time.perf_counter() - t0
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = time.process_time() - c0 + children.ru_utime + children.ru_stime
+    pool = session._pool
+    at_once = pool.workers if pool is not None else 0
+    peak = _peak_rss_mb() + at_once * round(children.ru_maxrss / 1024, 1)
+    return {"traces": len(session.members), "workers": at_once, "events": session.num_events, "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "events_per_s": round(session.num_events / wall),
+            "events_per_cpu_s": round(session.num_events / cpu), "peak_rss_mb": round(peak, 1),
             "findings": len(session.findings)}
 
 
@@ -162,10 +174,12 @@ def _peak_rss_mb() -> float:
     return round(kb / 1024, 1)
 
 
-def _in_child(paths: list[Path]) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--measure", *map(str, paths)], check=True,
+def _in_child(paths: list[Path], workers: int | None = None) -> dict:
+    extra = ["--workers", str(workers)] if workers is not None else []
+    before = os.getloadavg()[0]
+    out = subprocess.run([sys.executable, __file__, *extra, "--measure", *map(str, paths)], check=True,
                          capture_output=True, text=True)
-    return json.loads(out.stdout)
+    return {**json.loads(out.stdout), "load": [round(before, 1), round(os.getloadavg()[0], 1)]}
 
 
 def _cpu() -> str:
@@ -186,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also: the trace read and decoded alone, and the per-trace checks split over 2 processes")
     ap.add_argument("--measure", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--read-only", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
     ap.add_argument("--per-trace", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
     ap.add_argument("--write", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
-        print(json.dumps(measure(args.measure)))
+        print(json.dumps(measure(args.measure, args.workers)))
         return 0
     if args.write:
         write_live(*args.write)
@@ -205,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         recorded_s = time.perf_counter() - t0
         result = {"cpu": _cpu(), "load": os.getloadavg()[0], "recorded_s": round(recorded_s, 1),
                   "trace_mb": round(source.stat().st_size / 1e6, 1),
-                  "one_trace": _in_child([source]), "workload": _in_child([ranks[0].parent])}
+                  "one_trace": _in_child([source]), "workload": _in_child([ranks[0].parent]),
+                  "one_process": _in_child([ranks[0].parent], workers=1)}
         if args.floor:
             result["read"] = json.loads(subprocess.run([sys.executable, __file__, "--read-only", str(source)],
                                                        check=True, capture_output=True, text=True).stdout)
@@ -227,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['events_per_s'] / 1e3:.0f}k events/s wall, {r['events_per_cpu_s'] / 1e3:.0f}k per CPU-second")
         print(f"split      {len(ranks)} traces' own checks in {sp['processes']} processes at once (no rules across "
               f"traces): {sp['events_per_s'] / 1e3:.0f}k events/s wall")
-    for name in ("one_trace", "workload"):
+    for name, title in (("one_trace", "one trace"), ("workload", "workload"), ("one_process", "1 process")):
         r = result[name]
-        print(f"{name:10} {r['traces']} trace(s), {r['events']} events: {r['events_per_s'] / 1e3:.0f}k events/s wall, "
-              f"{r['events_per_cpu_s'] / 1e3:.0f}k per CPU-second, peak RSS {r['peak_rss_mb']} MB, "
-              f"{r['findings']} findings")
+        how = f"{r['workers']} workers" if r["workers"] else "in-process"
+        print(f"{title:10} {r['traces']} trace(s), {r['events']} events, {how}: {r['events_per_s'] / 1e3:.0f}k events/s "
+              f"wall, {r['events_per_cpu_s'] / 1e3:.0f}k per CPU-second, peak RSS {r['peak_rss_mb']} MB, "
+              f"{r['findings']} findings (load {r['load'][0]}-{r['load'][1]})")
     return 0
 
 

@@ -174,12 +174,17 @@ class TraceSet:
             header = self._headers[path] = read_header(path)
         return header
 
+    def live(self, path: str) -> bool:
+        """Whether the trace is followed: all are (``follow``), none are, or (None) those whose writer, a process
+        other than this one, still holds them open."""
+        if self.follow is not None:
+            return self.follow
+        header = self.header(path)
+        return header.pid is not None and header.pid != os.getpid() and _writer_alive(Path(path), header.pid)
+
     def source(self, path: str) -> tuple[Any, bool]:
         """The source for one trace of the set, and whether it is followed."""
-        live = self.follow
-        if live is None:
-            header = self.header(path)
-            live = header.pid is not None and header.pid != os.getpid() and _writer_alive(Path(path), header.pid)
+        live = self.live(path)
         if not live:
             return TraceSource(path), False
         # the follower stops with the process its header names; a trace may appear before its header (--follow).

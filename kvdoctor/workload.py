@@ -248,7 +248,7 @@ class WorkloadSession:
                 or self.traces.follow or not all(os.path.isfile(p) for p in paths):
             return None
         try:
-            if any(self.traces.source(p)[1] for p in paths):
+            if any(self.traces.live(p) for p in paths):
                 return None  # a trace still written is followed here; the others keep its pace
         except TraceError:
             pass  # ``_add`` names it
