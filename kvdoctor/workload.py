@@ -10,13 +10,20 @@ reads them all:
   events they want of every trace in one order: by wall-clock time (``header.t0 + t``; a trace whose header has no
   ``t0`` counts from the earliest ``t0`` of the workload, or 0), ties by the trace's place in the workload, then by
   the order within the trace. A check that compares each trace only with itself step by step (ranks) is handed
-  each trace's batches as they are read instead (``AcrossCheck.merged``).
+  each trace's records batch by batch as they are read instead (``AcrossCheck.merged``, ``recorder``).
 
 Memory stays bounded: a finished trace is decoded a batch at a time when the merge needs its next one (a trace still
 being written, by a thread of its own ahead by at most ``_AHEAD`` batches), the driver feeds the batch that starts
 earliest (a heap merge of per-trace batches, exact for finished traces), and the cross-trace events wait in a heap
 only until every trace has read past them. A trace still being written that has nothing new holds the merge back for
 at most ``LIVE_GRACE_S`` of wall-clock time.
+
+Finished trace files are checked in worker processes where that helps (``run``, two or more files, more than one
+CPU: ``kvdoctor.workload_pool``): a worker reads and checks a whole trace and hands back, per decoded batch, the
+findings of its own checks, the records of the cross-trace checks that compare a trace with itself (the ranks
+rule's per-step digests) and the events the merged ones read; the driver merges those batches as above, so the
+findings and their order are those of one process. Followed traces and iteration event by event (the TUI, metrics)
+are read in this process.
 
 Sources: ``TraceSet.open(paths)`` (files, directories, globs; followed while their writers live),
 ``TraceSet.command(argv)`` (a workload started with ``KVDOCTOR_TRACE`` in a directory of its own, every trace file

@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import signal
 import struct
 import tempfile
 import traceback
@@ -140,6 +141,8 @@ def _check(job: _Job) -> None:
 
 
 def _work(job: _Job) -> None:
+    # Ctrl-C is the parent's to handle: it reports what was merged so far and stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _check(job)
     except BaseException:
