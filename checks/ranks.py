@@ -170,6 +170,7 @@ class RanksCheck(AcrossCheck):
         super().__init__(ledger)
         self.engines: dict[tuple, list[_Rank]] = {}
         self.ranks: dict[int, _Rank] = {}  # trace index -> its rank
+        self._reread_steps: dict[tuple[int, int], list] = {}  # (trace index, step) -> its decisions, read again
 
     def wants(self, tag: TraceTag) -> tuple[type, ...]:
         if tag.engine_key is None:
@@ -303,10 +304,14 @@ class RanksCheck(AcrossCheck):
             return []
         if rec[4] is not None:
             return rec[4]
+        key = (rank.tag.index, rec[1])
+        if key in self._reread_steps:  # the reference rank of several that differ from it at one step
+            return self._reread_steps[key]
         assert self.reread is not None, f"the decisions of {rank.tag.name} were not kept and cannot be read again"
         for records in self.reread(rank.tag):
             for again in records:
                 if again[0] == _CLOSED and again[1] == rec[1] and again[2] == rec[2]:
+                    self._reread_steps[key] = again[4]
                     return again[4]
         raise AssertionError(f"step {rec[1]} of {rank.tag.name} read again differs from its first reading")
 

@@ -133,3 +133,14 @@ def test_a_worker_that_dies_is_an_error_naming_its_trace(tmp_path, monkeypatch):
     # THEN the check stops with an error that names it, instead of waiting for it
     with pytest.raises(WorkerFailed, match=r"w1\.kvtrace was killed by signal 9"):
         WorkloadSession(TraceSet.open(paths), workers=2).run()
+
+
+def test_ranks_that_all_differ_from_the_first_at_one_step_are_each_named_both_ways(tmp_path):
+    # GIVEN three ranks, the second and third each giving the request another block than the first at step 250
+    paths = [write(tmp_path / f"rank{r}.kvtrace", header(instance="e", tp_rank=r, tp_size=3, t0=10**12 + r),
+                   rank_events(diverge_at=250 if r else None)) for r in range(3)]
+    # THEN each is named against the first (whose decisions the workers' path reads again once), both ways alike
+    here, pooled = both_ways(paths)
+    assert [(f.rule, f.step, os.path.basename(f.trace)) for f in here.findings] == [
+        ("divergence", 250, "rank1.kvtrace"), ("divergence", 250, "rank2.kvtrace")]
+    assert msgspec.json.encode(pooled.findings) == msgspec.json.encode(here.findings)
