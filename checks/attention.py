@@ -29,7 +29,7 @@ must last ``persist`` consecutive observations of the same (sequence, layer) bef
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from ..events import Attn, AttnStep, Batch, SeqEnd
@@ -81,6 +81,17 @@ class _Bounds:
     can_collapse: bool  # that floor is above collapse_floor: a collapse here is no healthy behaviour
     logit: Span
     entropy: Span
+    # the ranges outside which a value is learned, read on every statistic: the spans' ends, looked up once
+    logit_lo: float = field(init=False)
+    logit_top: float = field(init=False)
+    ent_lo: float = field(init=False)
+    ent_hi: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_lo", self.logit.lo)
+        object.__setattr__(self, "logit_top", self.logit.hi)
+        object.__setattr__(self, "ent_lo", self.entropy.lo)
+        object.__setattr__(self, "ent_hi", self.entropy.hi)
 
 
 class _Learned:
@@ -152,7 +163,12 @@ class AttentionCheck(CheckBase):
         self.profile: AttentionProfile | None = None
         self._learned = _Learned()
         self._bounds: dict[int, dict[int, _Bounds]] = {}  # bucket -> layer -> bounds; a learned change drops the layer's
-        self._lengths: dict[Any, int] = {}  # seq -> keys its newest query sees (from the step's batch)
+        # seq -> what its newest query's key count (from the step's batch) settles for every layer: the count,
+        # its bucket, the most entropy it can hold (None: log undefined), whether the collapse and sink rules judge it
+        self._keys: dict[Any, tuple[int, int, float | None, bool]] = {}
+        # seq -> its sink values of this step, once its first statistic since the step (or its batch) began set
+        # up its sink state: the other layers only add their value
+        self._open: dict[Any, dict[int, float]] = {}
         self._streaks: dict[tuple[Any, int], list[int]] = {}  # (seq, layer) -> [logit, entropy, collapse]
         self._sinks: dict[Any, _SeqSinks] = {}
         self._touched: set = set()  # sequences with sink values this step
@@ -171,12 +187,18 @@ class AttentionCheck(CheckBase):
     # ---- state ------------------------------------------------------------------------------
 
     def _batch(self, ev: Batch) -> Sequence[Finding]:
+        min_keys = self._min_keys
         for seq, pos, n in zip(ev.rows, ev.positions, ev.n):
-            self._lengths[seq] = pos + n
+            keys = pos + n
+            self._keys[seq] = (keys, bucket_of(keys), math.log(keys) + _ENTROPY_SLACK if keys > 0 else None,
+                               keys >= min_keys)
+        if self._open:
+            self._open.clear()  # a new key count may restart a sequence's sink levels
         return NO_FINDINGS
 
     def _seq_end(self, ev: SeqEnd) -> Sequence[Finding]:
-        self._lengths.pop(ev.seq, None)
+        self._keys.pop(ev.seq, None)
+        self._open.pop(ev.seq, None)
         self._sinks.pop(ev.seq, None)
         for key in [k for k in self._streaks if k[0] == ev.seq]:
             del self._streaks[key]
@@ -215,22 +237,18 @@ class AttentionCheck(CheckBase):
         if ev.nonfinite or total - total:  # x - x is 0.0 for a finite x, NaN otherwise
             return self._nonfinite(ev)
         seq, layer = ev.seq, ev.layer
-        keys = self._lengths.get(seq)
-        judged_keys = keys is None or keys >= self._min_keys
+        known = self._keys.get(seq)
+        if known is None:
+            keys, bucket, high_ent, judged_keys = None, _UNKNOWN, False, True
+        else:
+            keys, bucket, most, judged_keys = known
+            # More entropy than the keys can hold: the query attended to keys its sequence does not have.
+            high_ent = ent > (most if most is not None else math.log(keys) + _ENTROPY_SLACK)
         if judged_keys:  # the step's sink mass of this layer, judged across layers at the step's end
-            st = self._sinks.get(seq)
-            if st is None:
-                st = self._sinks[seq] = _SeqSinks()
-            if keys is not None:
-                if keys < st.keys:  # rolled back or recomputed from the start: levels restart
-                    st.level.clear()
-                    st.streak = 0
-                st.keys = keys
-            st.now[layer] = sink
-            self._touched.add(seq)
-        # More entropy than the keys can hold: the query attended to keys its sequence does not have.
-        high_ent = keys is not None and ent > math.log(keys) + _ENTROPY_SLACK
-        bucket = _UNKNOWN if keys is None else bucket_of(keys)
+            now = self._open.get(seq)
+            if now is None:
+                now = self._open[seq] = self._sink_state(seq, keys).now
+            now[layer] = sink
         by_layer = self._bounds.get(bucket)
         bounds = by_layer.get(layer) if by_layer is not None else None
         if bounds is None:
@@ -246,10 +264,24 @@ class AttentionCheck(CheckBase):
             if self._streaks:
                 self._streaks.pop((seq, layer), None)
             if self.profile is None and bounds is not None and not (
-                    bounds.logit.lo <= logit <= bounds.logit.hi and bounds.entropy.lo <= ent <= bounds.entropy.hi):
+                    bounds.logit_lo <= logit <= bounds.logit_top and bounds.ent_lo <= ent <= bounds.ent_hi):
                 self._learn(layer, bucket, logit, ent)  # a value that widens the range it was judged within
             return NO_FINDINGS
         return self._abnormal(ev, keys, bounds, high_logit, high_ent, collapsed)
+
+    def _sink_state(self, seq: Any, keys: int | None) -> _SeqSinks:
+        """``seq``'s sink state at its first statistic since the step or its batch began; a sequence rolled back
+        or recomputed from the start (fewer keys than before) restarts its levels."""
+        st = self._sinks.get(seq)
+        if st is None:
+            st = self._sinks[seq] = _SeqSinks()
+        if keys is not None:
+            if keys < st.keys:
+                st.level.clear()
+                st.streak = 0
+            st.keys = keys
+        self._touched.add(seq)
+        return st
 
     def _abnormal(self, ev: Attn, keys: int | None, bounds: _Bounds | None, high_logit: bool, high_ent: bool,
                   collapsed: bool) -> Sequence[Finding]:
@@ -303,6 +335,7 @@ class AttentionCheck(CheckBase):
                     level[li] = new if old is None else old + 0.25 * (new - old)
             st.now = {}
         self._touched = set()
+        self._open.clear()
         return out
 
     # ---- findings -----------------------------------------------------------------------------
