@@ -7,11 +7,18 @@ LMCache #4463, dynamo #14416), the same token count mapped onto blocks, and, onc
 same content the source saved (a stale or foreign file in the store, a layout mismatch) — and the load
 must not start before the save has finished (LMCache #4991, #2206: a partial store used as whole).
 
+Each rank of an instance moves its own share of the K/V (its heads, its stage's layers), so every rank must
+save each request its scheduler asked to save, every layer it holds (LMCache #1807: a rank that never
+stores), and a destination rank must load every layer and block its source rank saved (vLLM #30358,
+#41037: the two instances' block maps differ).
+
 The two ends pair by ``key`` on ``transfer_start`` (the same in every trace: a connector's file key, a
-request's transfer id); the content per block is ``digests`` on the start (a save) or on the
-``transfer_done`` (a load, whose bytes exist only then). A producer that leaves a field out is not judged
-on it. Saves are remembered per key (the newest, up to ``KEYS_KEPT`` keys), so a workload of any length
-holds its memory flat.
+request's transfer id; a key ``K@R`` is rank ``R``'s share of ``K``); the content per block is ``digests`` on
+the start (a save) or on the ``transfer_done`` (a load, whose bytes exist only then), over the ``layers``
+the transfer moved. A save with a key and neither layers nor digests moves no bytes: it is a scheduler's
+decision that the key be saved (with the request it is for), which a save of the bytes under that key by a
+trace of the same instance must follow. A producer that leaves a field out is not judged on it. Saves are
+remembered per key (the newest, up to ``KEYS_KEPT`` keys), so a workload of any length holds its memory flat.
 """
 
 from __future__ import annotations
@@ -61,6 +68,11 @@ class HandoffCheck(AcrossCheck):
         Rule("digest-mismatch", "error",
              "the K/V an instance loaded differs from what the source saved under that key (a stale or foreign "
              "entry in the store, a layout mismatch)"),
+        Rule("save-missing", "error",
+             "a scheduler asked for a request's K/V to be saved under a key (a rank's share), and no trace of "
+             "its instance saved it: a rank that never stores"),
+        Rule("save-layers", "error", "a rank saved a request's K/V without some of the layers it holds"),
+        Rule("partial-load", "error", "a rank loaded fewer layers or blocks of a key than the source rank saved"),
     )
 
     def __init__(self, ledger=None) -> None:
@@ -72,6 +84,12 @@ class HandoffCheck(AcrossCheck):
         # and another has the bytes (its worker)
         self.requests: OrderedDict[tuple, Any] = OrderedDict()
         self.stores: dict[str, TraceTag] = {}  # a store transfers go through (not a tier) -> the first trace using it
+        # (instance, key) -> a scheduler's decision to save it, until a trace of the instance saves the bytes
+        self.asked: OrderedDict[tuple, tuple[TraceTag, TransferStart]] = OrderedDict()
+        self.saved: OrderedDict[tuple, None] = OrderedDict()  # (instance, key) of saves with bytes
+        self.saving: set = set()  # instances some of whose traces save bytes (their workers)
+        # (instance, key without its rank) -> each rank's key saved -> the store it went to
+        self.shares: OrderedDict[tuple, dict[str, str | None]] = OrderedDict()
 
     def wants(self, tag: TraceTag) -> tuple[type, ...]:
         return (TransferStart, TransferDone, TransferFailed)
@@ -97,7 +115,10 @@ class HandoffCheck(AcrossCheck):
         out = self._block_map(tag, ev) + self._store(tag, ev)
         if ev.key is None or ev.op not in ("save", "load"):
             return out
+        if ev.op == "save" and ev.layers is None and ev.digests is None:  # a decision: no bytes moved here
+            return out + self._ask(tag, ev)
         if ev.op == "save":
+            out += self._saved(tag, ev)
             save = _Save(tag, ev, digests=ev.digests)
             self.saves[ev.key] = save
             self.saves.move_to_end(ev.key)
@@ -133,7 +154,98 @@ class HandoffCheck(AcrossCheck):
                 f"{save.tag.who} saved {save.start.num_tokens}", key=ev.key, source_trace=save.tag.name,
                 num_tokens=ev.num_tokens, source_num_tokens=save.start.num_tokens, **where))
         else:
-            load.save = save
+            short = self._partial(tag, ev, save, where)
+            out += short
+            if not short and (ev.layers is None or save.start.layers is None or ev.layers == save.start.layers):
+                load.save = save  # digests are sums over layers: comparable only over the same layers
+        return out
+
+    def _shared(self, save: _Save) -> str:
+        """Why the store may hold other K/V than this rank saved: several ranks' shares saved to one store under
+        one key but for the rank, which a connector that names its entries by the tokens alone (vLLM's
+        ExampleConnector) writes to the same files, the last writer's heads winning."""
+        shares = self.shares.get((save.tag.header.instance, _base(save.start.key)), {})
+        ranks = [k for k, store in shares.items() if store == save.start.dst]
+        if len(ranks) < 2:
+            return ""
+        return (f". Ranks {', '.join(sorted(_rank_id(k) for k in ranks))} of {save.tag.who} saved their shares of "
+                f"{_base(save.start.key)} to one store ({save.start.dst}): a connector that names an entry by the "
+                "tokens alone (vLLM's ExampleConnector does) writes every rank's heads to the same files, and each "
+                "destination rank loads whichever rank wrote last. Give each rank its own store path or key (the "
+                "connector is not made for tensor or pipeline parallel)")
+
+    # ---- ranks that save and load their share ---------------------------------------------------
+
+    def _remember(self, table: OrderedDict, key: tuple, value: Any) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        if len(table) > KEYS_KEPT:
+            table.popitem(last=False)
+
+    def _ask(self, tag: TraceTag, ev: TransferStart) -> list[Finding]:
+        """A scheduler's decision that ``ev.key`` be saved: the bytes must follow from a trace of its instance."""
+        at = (tag.header.instance, ev.key)
+        if ev.seq is not None:
+            self._remember(self.requests, at, ev.seq)
+        if at not in self.saved:
+            self._remember(self.asked, at, (tag, ev))
+        return []
+
+    def _saved(self, tag: TraceTag, ev: TransferStart) -> list[Finding]:
+        """A save of the bytes: it answers its scheduler's decision, and it must hold every layer its rank holds."""
+        at = (tag.header.instance, ev.key)
+        self.asked.pop(at, None)
+        self._remember(self.saved, at, None)
+        if _rank_id(ev.key) is not None:
+            where = (tag.header.instance, _base(ev.key))
+            self._remember(self.shares, where, {**self.shares.get(where, {}), ev.key: ev.dst})
+        self.saving.add(tag.header.instance)
+        held = tag.header.layers
+        missing = sorted(set(held) - set(ev.layers)) if held is not None and ev.layers is not None else []
+        if not missing or not self.once("save-layers", tag.index, ev.transfer):
+            return []
+        seq = ev.seq if ev.seq is not None else self.requests.get(at)
+        return [self.found(
+            tag, "save-layers", f"{tag.who}{_rank(ev.key)} saved the K/V of request {seq!r} (key {ev.key}, blocks "
+            f"{_blocks(ev.blocks)}) without {_layers(missing)}, which it holds: a destination loading that key gets "
+            "no K/V of those layers from this rank", seq=seq, block=ev.blocks[0] if ev.blocks else None,
+            layer=missing[0], step=ev.step, key=ev.key, rank=_rank_id(ev.key), missing_layers=missing,
+            saved_layers=ev.layers, held_layers=held)]
+
+    def _partial(self, tag: TraceTag, ev: TransferStart, save: _Save, where: dict) -> list[Finding]:
+        """A load that covers fewer of the saved layers or blocks than its source rank saved."""
+        fewer = sorted(set(save.start.layers) - set(ev.layers)) \
+            if ev.layers is not None and save.start.layers is not None else []
+        short = len(ev.blocks) < len(save.start.blocks)
+        if not (fewer or short) or not self.once("partial-load", tag.index, ev.transfer):
+            return []
+        seq = where["seq"] if where["seq"] is not None else self.requests.get((tag.header.instance, ev.key))
+        what = ([_layers(fewer)] if fewer else []) + \
+            ([f"{len(save.start.blocks) - len(ev.blocks)} of its blocks"] if short else [])
+        return [self.found(
+            tag, "partial-load", f"{tag.who}{_rank(ev.key)} loaded the K/V of request {seq!r} (key {ev.key}) into blocks "
+            f"{_blocks(ev.blocks)} without {' and '.join(what)} that {save.tag.who}{_rank(save.start.key)} saved: "
+            "attention there reads K/V the handoff never brought", seq=seq, block=where["block"],
+            layer=fewer[0] if fewer else None, step=ev.step, key=ev.key, rank=_rank_id(ev.key),
+            missing_layers=fewer, loaded_layers=ev.layers, saved_layers=save.start.layers,
+            blocks=ev.blocks, source_blocks=save.start.blocks, source_trace=save.tag.name)]
+
+    def at_end(self) -> Sequence[Finding]:
+        """Every trace ended: a decision to save that no trace of its instance answered is a rank that never
+        stored that key (judged only for instances whose workers record the bytes they save)."""
+        out: list[Finding] = []
+        for (instance, key), (tag, ev) in self.asked.items():
+            if instance not in self.saving or not self.once("save-missing", instance, key):
+                continue
+            peers = sorted(self.shares.get((instance, _base(key)), ()))
+            said = f"; its peers saved {', '.join(peers)}" if peers else ""
+            out.append(self.found(
+                tag, "save-missing", f"{tag.who}'s scheduler asked for the K/V of request {ev.seq!r} (blocks "
+                f"{_blocks(ev.blocks)}) to be saved under key {key}, but no{_rank(key) or ' trace'} of {tag.who} "
+                f"saved it{said}: a destination finds that share missing or another's in its place",
+                seq=ev.seq, block=ev.blocks[0] if ev.blocks else None, step=ev.step, key=key, rank=_rank_id(key),
+                blocks=ev.blocks, peers_saved=peers))
+        self.asked.clear()
         return out
 
     def _store(self, tag: TraceTag, ev: TransferStart) -> list[Finding]:
@@ -184,11 +296,39 @@ class HandoffCheck(AcrossCheck):
                 load.tag, "digest-mismatch",
                 f"{load.tag.who} loaded {whose} K/V (key {ev.key}) into block {ev.blocks[i]}, but its content differs from what {save.tag.who} saved"
                 f"{source} (block {src_blocks[i] if i < len(src_blocks) else '?'}): the store held other K/V under "
-                "this key", seq=seq, block=ev.blocks[i] if i < len(ev.blocks) else None, step=ev.step, key=ev.key,
+                f"this key{self._shared(save)}", seq=seq, block=ev.blocks[i] if i < len(ev.blocks) else None,
+                step=ev.step, key=ev.key,
                 block_index=i, loaded_digest=got, saved_digest=saved, source_trace=save.tag.name,
                 source_seq=save.start.seq, source_block=src_blocks[i] if i < len(src_blocks) else None,
                 blocks_differing=sum(1 for a, b in zip(digests, save.digests) if a is not None and b is not None and a != b))]
         return []
+
+
+def _base(key: str) -> str:
+    """The key a rank's share (``K@R``) is a share of."""
+    return key.partition("@")[0]
+
+
+def _rank_id(key: str) -> str | None:
+    return key.partition("@")[2] or None
+
+
+def _rank(key: str | None) -> str:
+    """The words naming the rank whose share ``key`` is (nothing for a whole key)."""
+    rank = _rank_id(key) if key else None
+    return f" rank {rank}" if rank else ""
+
+
+def _blocks(blocks: list[int]) -> str:
+    return ", ".join(map(str, blocks[:8])) + (f" … ({len(blocks)})" if len(blocks) > 8 else "")
+
+
+def _layers(layers: list[int]) -> str:
+    """"layer 3", "layers 0-11", "layers 1, 5"."""
+    s = sorted(layers)
+    if len(s) == 1:
+        return f"layer {s[0]}"
+    return f"layers {s[0]}-{s[-1]}" if s == list(range(s[0], s[-1] + 1)) else "layers " + ", ".join(map(str, s))
 
 
 def _differ(a: Header, b: Header) -> list[str]:
