@@ -20,8 +20,11 @@ share the CPUs equally); beside a copy of itself, 2. Workloads:
   on SmolLM2 in its child, beside the same competitors: the seconds from a key press (pause, twice a second)
   to the app having handled it and gone idle, median and worst of ``--presses``; the goal is 0.2 s.
 
-kvdoctor's workloads run under each thread policy (``KVDOCTOR_THREADS``: ``adaptive``, the default, sizes
-the team to the CPUs others leave; ``fixed`` keeps it; either may add OpenMP settings: ``policy_env``). Every
+kvdoctor's workloads run under each thread policy (``KVDOCTOR_THREADS``: ``adaptive``, the default, puts the
+kernels' pool to sleep at once while others want the CPUs and shrinks torch's team; ``fixed`` keeps both as they
+start; either may add OpenMP settings: ``policy_env``). A policy named ``old:POLICY`` runs its workload from
+the checkout ``--old`` names instead (``git worktree add /tmp/old COMMIT``: the code before a change, e.g. its
+kernels on torch's OpenMP threads), with this process's environment otherwise. Every
 (condition, policy, workload) runs once per repeat, in the same order each repeat, so a drift in the machine's
 load hits them alike; the report is
 the median over repeats of each time and its ratio to the same policy's quiet time. Beside every run: the
@@ -32,7 +35,7 @@ often the thread policy changed the team's size in the run ("team changes"). Usa
 
     .venv/bin/python benchmarks/contention.py [--repeats 3] [--conditions quiet,loops1,loops2,loops4,omp]
         [--workloads serve,decode,decode8,demo,generate,generate+policy] [--policies adaptive,fixed] [--tokens 64]
-        [--wait-quiet S] [--json]
+        [--old TREE] [--wait-quiet S] [--json]
 """
 
 from __future__ import annotations
@@ -93,16 +96,16 @@ print((time.perf_counter() - t0) / (n - 1), runner.threads.changes)
 """
 
 
-def _command(workload: str, tokens: int) -> list[str]:
+def _command(workload: str, tokens: int, root: Path) -> list[str]:
     py = sys.executable
     if workload == "serve":
-        return [py, str(ROOT / "examples/serve.py"), "--requests", "12", "--device-blocks", "10", "--host-blocks", "2",
+        return [py, str(root / "examples/serve.py"), "--requests", "12", "--device-blocks", "10", "--host-blocks", "2",
                 "--disk-blocks", "256"]
     if workload == "decode":
         return [py, "-m", "kvdoctor.cli", "run", "--prompt", PROMPT, "--max-new-tokens", str(tokens), "--greedy", "--json",
                 "--no-probes"]
     if workload == "decode8":
-        return [py, "-c", _BATCH, str(ROOT / "benchmarks"), str(tokens)]
+        return [py, "-c", _BATCH, str(root / "benchmarks"), str(tokens)]
     if workload == "demo":
         return [py, "-m", "kvdoctor.cli", "check", "--demo", "--steps", str(tokens)]
     return [py, "-c", _GENERATE, PROMPT, str(tokens), "policy" if workload == "generate+policy" else "-"]
@@ -135,11 +138,37 @@ def policy_env(policy: str) -> dict[str, str]:
     return {"KVDOCTOR_THREADS": threads, **dict(s.split("=", 1) for s in settings)}
 
 
-def _run(workload: str, tokens: int, policy: str, copies: int) -> tuple[float, int | None]:
+# Imports kvdoctor from another checkout: its package mapping (pip's editable finder, loaded before this runs)
+# pointed at that tree
+_OLD_TREE = """
+import sys
+root = {root!r}
+for name, module in list(sys.modules.items()):
+    if name.startswith("__editable___kvdoctor") and isinstance(getattr(module, "MAPPING", None), dict):
+        module.MAPPING.update({{"kvdoctor": root + "/kvdoctor", "kvdoctor.checks": root + "/checks",
+                               "kvdoctor.engine": root + "/engine"}})
+"""
+
+
+def _tree_env(root: Path, shims: Path) -> dict[str, str]:
+    """The environment that makes a child import kvdoctor from ``root`` (a ``sitecustomize`` under ``shims``)."""
+    shim = shims / "old"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(_OLD_TREE.format(root=str(root)))
+    return {"PYTHONPATH": str(shim)}
+
+
+def _run(workload: str, tokens: int, policy: str, copies: int, old: Path | None, shims: Path
+         ) -> tuple[float, int | None]:
     """Mean figure of ``copies`` instances of the workload started together, and the most team changes of one."""
-    env = {**os.environ, **policy_env(policy)}
+    root = ROOT
+    if policy.startswith("old:"):
+        if old is None:
+            raise SystemExit(f"policy {policy} needs --old TREE")
+        root, policy = old, policy.removeprefix("old:")
+    env = {**os.environ, **policy_env(policy), **(_tree_env(root, shims) if root != ROOT else {})}
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(_command(workload, tokens), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(_command(workload, tokens, root), env=env, cwd=root, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(copies)]
 
     def finish(p: subprocess.Popen[str]) -> tuple[float, int | None]:  # each copy's own end, in any order
@@ -275,8 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presses", type=int, default=20)
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each run, wait up to S seconds for the others' load to drop under 0.3 CPUs")
+    ap.add_argument("--old", type=Path, metavar="TREE",
+                    help="a checkout of earlier code, which policies named old:POLICY run their workloads from")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    shims = tempfile.TemporaryDirectory(prefix="contention-")  # old:POLICY's sitecustomize; gone at exit
     conditions, workloads, policies = (s.split(",") for s in (args.conditions, args.workloads, args.policies))
     cpus = len(CPUS)
     runs: dict[tuple[str, str, str], list[float]] = {}
@@ -290,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                         if args.wait_quiet:
                             wait_quiet(args.wait_quiet, loops.pids)
                         load, before = os.getloadavg()[0], reading(loops.pids)
-                        x, changes = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies)
+                        x, changes = _run(workload, args.tokens, policy if policy != "-" else "fixed", copies,
+                                          args.old, Path(shims.name))
                         busy = others(before, reading(loops.pids))
                         runs.setdefault((workload, policy, condition), []).append(x)
                         noise.setdefault((workload, policy, condition), []).append((load, busy, changes))
@@ -311,10 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"cpus": cpus, "rows": rows, "tui_key_seconds": keys}))
     else:
-        print(f"{'workload':15} {'policy':9} {'condition':9} {'median':>9} {'× quiet':>8} {'fair':>5}  others' CPUs")
+        wide = max([9] + [len(r["policy"]) for r in rows])
+        print(f"{'workload':15} {'policy':{wide}} {'condition':9} {'median':>9} {'× quiet':>8} {'fair':>5}  others' CPUs")
         for r in rows:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-            print(f"{r['workload']:15} {r['policy']:9} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} "
+            print(f"{r['workload']:15} {r['policy']:{wide}} {r['condition']:9} {r['seconds']:9.4f} {ratio:>8} "
                   f"{r['fair']:5.2f}  "
                   + " ".join(f"{x:.2f}" for x in r["others_cpus"]))
         for condition, k in keys.items():

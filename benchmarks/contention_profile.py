@@ -2,9 +2,10 @@
 decoding, quiet and beside busy loops, under each thread policy.
 
 A child process loads SmolLM2, prefills a batch and decodes for ``--seconds``; while it decodes, ``perf record
--e cpu-clock`` samples all of its threads. The samples are put in four places: OpenMP's runtime (libgomp: a
-thread spinning or sleeping at a barrier, or waiting for the next parallel region), torch's kernels (libtorch,
-MKL, oneDNN), kvdoctor's C kernels (``~/.cache/kvdoctor/kernels``), the interpreter, and the OS kernel. Beside the
+-e cpu-clock`` samples all of its threads. The samples are put in these places: OpenMP's runtime (libgomp: a
+thread spinning or sleeping at a barrier, or waiting for the next parallel region), kvdoctor's thread pool
+(``pool.c``: its threads spinning for work or for their team), torch's kernels (libtorch, MKL, oneDNN),
+kvdoctor's C kernels (``~/.cache/kvdoctor/kernels``), the interpreter, and the OS kernel. Beside the
 shares: the step's wall time, the CPU time the process took per step (all threads), and how much of the wall
 time the process ran at all (CPU time / wall time / team). A sample is a thread on a CPU: a thread descheduled
 by a busy loop leaves no sample, so "libgomp" is the CPU the team burned waiting, not the time it lost.
@@ -32,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import ROOT, BusyLoops, _loops, others, reading, wait_quiet  # noqa: E402
+
+from kvdoctor.engine.kernels import native  # noqa: E402
 
 _LIBGOMP = Path(importlib.util.find_spec("torch").submodule_search_locations[0]) / "lib/libgomp.so.1"  # torch's runtime
 _CHILD = """
@@ -61,7 +64,8 @@ print(json.dumps({"steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 *
 # Where a sampled symbol's library puts it: OpenMP's runtime (libgomp), kvdoctor's kernels, torch's, the
 # interpreter, the OS.
 _KERNELS = "|".join(c.stem for c in (ROOT / "engine/kernels").glob("*.c"))  # built as NAME-KEY.so
-_PLACES = [("openmp", re.compile(r"libgomp")), ("kvdoctor kernels", re.compile(rf"^({_KERNELS})-[0-9a-f]+\.so$")),
+_PLACES = [("openmp", re.compile(r"libgomp")), ("kvdoctor pool", re.compile(r"^pool-[0-9a-f]+\.so$")),
+           ("kvdoctor kernels", re.compile(rf"^({_KERNELS})-[0-9a-f]+\.so$")),
            ("torch", re.compile(r"libtorch|libc10|mkl|dnnl|sleef|libiomp")),
            ("python", re.compile(r"python|\.cpython-|libffi|_ctypes")), ("os kernel", re.compile(r"kernel"))]
 
@@ -146,32 +150,37 @@ def profile(condition: str, policy: str, batch: int, seconds: float, spincount: 
     return {**r, "places": places, "top": [f"{p:.1f}% {sym} ({Path(dso).name})" for p, dso, sym in top]}
 
 
-_ENTRIES = ("GOMP_parallel", "GOMP_barrier")  # a parallel region (ends in a barrier); an explicit barrier in one
+# a parallel region (ends in a barrier); an explicit barrier in one; a loop of kvdoctor's pool (one its caller
+# runs alone too: a loop too small to share, or a second thread's)
+_ENTRIES = (("probe_libgomp", "GOMP_parallel"), ("probe_libgomp", "GOMP_barrier"), ("probe_pool", "kvdoctor_parallel"))
 
 
 def regions(policy: str, batch: int, seconds: float) -> dict:
-    """Parallel regions and explicit barriers a decode step opens, by the library that opened them: uprobes on
-    torch's libgomp (``perf probe``, removed afterwards), each hit's caller from its call chain. Quiet only: a
-    count does not depend on the load."""
-    lib = str(_LIBGOMP)
-    for entry in _ENTRIES:
-        subprocess.run(["perf", "probe", "-q", "-x", lib, entry], capture_output=True)
+    """Parallel regions, explicit barriers and pool loops a decode step opens, by the library that opened them:
+    uprobes on torch's libgomp and kvdoctor's pool (``perf probe``, removed afterwards), each hit's caller from
+    its call chain. Quiet only: a count does not depend on the load."""
+    pool = native.pool_library()
+    libs = {"probe_libgomp": str(_LIBGOMP), "probe_pool": "" if isinstance(pool, str) else pool._name}
+    for group, entry in _ENTRIES:
+        if libs[group]:
+            subprocess.run(["perf", "probe", "-q", "-x", libs[group], entry], capture_output=True)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             data = os.path.join(tmp, "perf.data")
-            events = [a for e in _ENTRIES for a in ("-e", f"probe_libgomp:{e}")]
+            events = [a for group, e in _ENTRIES if libs[group] for a in ("-e", f"{group}:{e}")]
             # DWARF unwinding: at libgomp's entry the caller has no frame yet, frame pointers would skip it
             r = _decode_under_perf("quiet", policy, batch, seconds, None, [*events, "--call-graph", "dwarf,2048"], data)
             script = subprocess.run(["perf", "script", "-i", data, "-F", "event,ip,sym,dso"], capture_output=True,
                                     text=True).stdout
     finally:
-        subprocess.run(["perf", "probe", "-q", "-d", "probe_libgomp:*"], capture_output=True)
+        for group in libs:
+            subprocess.run(["perf", "probe", "-q", "-d", f"{group}:*"], capture_output=True)
     counts: dict[str, float] = {}
     for sample in script.split("\n\n"):
         lines = [ln.strip() for ln in sample.strip().splitlines()]
         if len(lines) < 3:
             continue
-        entry = next((e for e in _ENTRIES if e in lines[0]), "?")
+        entry = next((e for _, e in _ENTRIES if e in lines[0]), "?")
         caller = re.match(r"[0-9a-f]+\s+(.*?)(?:<[^()]*>)?\s*\(([^()]*)\)$", lines[2])  # frame 1: who called it
         where = f"{Path(caller.group(2)).name.split('-')[0]}:{caller.group(1).split('(')[0]}" if caller else "?"
         counts[f"{entry} from {where}"] = counts.get(f"{entry} from {where}", 0) + 1
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="once the child is ready, wait up to S seconds for the others' load to drop under 0.3 CPUs")
     ap.add_argument("--regions", action="store_true",
-                    help="count the parallel regions and barriers of a quiet step instead (uprobes on libgomp)")
+                    help="count the parallel regions, barriers and pool loops of a quiet step instead (uprobes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.regions:
