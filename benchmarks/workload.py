@@ -22,9 +22,11 @@ checked (the floor of one process), and ``split``, the copies' per-trace checks 
 two processes at once, half the traces each (what checking traces in parallel processes could gain at most).
 
 With ``--follow``, also ``kvdoctor check --trace DIR --follow`` while one writer process per rank writes its
-copy live, step by step, as fast as it can: whether the check keeps up (how long after the last writer it ends).
+copy live, batch by batch, as fast as it can, and with ``--write-rate N`` also at N events/s each (an engine's
+pace): whether the check keeps up (how long after the last writer it ends). Followed traces are checked in the
+checking process itself, never by workers.
 
-    .venv/bin/python benchmarks/workload.py [--events 2000000] [--traces 8] [--follow] [--json]
+    .venv/bin/python benchmarks/workload.py [--events 2000000] [--traces 8] [--follow [--write-rate N]] [--json]
 """
 
 from __future__ import annotations
@@ -131,14 +133,19 @@ def split(ranks: list[Path], processes: int = 2) -> dict:
     return {"processes": processes, "events": events, "wall_s": round(wall, 2), "events_per_s": round(events / wall)}
 
 
-def write_live(source: str, target: str) -> None:
-    """Write ``source``'s events to ``target`` step by step as fast as a writer can (a live engine's trace)."""
+def write_live(source: str, target: str, rate: float = 0.0) -> None:
+    """Write ``source``'s events to ``target`` batch by batch (a live engine's trace): as fast as a writer can, or
+    at ``rate`` events/s."""
     from kvdoctor.trace import TraceReader, TraceWriter
 
     reader = TraceReader(source)
+    start, written = time.perf_counter(), 0
     with TraceWriter(target, msgspec_replace_pid(reader.header)) as writer:
         for batch in reader.batches():
             writer.write_many([e for e in batch if type(e).__name__ != "TraceEnd"])
+            written += len(batch)
+            if rate:
+                time.sleep(max(0.0, start + written / rate - time.perf_counter()))
 
 
 def msgspec_replace_pid(header: Any) -> Any:
@@ -147,22 +154,24 @@ def msgspec_replace_pid(header: Any) -> Any:
     return msgspec.structs.replace(header, pid=os.getpid())
 
 
-def follow(ranks: list[Path], directory: Path) -> dict:
-    """``kvdoctor check --trace DIR --follow`` while one writer process per rank writes its trace there live:
-    the check's events/s and how long after the last writer finished it ended (its lag)."""
-    live = directory / "live"
+def follow(ranks: list[Path], directory: Path, rate: float = 0.0) -> dict:
+    """``kvdoctor check --trace DIR --follow`` while one writer process per rank writes its trace there live (as
+    fast as it can, or ``rate`` events/s each): the check's events/s and how long after the last writer finished
+    it ended (its lag)."""
+    live = directory / f"live-{rate:g}"
     live.mkdir()
     check = subprocess.Popen([sys.executable, "-m", "kvdoctor.cli", "check", "--trace", str(live), "--follow",
                               "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     t0 = time.perf_counter()
-    writers = [subprocess.Popen([sys.executable, __file__, "--write", str(p), str(live / p.name)]) for p in ranks]
+    writers = [subprocess.Popen([sys.executable, __file__, "--write", str(p), str(live / p.name), str(rate)])
+               for p in ranks]
     for w in writers:
         w.wait()
     written = time.perf_counter()
     out, _ = check.communicate()
     done = time.perf_counter()
     events = json.loads(out)["summary"]["events"]
-    return {"traces": len(ranks), "events": events, "writers_s": round(written - t0, 2),
+    return {"traces": len(ranks), "rate": rate, "events": events, "writers_s": round(written - t0, 2),
             "check_s": round(done - t0, 2), "lag_s": round(done - written, 2), "events_per_s": round(events / (done - t0))}
 
 
@@ -203,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--read-only", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
     ap.add_argument("--per-trace", nargs="+", metavar="TRACE", help=argparse.SUPPRESS)
-    ap.add_argument("--write", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    ap.add_argument("--write-rate", type=float, default=0.0, metavar="N",
+                    help="with --follow, also with each writer writing N events/s (an engine's pace)")
+    ap.add_argument("--write", nargs=3, metavar=("SRC", "DST", "RATE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure, args.workers)))
         return 0
     if args.write:
-        write_live(*args.write)
+        write_live(args.write[0], args.write[1], float(args.write[2]))
         return 0
     if args.read_only or args.per_trace:
         print(json.dumps(read_only(args.read_only) if args.read_only else per_trace(args.per_trace)))
@@ -227,16 +238,18 @@ def main(argv: list[str] | None = None) -> int:
                                                        check=True, capture_output=True, text=True).stdout)
             result["split"] = split(ranks)
         if args.follow:
-            result["follow"] = follow(ranks, Path(tmp))
+            result["follow"] = [follow(ranks, Path(tmp))]
+            if args.write_rate:
+                result["follow"].append(follow(ranks, Path(tmp), args.write_rate))
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"CPU {result['cpu']}, load {result['load']:.1f}; a trace of {result['one_trace']['events']} events "
           f"({result['trace_mb']} MB) recorded in {result['recorded_s']} s")
-    if "follow" in result:
-        r = result["follow"]
-        print(f"follow     {r['traces']} live writers, {r['events']} events: writers done in {r['writers_s']} s, "
-              f"the check {r['lag_s']} s later ({r['events_per_s'] / 1e3:.0f}k events/s)")
+    for r in result.get("follow", []):
+        pace = f"{r['rate'] / 1e3:g}k events/s each" if r["rate"] else "as fast as they can"
+        print(f"follow     {r['traces']} live writers ({pace}), {r['events']} events: writers done in "
+              f"{r['writers_s']} s, the check {r['lag_s']} s later ({r['events_per_s'] / 1e3:.0f}k events/s)")
     if "read" in result:
         r, sp = result["read"], result["split"]
         print(f"read       1 trace, {r['events']} events read and decoded, nothing checked: "
