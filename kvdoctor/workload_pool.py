@@ -21,6 +21,7 @@ import shutil
 import signal
 import struct
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -82,6 +83,16 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _start_method() -> str:
+    """fork starts a worker in milliseconds with kvdoctor already imported, but only a process with one thread
+    forks safely (another thread may hold a lock the child would wait on for ever); else a fork server, or a
+    fresh interpreter where there is none."""
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return "fork"
+    return "forkserver" if "forkserver" in methods else "spawn"
 
 
 @dataclass(frozen=True)
@@ -155,9 +166,7 @@ class WorkerPool:
     def __init__(self, workers: int, config: Config) -> None:
         self.workers = workers
         self.config = config
-        methods = multiprocessing.get_all_start_methods()
-        # fork starts a worker in milliseconds with kvdoctor already imported; elsewhere a fresh interpreter
-        self._ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        self._ctx = multiprocessing.get_context(_start_method())
         self._dir = tempfile.mkdtemp(prefix="kvdoctor-workers-")
         self._queued: list[_Job] = []
         self._running: dict[int, tuple[_Job, Any]] = {}  # trace index -> (job, process)

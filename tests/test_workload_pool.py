@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ from kvdoctor.events import (Alloc, Attn, Batch, Free, Header, Read, SeqEnd, Seq
 from kvdoctor.report import render
 from kvdoctor.trace import TraceWriter
 from kvdoctor.workload import TraceSet, WorkloadSession
-from kvdoctor.workload_pool import WorkerFailed, WorkerPool
+from kvdoctor.workload_pool import WorkerFailed, WorkerPool, _start_method
 
 STEPS = 400  # enough events that each trace is decoded in several batches, so the merge interleaves them
 
@@ -144,3 +145,19 @@ def test_ranks_that_all_differ_from_the_first_at_one_step_are_each_named_both_wa
     assert [(f.rule, f.step, os.path.basename(f.trace)) for f in here.findings] == [
         ("divergence", 250, "rank1.kvtrace"), ("divergence", 250, "rank2.kvtrace")]
     assert msgspec.json.encode(pooled.findings) == msgspec.json.encode(here.findings)
+
+
+def test_a_process_with_other_threads_starts_its_workers_without_fork(tmp_path):
+    # GIVEN a thread running beside the check (a fork would copy whatever lock it holds into each worker)
+    paths = faulty_workload(tmp_path)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert _start_method() != "fork"
+        # THEN the workers, started afresh, still find what one process finds
+        here, pooled = both_ways(paths)
+    finally:
+        stop.set()
+        thread.join()
+    assert msgspec.json.encode(pooled.findings) == msgspec.json.encode(here.findings) and here.findings
