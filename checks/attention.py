@@ -311,18 +311,20 @@ class AttentionCheck(CheckBase):
             return NO_FINDINGS
         out: Sequence[Finding] = NO_FINDINGS
         s = self.settings
+        min_delta, drop, share = s.sink_min_delta, s.sink_drop, s.sink_layers
         for seq in self._touched:
             st = self._sinks.get(seq)
             if st is None:
                 continue
             now, level = st.now, st.level
-            common = [li for li in now if li in level]
-            moved = 0
-            for li in common:
-                old, new = level[li], now[li]
-                if abs(new - old) >= s.sink_min_delta and (new < s.sink_drop * old or new * s.sink_drop > old):
-                    moved += 1
-            if common and len(common) == len(now) and moved >= s.sink_layers * len(common):
+            common = moved = 0  # layers with a level, and those whose mass moved from it
+            for li, new in now.items():
+                old = level.get(li)
+                if old is not None:
+                    common += 1
+                    if abs(new - old) >= min_delta and (new < drop * old or new * drop > old):
+                        moved += 1
+            if common and common == len(now) and moved >= share * common:
                 st.streak += 1
                 if st.streak == s.persist:
                     out = self._sink_shift(seq, step, level, now, moved, out)
