@@ -35,7 +35,7 @@ from .errors import EXIT_TRACE, KvdoctorError, TraceError
 from .events import AnyEvent
 from .findings import Finding
 
-__all__ = ["Frame", "TraceEnd", "WorkerPool", "WorkerFailed", "RemoteTrace", "available_cpus"]
+__all__ = ["Frame", "FrameEnd", "WorkerPool", "WorkerFailed", "RemoteTrace", "available_cpus"]
 
 _LEN = struct.Struct("<I")  # a frame's length before it
 
@@ -50,7 +50,7 @@ class Frame(msgspec.Struct, array_like=True, tag=0):
     cross: list[AnyEvent] = []  # the events merged cross-trace checks read, in the trace's order
 
 
-class TraceEnd(msgspec.Struct, array_like=True, tag=1):
+class FrameEnd(msgspec.Struct, array_like=True, tag=1):
     """The trace ended (or could not be read further: ``error``)."""
 
     num_events: int
@@ -74,7 +74,7 @@ class WorkerFailed(KvdoctorError):
     exit_code = EXIT_TRACE
 
 
-_decoder = msgspec.msgpack.Decoder(Union[Frame, TraceEnd, _Crash])
+_decoder = msgspec.msgpack.Decoder(Union[Frame, FrameEnd, _Crash])
 
 
 def available_cpus() -> int:
@@ -144,7 +144,7 @@ def _check(job: _Job) -> None:
                           [r.record(batch) if r is not None else [] for r in recorders],
                           [e for e in batch if type(e) in wanted] if wanted else []))
             found = suite.finish()
-            put(TraceEnd(suite.num_events, suite.suppressed, source.truncated, source.notes, found,
+            put(FrameEnd(suite.num_events, suite.suppressed, source.truncated, source.notes, found,
                          [r.end() if r is not None else [] for r in recorders], error))
         except BaseException:
             put(_Crash(traceback.format_exc()))
@@ -244,7 +244,7 @@ class RemoteTrace:
         self.suppressed = 0
         self.truncated = False
         self.notes: list[str] = []
-        self.end: TraceEnd | None = None
+        self.end: FrameEnd | None = None
 
     def batches(self) -> Iterator[Frame]:
         """The trace's frames; then its end is kept (``end``), and an error reading it is raised as a
