@@ -189,6 +189,8 @@ class WorkerPool:
         """Until ``job``'s worker exited (starting queued ones as others end); a worker that failed raises."""
         index = job.tag.index
         while index not in self._done:
+            if not self._running:
+                raise WorkerFailed(f"the check of {job.tag.name} was stopped before its worker ran")
             wait([p.sentinel for _, p in self._running.values()])
             for i, (_, p) in list(self._running.items()):
                 if p.exitcode is not None:
