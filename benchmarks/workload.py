@@ -83,12 +83,13 @@ def measure(paths: list[str], workers: int | None = None) -> dict:
     session = WorkloadSession(TraceSet.open(paths, follow=False), workers=workers).run()
     wall = time.perf_counter() - t0
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = time.process_time() - c0 + children.ru_utime + children.ru_stime
+    own = time.process_time() - c0
+    cpu = own + children.ru_utime + children.ru_stime
     pool = session._pool
     at_once = pool.workers if pool is not None else 0
     peak = _peak_rss_mb() + at_once * round(children.ru_maxrss / 1024, 1)
     return {"traces": len(session.members), "workers": at_once, "events": session.num_events, "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2), "events_per_s": round(session.num_events / wall),
+            "cpu_s": round(cpu, 2), "merge_cpu_s": round(own, 2), "events_per_s": round(session.num_events / wall),
             "events_per_cpu_s": round(session.num_events / cpu), "peak_rss_mb": round(peak, 1),
             "findings": len(session.findings)}
 
