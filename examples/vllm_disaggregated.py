@@ -17,11 +17,17 @@ decode instance with blocks of 64 tokens where the prefill used 32: the same K/V
 size (``handoff/layout-mismatch``, vLLM #30358).
 
 ``--tp 2`` runs both instances at tensor parallel size 2 on a small random Llama (each rank holds one KV head):
-each worker then writes its rank's trace and its connector's. vLLM's ``ExampleConnector`` names a layer's file
-by the prompt alone, not by the rank, so both ranks of the prefill instance write their heads to one file and
-the decode instance's ranks load whichever landed (a race, layer by layer): each rank's load pairs with the
-same rank's save, and ``kvdoctor check`` names every request one of whose ranks loaded the other rank's heads
-(``handoff/digest-mismatch``). The connector is not made for tensor parallel; the check shows what it does there.
+each worker then writes its rank's trace and its connector's, and each rank's load pairs with the same rank's
+save. vLLM's ``ExampleConnector`` names a layer's file by the prompt alone, not by the rank, so with
+``--store shared`` both ranks of the prefill instance write their heads to one file and the decode instance's
+ranks load whichever landed (a race, layer by layer): ``kvdoctor check`` names every request one of whose ranks
+loaded the other rank's heads (``handoff/digest-mismatch``, which says so). The default at TP above 1,
+``--store per-rank``, gives each rank a folder of its own (``vllm_rank_store.RankedExampleConnector``): clean.
+``--fault ranks`` (TP 2) bends rank 1's connectors, a request each: the prefill rank saves nothing for the first
+request it stores (``handoff/save-missing``, LMCache #1807) and every layer but layer 1 for the second
+(``handoff/save-layers``); those entries are incomplete, so the decode instance computes both prompts itself;
+the decode rank loads every layer but the last for the first request it loads (``handoff/partial-load``). Each
+is named with the instance, rank, request and block; the fourth request stays clean.
 """
 
 from __future__ import annotations
@@ -37,14 +43,16 @@ from vllm_offline import QUESTIONS, SYSTEM, _default_model
 _BLOCK = 32
 
 
-def instance(name: str, model: str, storage: str, block_size: int = _BLOCK, tp: int = 1):
+def instance(name: str, model: str, storage: str, block_size: int = _BLOCK, tp: int = 1, per_rank: bool = False):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    connector = dict(kv_connector="RankedExampleConnector", kv_connector_module_path="vllm_rank_store") \
+        if per_rank else dict(kv_connector="ExampleConnector")
     return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, block_size=block_size,
                num_gpu_blocks_override=64, enable_prefix_caching=False, max_num_seqs=4, seed=0,
                gpu_memory_utilization=0.2, tensor_parallel_size=tp,
-               kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", engine_id=name,
+               kv_transfer_config=KVTransferConfig(**connector, kv_role="kv_both", engine_id=name,
                                                    kv_connector_extra_config={"shared_storage_path": storage}))
 
 
@@ -76,15 +84,27 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--fault", choices=["foreign-kv", "block-size"],
+    ap.add_argument("--fault", choices=["foreign-kv", "block-size", "ranks"],
                     help="foreign-kv: overwrite a prompt's K/V in the store with another's; block-size: the decode "
-                    "instance pages its cache in blocks of 64 tokens where the prefill used 32")
+                    "instance pages its cache in blocks of 64 tokens where the prefill used 32; ranks (--tp 2): rank 1's "
+                    "connectors save nothing, then all but layer 1, and (decode) load all but the last layer, a "
+                    "request each")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of both instances (2: a small random "
                     "Llama with an even head count, each worker bound to a core)")
+    ap.add_argument("--store", choices=["shared", "per-rank"], default=None,
+                    help="shared: vLLM's ExampleConnector (every rank writes the same files); per-rank: a folder per "
+                    "rank (default at --tp above 1)")
     args = ap.parse_args()
+    per_rank = (args.store or ("per-rank" if args.tp > 1 else "shared")) == "per-rank"
+    if args.fault == "ranks" and args.tp < 2:
+        ap.error("--fault ranks acts on rank 1: use --tp 2")
 
     from vllm import SamplingParams
 
+    import vllm_rank_store
+
+    if args.fault == "ranks":  # the faults travel to the workers as functions of vllm_rank_store
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % 2) for i in range(args.tp)))
         from kvdoctor.engine.model.model import tiny_llama_dir
@@ -93,7 +113,9 @@ def main() -> None:
     else:
         model = args.model or _default_model()
     storage = tempfile.mkdtemp(prefix="kvdoctor-disaggregated-")
-    prefill = instance("prefill", model, storage, tp=args.tp)
+    prefill = instance("prefill", model, storage, tp=args.tp, per_rank=per_rank)
+    if args.fault == "ranks":  # rank 1 saves nothing of the first request it stores, all but layer 1 of the second
+        prefill.collective_rpc(vllm_rank_store.skip_saves, args=(1, [None, 1]))
     tokenizer = prefill.get_tokenizer()
     # the question first: the connector keys a prompt by its tokens up to a block boundary, so prompts that
     # differ only after a long shared system prompt would share one entry in the store
@@ -109,7 +131,9 @@ def main() -> None:
               "another prompt's K/V")
     # the decode instance finds each prompt's K/V in the store, loads it and decodes
     decode = instance("decode", model, storage, block_size=2 * _BLOCK if args.fault == "block-size" else _BLOCK,
-                      tp=args.tp)
+                      tp=args.tp, per_rank=per_rank)
+    if args.fault == "ranks":  # rank 1 loads all but the last layer of the first request it loads
+        decode.collective_rpc(vllm_rank_store.load_fewer_layers, args=(1, 0))
     out = decode.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
                           use_tqdm=False)
     print(f"vllm_disaggregated: {len(out)} requests prefilled by one instance, decoded by another through {storage}")

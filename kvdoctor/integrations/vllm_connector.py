@@ -4,23 +4,28 @@ Disaggregated prefill saves a prompt's K/V from one instance and loads it into a
 ``ExampleConnector`` (shared storage: one file per layer under a folder named by a hash of the prompt's
 tokens) does it in two places, and the plugin wraps both, class-level, in every process vLLM starts:
 
-- **the scheduler** (engine core) decides that a request's first tokens come from the store
-  (``update_state_after_alloc``): the engine core's trace records a ``load`` with the request, the blocks,
-  the connector's key (the folder's name: the same on every instance for the same tokens) and the tokens;
-  with several ranks, one ``load`` per rank, whose key ends in the rank (``@tp1pp0``): each rank saves and
-  loads its share of the heads and layers, so a rank's load pairs with the same rank's save;
+- **the scheduler** (engine core) decides which requests' K/V the workers save (``build_connector_meta``) and
+  which requests' first tokens come from the store (``update_state_after_alloc``): the engine core's trace
+  records each decision as a ``save`` or ``load`` naming the request, its blocks, the connector's key (the
+  folder's name: the same on every instance for the same tokens) and the tokens, and no layers or digests (it
+  moves no bytes); with several ranks, one per rank, whose key ends in the rank (``@tp1pp0``): each rank saves
+  and loads its share of the heads and layers, so a rank's load pairs with the same rank's save;
 - **the worker** moves the bytes inside its forward pass (``save_kv_layer`` per layer, ``wait_for_save`` at
   the end; ``start_load_kv`` before it). A worker runs in a process of its own, so it writes a trace of its
-  own (``workload.N.kvtrace`` beside the engine core's), tagged with its instance and its tensor- and
-  pipeline-parallel rank: a ``save`` per stored request with a digest per block of the K/V read out of the
-  paged cache, and a ``load`` per loaded request with the digest of the K/V that landed.
+  own (``workload.N.kvtrace`` beside the engine core's), tagged with its instance, its tensor- and
+  pipeline-parallel rank and the layers its stage holds: a ``save`` per stored request with the layers it
+  saved and a digest per block of the K/V read out of the paged cache, and a ``load`` per loaded request with
+  the layers it loaded and the digest of the K/V that landed.
 
 Both digests cover the same rows (the connector's slot mapping, indexed as the connector indexes it) and
-are summed over layers whatever their order, so a save on one instance and a load on another agree exactly
-when the destination holds what the source saved: ``kvdoctor check`` over the workload names a load of other
-K/V (``handoff/digest-mismatch``: a stale or foreign file under the key), with the request from the engine
-core's record of the same load. Every wrapper runs the connector's method as called; a failure of the
-bookkeeping stops that trace (one ``observer_error``) and vLLM goes on.
+are summed over layers whatever their order, so a save on one instance and a load on another of the same
+layers agree exactly when the destination holds what the source saved: ``kvdoctor check`` over the workload
+names a load of other K/V (``handoff/digest-mismatch``: a stale or foreign file under the key), a rank that
+saved nothing or fewer layers than it holds for a request its scheduler asked it to save
+(``handoff/save-missing``, ``handoff/save-layers``), and a load of fewer layers or blocks than the save
+(``handoff/partial-load``), with the request from the engine core's record of the same save or load. Every
+wrapper runs the connector's method as called; a failure of the bookkeeping stops that trace (one
+``observer_error``) and vLLM goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any, Callable
 from ..events import Header, ObserverError, TierSpec, TransferDone, TransferStart
 from ..trace import TraceWriter
 from .guard import Guard
+from .vllm_ranks import pp_rank, stage_layers, tp_rank
 
 __all__ = ["patch_example_connector", "attach", "WorkerTrace"]
 
@@ -71,7 +77,8 @@ def patch_example_connector(path: str, engine: str, trace_file: Callable[[str], 
 
     ExampleConnector.__init__ = __init__
     for name, after in (("save_kv_layer", _saved_layer), ("wait_for_save", _saves_done),
-                        ("start_load_kv", _loaded), ("update_state_after_alloc", _will_load)):
+                        ("start_load_kv", _loaded), ("update_state_after_alloc", _will_load),
+                        ("build_connector_meta", _will_save)):
         setattr(ExampleConnector, name, _watched(getattr(ExampleConnector, name), name, after))
     ExampleConnector._kvdoctor_patched = True
 
@@ -91,11 +98,12 @@ def _is_worker(connector: Any) -> bool:
 
 
 def _watched(original: Callable, name: str, after: Callable[..., None]) -> Callable:
+    """``original`` as called; then ``after(trace, connector, result, *args, **kwargs)`` under the guard."""
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         trace = getattr(self, _TRACE, None)
         if trace is not None and trace.writer is not None and trace.guard.live:
-            trace.guard.attempt(f"ExampleConnector.{name}", after, trace, self, *args, **kwargs)
+            trace.guard.attempt(f"ExampleConnector.{name}", after, trace, self, result, *args, **kwargs)
         return result
 
     method.__wrapped__ = original  # type: ignore[attr-defined]
@@ -108,7 +116,7 @@ class WorkerTrace:
     def __init__(self, connector: Any, path: str, engine: str) -> None:
         self._t0 = time.perf_counter_ns()
         self.step = 0
-        self.pending: dict[str, list] = {}  # key -> [request, digests so far] of this forward's saves
+        self.pending: dict[str, list] = {}  # key -> [request, digests so far, layers so far] of this forward's saves
         self.shard = _shard(connector)  # this rank's share of every key it saves and loads
         self.writer: TraceWriter | None = None
         self.guard = Guard("vllm", self._record_error, lambda: None)
@@ -148,8 +156,9 @@ def _worker_header(connector: Any, engine: str, t0_perf: int) -> Header:
         "dp_size": lambda: config.parallel_config.data_parallel_size,
         "tp_size": lambda: config.parallel_config.tensor_parallel_size,
         "pp_size": lambda: config.parallel_config.pipeline_parallel_size,
-        "tp": _tp_rank,
-        "pp": _pp_rank,
+        "layers": lambda: stage_layers(config),
+        "tp": tp_rank,
+        "pp": pp_rank,
     }
     for name, get in facts.items():
         try:
@@ -162,18 +171,6 @@ def _worker_header(connector: Any, engine: str, t0_perf: int) -> Header:
                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   t0=time.time_ns() - (time.perf_counter_ns() - t0_perf),
                   **{k: v for k, v in fields.items() if v is not None})
-
-
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
-
-
-def _pp_rank() -> int:
-    from vllm.distributed.parallel_state import get_pp_group
-
-    return get_pp_group().rank_in_group
 
 
 # ---- the bytes: digests per block ----------------------------------------------------------
@@ -223,7 +220,7 @@ def _shard(connector: Any) -> str:
     parallel = connector._vllm_config.parallel_config
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1:
         return ""
-    return f"@tp{_tp_rank()}pp{_pp_rank()}"
+    return f"@tp{tp_rank()}pp{pp_rank()}"
 
 
 def _blocks(request: Any, block_size: int) -> list[int]:
@@ -233,54 +230,67 @@ def _blocks(request: Any, block_size: int) -> list[int]:
 # ---- the worker: saves and loads with their digests ----------------------------------------
 
 
-def _saved_layer(trace: WorkerTrace, connector: Any, layer_name: str, kv_layer: Any, *args: Any, **kwargs: Any) -> None:
+def _layer_index(layer_name: str) -> int:
+    """The model layer a vLLM attention layer's name holds ("model.layers.3.self_attn.attn": 3)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+def _saved_layer(trace: WorkerTrace, connector: Any, _: Any, layer_name: str, kv_layer: Any,
+                 *args: Any, **kwargs: Any) -> None:
     """A layer of each stored request was written to its file: add that layer's bytes to its blocks' digests."""
     bs = connector._block_size
+    layer = _layer_index(layer_name)
     for request in _requests(connector, store=True):
         rows = _rows(kv_layer, request.slot_mapping.to(kv_layer.device), bs)
         key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
-        entry = trace.pending.setdefault(key, [request, None])
+        entry = trace.pending.setdefault(key, [request, None, []])
         entry[1] = _add(entry[1], _block_digests(rows, layer_name, bs))
+        entry[2].append(layer)
 
 
 def _saves_done(trace: WorkerTrace, connector: Any, *args: Any, **kwargs: Any) -> None:
     """The forward pass ended with every layer saved: one save per stored request; the next step begins."""
     pending, trace.pending = trace.pending, {}
     bs = connector._block_size
-    for key, (request, digests) in pending.items():
+    for key, (request, digests, layers) in pending.items():
         transfer = f"save:{key[:12]}:{next(_ids)}"
         trace._emit(TransferStart, transfer=transfer, op="save", blocks=_blocks(request, bs), src="device",
                     dst=f"connector:{connector._storage_path}", key=key, num_tokens=len(request.slot_mapping),
-                    digests=digests)
+                    layers=sorted(set(layers)), digests=digests)
         trace._emit(TransferDone, transfer=transfer)
     trace.step += 1
 
 
-def _loaded(trace: WorkerTrace, connector: Any, forward_context: Any, *args: Any, **kwargs: Any) -> None:
-    """``start_load_kv`` injected each loaded request's K/V: digest what landed, over the same rows."""
+def _loaded(trace: WorkerTrace, connector: Any, _: Any, forward_context: Any, *args: Any, **kwargs: Any) -> None:
+    """``start_load_kv`` injected each loaded request's K/V into every attention layer of the forward context
+    it was handed: digest what landed, over the same rows, and name those layers."""
     if forward_context.attn_metadata is None:
         return  # the connector loaded nothing this time
     bs = connector._block_size
     for request in _requests(connector, store=False):
         digests: list[int] | None = None
+        layers = []
         for layer_name, layer in forward_context.no_compile_layers.items():
             kv = getattr(layer, "kv_cache", None)
             if kv is None:
                 continue
             kv = kv[0] if isinstance(kv, (list, tuple)) else kv
             digests = _add(digests, _block_digests(_rows(kv, request.slot_mapping.to(kv.device), bs), layer_name, bs))
+            layers.append(_layer_index(layer_name))
         key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
         transfer = f"load:{key[:12]}:{next(_ids)}"
         trace._emit(TransferStart, transfer=transfer, op="load", blocks=_blocks(request, bs),
                     src=f"connector:{connector._storage_path}", dst="device", key=key,
-                    num_tokens=len(request.slot_mapping))
+                    num_tokens=len(request.slot_mapping), layers=sorted(set(layers)))
         trace._emit(TransferDone, transfer=transfer, digests=digests)
 
 
-# ---- the scheduler: which request a load is for --------------------------------------------
+# ---- the scheduler: which request a save or a load is for ----------------------------------
 
 
-def _will_load(tracer: Any, connector: Any, request: Any, blocks: Any, num_external_tokens: int,
+def _will_load(tracer: Any, connector: Any, _: Any, request: Any, blocks: Any, num_external_tokens: int,
                *args: Any, **kwargs: Any) -> None:
     """The scheduler gave ``request`` blocks for tokens the connector will load: record that load (its bytes
     land in the worker's next forward, whose trace has their digests) under the same key."""
@@ -299,3 +309,22 @@ def _will_load(tracer: Any, connector: Any, request: Any, blocks: Any, num_exter
         tracer._emit(TransferStart, transfer=transfer, op="load", blocks=ids, seq=request.request_id,
                      src=f"connector:{connector._storage_path}", dst="device", key=key + shard, num_tokens=valid)
         tracer._emit(TransferDone, transfer=transfer)
+
+
+def _will_save(tracer: Any, connector: Any, meta: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> None:
+    """The scheduler asked the workers to save these requests' K/V this step: record each request's save, one per
+    rank, under the key each rank's worker saves it under (a rank that saves nothing is then named)."""
+    bs = connector._block_size
+    new = {tuple(r.block_ids[0]): r.req_id for r in scheduler_output.scheduled_new_reqs}
+    for request in getattr(meta, "requests", ()):
+        if not request.is_store:
+            continue
+        ids = _blocks(request, bs)
+        seq = next((s for blocks, s in new.items() if list(blocks[:len(ids)]) == ids), None)
+        key = _key(connector, request.token_ids, request.mm_hashes)
+        for shard in _shards(connector):
+            transfer = f"save:{key[:12]}:{next(_ids)}"
+            tracer._emit(TransferStart, transfer=transfer, op="save", blocks=ids, seq=seq, src="device",
+                         dst=f"connector:{connector._storage_path}", key=key + shard,
+                         num_tokens=len(request.slot_mapping))
+            tracer._emit(TransferDone, transfer=transfer)

@@ -15,7 +15,10 @@ the layers its stage holds:
   prefix-cache hit from a reuse, which the engine core's trace judges); a later request ``share``s the
   blocks in its row of the rank's block table, and each ``release``s them when it leaves the row;
 - per forward pass the ``batch`` the rank computes, a ``write`` per block its slot mapping fills (a slot of
-  -1 writes nothing, so nothing is recorded), and the ``read`` of the request's block-table row.
+  -1 writes nothing, so nothing is recorded), and the ``read`` of the request's block-table row with the
+  positions it attends to (``span``: the request's tokens so far, from the first block a sliding window kept),
+  so ``slots/unwritten-read`` names a position this rank never wrote; tokens a KV connector loaded, which no
+  forward pass computes, are ``write``s before the batch into the blocks that do not already hold them.
 
 Every rank of an engine must record the same story; ``ranks/divergence`` compares them step by step (a step
 is a forward pass: every rank runs one per scheduler output). Every wrapper runs vLLM's method as called; a
@@ -36,7 +39,7 @@ from ..trace_names import claim
 from .guard import Call, Guard, positions
 from .vllm_trace import BufferedTrace, warn
 
-__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE", "claim_locked"]
+__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE", "claim_locked", "stage_layers", "tp_rank", "pp_rank"]
 
 RANK_CACHE = "vllm"  # the owner a rank's cache holds every block it has seen as
 _TRACE = "_kvdoctor_rank"  # the attribute a model runner's trace hangs on
@@ -111,7 +114,7 @@ class RankTrace(BufferedTrace):
         self._versions: dict[str, int] = {}  # request -> tokens written for it, all lives (the write versions)
         self._length: dict[str, int] = {}  # request -> where its writes end
         self._block_version: dict[int, int] = {}  # block -> version of the last write into it
-        self._fresh: dict[str, set[int]] = {}  # request -> blocks this rank first saw in its row
+        self._extent: dict[int, tuple[int, int]] = {}  # block -> the positions [lo, hi) its current life's writes hold
         self.guard = Guard("vllm", self._record_error, lambda: None)
         self._open(path, _rank_header(runner, engine, self._t0))
 
@@ -140,7 +143,6 @@ class RankTrace(BufferedTrace):
                 self._emit(Share, block=b, seq=seq)
             else:  # first sight: the request's, and the rank's cache's from now on
                 self._seen.add(b)
-                self._fresh.setdefault(seq, set()).add(b)
                 self._emit(Alloc, block=b, tier="device", seq=seq)
                 self._emit(Share, block=b, seq=RANK_CACHE)
         self._rows[seq] = list(row)
@@ -151,11 +153,21 @@ class RankTrace(BufferedTrace):
             self._emit(Release, block=b, seq=seq)
         if seq in self._versions:
             self._emit(SeqEnd, seq=seq, reason="finished")
-        for table in (self._versions, self._length, self._fresh):
+        for table in (self._versions, self._length):
             table.pop(seq, None)
 
-    def compute(self, seq: str, pos: int, slots: list[int], row: list[int]) -> None:
-        """``seq``'s tokens from ``pos`` go to ``slots`` (one a token, -1: nowhere); then it reads its row."""
+    def _write(self, block: int, seq: str, pos: int, n: int, version: int) -> None:
+        """``n`` tokens of ``seq`` from ``pos`` landed in ``block``: a write whose positions the block holds from now
+        (a write that does not continue what the block holds starts its next life: a freed block reused)."""
+        self._block_version[block] = version
+        lo, hi = self._extent.get(block, (pos, pos))
+        self._extent[block] = (min(lo, pos), max(hi, pos + n)) if lo <= pos <= hi else (pos, pos + n)
+        self._emit(Write, block=block, seq=seq, pos=pos, n=n, version=version)
+
+    def compute(self, seq: str, pos: int, slots: list[int], row: list[int], lead: int = 0) -> None:
+        """``seq``'s tokens from ``pos`` go to ``slots`` (one a token, -1: nowhere); then it reads its row, whose
+        first ``lead`` entries (a sliding window's dropped blocks, vLLM's null block) ``row`` leaves out: the read
+        spans the positions from the first block kept to the last token computed."""
         length = self._length.get(seq, 0)
         if pos < length:  # vLLM counted tokens back (rejected drafts, a preemption): so does the trace
             version = self._versions[seq] = self._versions[seq] + 1
@@ -170,30 +182,30 @@ class RankTrace(BufferedTrace):
                 stop += 1
             if block >= 0:
                 version += stop - start
-                self._block_version[block] = version
-                self._emit(Write, block=block, seq=seq, pos=pos + start, n=stop - start, version=version)
+                self._write(block, seq, pos + start, stop - start, version)
             start = stop
         self._versions[seq] = version
-        self._length[seq] = pos + n
-        read = row[:-(-(pos + n) // bs)]
-        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read])
-
+        end = self._length[seq] = pos + n
+        read = row[:max(0, -(-end // bs) - lead)]
+        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read],
+                   span=[min(lead * bs, end), end])
 
     def arrived(self, seq: str, pos: int, row: list[int]) -> None:
-        """``seq``'s row starts at ``pos``: tokens before it that no forward pass of this rank computed, in blocks
-        it first saw in ``seq``'s row, were loaded by a KV connector (the engine core's trace writes them likewise),
-        before the batch that starts past them. Those in blocks seen before are a prefix hit's."""
+        """``seq``'s row starts at ``pos``: tokens before it that no forward pass of this rank computed were loaded
+        by a KV connector (the engine core's trace writes them likewise), before the batch that starts past them,
+        unless the block already holds those positions: a prefix hit's (a cached block holds the same positions
+        of the same prefix)."""
         start, end = self._length.get(seq, 0), pos
         if end <= start:
             return
-        fresh, bs = self._fresh.get(seq, ()), self.block_size
+        bs = self.block_size
         version = self._versions[seq]
         for i in range(start // bs, min(len(row), -(-end // bs))):
-            if row[i] in fresh:
-                first, stop = max(start, i * bs), min(end, (i + 1) * bs)
+            first, stop = max(start, i * bs), min(end, (i + 1) * bs)
+            lo, hi = self._extent.get(row[i], (0, 0))
+            if not lo <= first < stop <= hi:
                 version += stop - first
-                self._block_version[row[i]] = version
-                self._emit(Write, block=row[i], seq=seq, pos=first, n=stop - first, version=version)
+                self._write(row[i], seq, first, stop - first, version)
         self._versions[seq] = version
         self._length[seq] = end
 
@@ -225,14 +237,16 @@ def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
     blocks, per_row = table.block_table.np, table.num_blocks_per_row
     # the blocks first, as the scheduler handed them out before the step (a prefix hit's blocks before its
     # batch row starts past them), then the batch and what each row writes and reads
-    held = [[b for b in blocks[i, :per_row[i]].tolist() if b] for i in range(num_reqs)]
+    raw = [blocks[i, :per_row[i]].tolist() for i in range(num_reqs)]
+    held = [[b for b in r if b] for r in raw]  # block 0 is vLLM's null block: a sliding window's dropped blocks
     for seq, row, pos in zip(rows, held, positions):
         trace.hold(seq, row)
         trace.arrived(seq, pos, row)
     trace._emit(Batch, rows=list(rows), positions=positions, n=counts)
     start = 0
     for i, seq in enumerate(rows):
-        trace.compute(seq, positions[i], slots[start:start + counts[i]], held[i])
+        lead = len(raw[i]) - len(held[i]) if raw[i][:1] == [0] else 0
+        trace.compute(seq, positions[i], slots[start:start + counts[i]], held[i], lead)
         start += counts[i]
     trace.flush(total)
 
@@ -249,9 +263,9 @@ def _rank_header(runner: Any, engine: str, t0_perf: int) -> Header:
         "dp_size": lambda: parallel.data_parallel_size,
         "tp_size": lambda: parallel.tensor_parallel_size,
         "pp_size": lambda: parallel.pipeline_parallel_size,
-        "tp_rank": _tp_rank,
-        "pp_rank": _pp_rank,
-        "layers": lambda: _stage_layers(config),
+        "tp_rank": tp_rank,
+        "pp_rank": pp_rank,
+        "layers": lambda: stage_layers(config),
         "capacity": lambda: runner.kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
         "kv_layout": lambda: _layout(runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec),
     }
@@ -273,21 +287,22 @@ def _layout(spec: Any) -> str:
     return f"{type(spec).__name__}(kv_heads={spec.num_kv_heads}, head_size={spec.head_size}, dtype={spec.dtype})"
 
 
-def _stage_layers(config: Any) -> list[int]:
+def stage_layers(config: Any) -> list[int]:
+    """The model layers whose K/V this process's pipeline stage holds (every layer with one stage)."""
     from vllm.distributed.utils import get_pp_indices
 
     total = config.model_config.get_total_num_hidden_layers()
-    start, end = get_pp_indices(total, _pp_rank(), config.parallel_config.pipeline_parallel_size)
+    start, end = get_pp_indices(total, pp_rank(), config.parallel_config.pipeline_parallel_size)
     return list(range(start, end))
 
 
-def _tp_rank() -> int:
+def tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
 
 
-def _pp_rank() -> int:
+def pp_rank() -> int:
     from vllm.distributed.parallel_state import get_pp_group
 
     return get_pp_group().rank_in_group

@@ -5,7 +5,8 @@
 and its connector's). Checked as one workload by
 ``kvdoctor check -- CMD``, a clean run is silent and a store entry overwritten with another prompt's K/V is
 named with the loading instance, request and block, and a decode instance with another block size than the
-prefill's is named too (about 2 minutes a run on 2 cores).
+prefill's is named too; at TP=2 a clean run with a store entry per rank is silent, and a rank that saves
+nothing, saves too few layers or loads too few is named (about 2 minutes a run on 2 cores).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_at_tensor_parallel_2_each_rank_pairs_its_own_save_and_the_shared_files_
     # GIVEN both instances at TP=2: each worker writes its rank's trace and its connector's beside it, and vLLM's
     # ExampleConnector names a layer's file by the prompt alone, so both prefill ranks write their heads to one
     # file and each decode rank loads whichever landed (a race, layer by layer)
-    run = _check("--tp", "2", "--max-tokens", "4")
+    run = _check("--tp", "2", "--max-tokens", "4", "--store", "shared")
     # THEN ten traces are read (two engine cores, four ranks, four connectors): the ranks agree with each other
     # (a connector's trace is no rank's view), and tokens the connector loaded count as the ranks' writes
     assert "10 traces" in run.stdout and "tp 1 pp 0" in run.stdout, run.stdout[:2000] + run.stderr[-2000:]
@@ -71,3 +72,29 @@ def test_at_tensor_parallel_2_each_rank_pairs_its_own_save_and_the_shared_files_
     assert {line.split()[1] for line in errors} == {"handoff/digest-mismatch"}, run.stdout[-4000:]
     assert len({line.split("seq '")[1].split("'")[0] for line in errors}) == 4, run.stdout[-4000:]
     assert "@tp" in run.stdout
+    # AND each says why: both ranks saved their shares to one store entry, which ExampleConnector writes as one file
+    assert run.stdout.count("Ranks tp0pp0, tp1pp0 of instance prefill") == len(errors) and "own store" in run.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_at_tensor_parallel_2_with_an_entry_per_rank_a_rank_that_saves_or_loads_less_is_named():
+    pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
+    # GIVEN both instances at TP=2, each rank's share in a store folder of its own (vllm_rank_store)
+    clean = _check("--tp", "2", "--max-tokens", "4")
+    # THEN every rank's save answers its scheduler, every load pairs its rank's save whole and equal: silent
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-3000:]
+    assert "10 traces" in clean.stdout and "0 errors, 0 warnings, 0 info" in clean.stdout
+    # WHEN rank 1's connectors misbehave, a request each: the prefill rank saves nothing for the first request,
+    # all but layer 1 for the second; the decode rank loads all but the last layer for the first it loads
+    fault = _check("--tp", "2", "--max-tokens", "4", "--fault", "ranks")
+    # THEN each is named once, with the instance, the rank, the request and the block; the fourth request is clean
+    assert fault.returncode == 1, fault.stdout + fault.stderr[-3000:]
+    errors = [line for line in fault.stdout.splitlines() if line.startswith(("ERROR", "WARNING", "INFO"))]
+    assert sorted(line.split()[1] for line in errors) == \
+        ["handoff/partial-load", "handoff/save-layers", "handoff/save-missing"], fault.stdout[-4000:]
+    assert all(" seq '" in line and " block " in line for line in errors)
+    assert len({line.split("seq '")[1].split("'")[0] for line in errors}) == 3
+    lines = fault.stdout.splitlines()
+    messages = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("ERROR")]
+    assert all("rank tp1pp0" in m for m in messages) and "instance decode" in fault.stdout
