@@ -114,6 +114,8 @@ def _projection_calls(runner: Any) -> tuple[list[Callable[[], None]], int]:
     """One row through every projection of a step, as calls, and the bytes their weights hold. With the C
     kernel each call is the kernel alone on buffers allocated once (nothing of a call's Python around it,
     which the compiled decode layers do not pay either); otherwise the projection as the runner calls it."""
+    from kvdoctor.engine.kernels import pool
+
     projections = [p for w in runner._weights for p in (w.qkv, w.o, w.gate_up, w.down)] + [runner._lm_head]
     calls = []
     for p in projections:
@@ -124,7 +126,7 @@ def _projection_calls(runner: Any) -> tuple[list[Callable[[], None]], int]:
             continue
         y, scratch, fn = torch.empty(1, N), torch.empty(1, K), p.matvec.kernels[p.weight.dtype]
         args = (x.data_ptr(), p.weight.data_ptr(), None, y.data_ptr(), scratch.data_ptr(), 1, N, K,
-                torch.get_num_threads(), 0)  # outputs as they are (0: not rounded to bf16)
+                pool.team(), 0)  # the kernels' team; outputs as they are (0: not rounded to bf16)
         calls.append(lambda fn=fn, args=args, keep=(x, y, scratch): fn(*args))
     return calls, sum(p.weight.nbytes for p in projections)
 
