@@ -60,7 +60,8 @@ HOOKS: dict[str, dict[str, tuple[str, ...]]] = {
         "_update_states": ("scheduler_output",), "_prepare_inputs": ("num_scheduled_tokens",)},
     "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector": {
         "save_kv_layer": ("layer_name", "kv_layer"), "wait_for_save": (), "start_load_kv": ("forward_context",),
-        "update_state_after_alloc": ("request", "blocks", "num_external_tokens")},
+        "update_state_after_alloc": ("request", "blocks", "num_external_tokens"),
+        "build_connector_meta": ("scheduler_output",)},
 }
 
 
