@@ -154,6 +154,10 @@ def bench_keys(keys: str, presses: int, loops: int, interval: float) -> None:
     print(f"{len(waits)} keys, load {os.getloadavg()[0]:.1f} after")
     print(f"handled: {_spread([h for h, _ in waits])}")
     print(f"painted: {_spread([p for _, p in waits])}")
+    if len(set(keys)) > 1:  # a slow screen shows apart from the others
+        for key in dict.fromkeys(keys):
+            painted = sorted(p for i, (_, p) in enumerate(waits) if keys[i % len(keys)] == key)
+            print(f"  key {key}: painted {', '.join(f'{p * 1e3:.0f}' for p in painted)} ms")
 
 
 def main() -> None:

@@ -2,13 +2,16 @@
 
 The app owns no source. It starts a ``Feed`` (a thread that reads events and runs the
 checks) and receives ``Snapshot``s from it as messages; setting ``snapshot`` (a reactive)
-pushes the same immutable snapshot to every view through data binding, so widgets draw
-from state and never poll. Pausing only stops applying snapshots: the feed, and the
-checks, go on seeing every event.
+hands the same immutable snapshot to the header and to the views of the screen shown, so
+widgets draw from state and never poll. A hidden screen's views are handed the newest
+snapshot as the screen is shown, before it is painted: frames cost what one screen draws,
+not all six. Pausing only stops applying snapshots: the feed, and the checks, go on seeing
+every event.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any, Callable
@@ -18,7 +21,8 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import Reactive, reactive
+from textual.widget import Widget
 from textual.widgets import Input, TabbedContent, TabPane
 
 from ..findings import Finding
@@ -68,7 +72,8 @@ class KvdoctorApp(App[int]):
         *(Binding(str(i + 1), f"tab('{name}')", name.title(), show=False) for i, name in enumerate(TABS)),
     ]
 
-    snapshot: reactive[Snapshot | None] = reactive(None, always_update=True)
+    # No repaint of the whole screen per snapshot: each view redraws what changed in it.
+    snapshot: reactive[Snapshot | None] = reactive(None, always_update=True, repaint=False)
     paused: reactive[bool] = reactive(False)
 
     def __init__(
@@ -87,6 +92,7 @@ class KvdoctorApp(App[int]):
         self._next: Snapshot | None = None  # the newest snapshot the feed published, until the UI thread takes it
         self._next_lock = threading.Lock()
         self._frame_due = 0.0  # monotonic time before which no snapshot is drawn (``_frame_drawn``)
+        self._views: dict[str, list[Widget]] = {}  # per screen (tab pane id), its widgets that draw a snapshot
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -95,53 +101,60 @@ class KvdoctorApp(App[int]):
         yield TraceBar().data_bind(KvdoctorApp.snapshot)
         with TabbedContent(initial="overview"):
             with TabPane("1 Overview", id="overview"):
-                gauges = TierGauges(id="tiers", classes="panel").data_bind(KvdoctorApp.snapshot)
+                gauges = TierGauges(id="tiers", classes="panel")
                 gauges.border_title = "tiers"
                 yield gauges
                 with Horizontal(id="overview-row"):
-                    blocks = BlockMap(id="blocks", classes="panel").data_bind(KvdoctorApp.snapshot)
+                    blocks = BlockMap(id="blocks", classes="panel")
                     blocks.border_title = "blocks"
                     blocks.border_subtitle = LEGEND
                     yield blocks
                     with VerticalScroll(id="recent", classes="panel") as recent:
                         recent.border_title = "findings (newest first)"
                         recent.border_subtitle = "2: every finding in full"
-                        yield RecentFindings().data_bind(KvdoctorApp.snapshot)
+                        yield RecentFindings()
             with TabPane("2 Findings", id="findings"):
                 with Vertical():
-                    flist = FindingsList(id="findings-list", classes="panel").data_bind(KvdoctorApp.snapshot)
+                    flist = FindingsList(id="findings-list", classes="panel")
                     flist.border_title = "findings (newest first) · enter: full detail"
                     yield flist
                     with VerticalScroll(id="finding-detail", classes="panel") as pane:
                         pane.border_title = "detail"
                         yield FindingDetail("select a finding", id="detail")
             with TabPane("3 Attention", id="attention-tab"):
-                att = AttentionView(id="attention", classes="panel").data_bind(KvdoctorApp.snapshot)
+                att = AttentionView(id="attention", classes="panel")
                 att.border_title = "attention per layer over steps"
                 att.border_subtitle = "[bold red]▆[/] anomaly  [bold white on red]✖[/] non-finite"
                 yield att
             with TabPane("4 Memory", id="memory-tab"):
                 with VerticalScroll(id="memory", classes="panel") as mem:
                     mem.border_title = "memory timeline"
-                    yield MemoryView().data_bind(KvdoctorApp.snapshot)
+                    yield MemoryView()
             with TabPane("5 Events", id="events"):
                 filt = Input(placeholder="filter: swap  -attn  seq=3  block=17", id="filter")
                 yield filt
-                log = EventLog(id="log", classes="panel").data_bind(KvdoctorApp.snapshot)
+                log = EventLog(id="log", classes="panel")
                 log.border_title = "event log (newest last)"
                 yield log
             with TabPane("6 Output", id="output"):
                 with VerticalScroll(id="output-pane", classes="panel") as out:
                     out.border_title = "the workload's output (newest last): the demo's answers"
-                    yield OutputView().data_bind(KvdoctorApp.snapshot)
+                    yield OutputView()
         yield KeysFooter()
 
     def on_mount(self) -> None:
+        self._views = {pane.id or "": [w for w in pane.query(Widget) if _draws_snapshots(w)]
+                       for pane in self.query(TabPane)}
+        # What exists now (the modules, the screens' widgets) lives as long as the app: a full collection, which
+        # stops every thread, then walks only what the feed makes from here on. Beside a busy CPU each one took
+        # 0.1-0.2 s, every few seconds, and the keys it held up were the slowest tenth.
+        gc.freeze()
         self.feed = self._make_feed(self._publish)
         self.feed.start()
         self.query_one("#blocks", BlockMap).focus()
 
     def on_unmount(self) -> None:
+        gc.unfreeze()  # what the app held can be collected again once it is gone
         if self.feed is not None:
             self.feed.stop()
             self.feed.join(2.0)  # it stops within a slice of events
@@ -180,6 +193,15 @@ class KvdoctorApp(App[int]):
         if before != (len(snapshot.traces) > 1):
             self.refresh_bindings()  # the trace keys appear with a workload's second trace
         self.call_after_refresh(self._frame_drawn, time.monotonic())
+
+    def watch_snapshot(self) -> None:
+        if self._views:
+            self._show_views(self.query_one(TabbedContent).active)
+
+    def _show_views(self, pane: str) -> None:
+        """Hand the newest snapshot to the views of ``pane`` (a view handed the one it has does nothing)."""
+        for view in self._views.get(pane, ()):
+            view.snapshot = self.snapshot  # type: ignore[attr-defined]
 
     def _frame_drawn(self, started: float) -> None:
         """A frame was applied and painted: the next waits as long as this one took. On a quiet machine a frame
@@ -229,8 +251,12 @@ class KvdoctorApp(App[int]):
         # Focus must leave the old pane first: a focused widget in a hidden pane hands focus to
         # a neighbour there, and the TabbedContent follows focus back to the old pane.
         self.set_focus(None)
+        self._show_views(pane)  # before the switch: the pane's first paint is of the newest state
         self.query_one(TabbedContent).active = pane
         self.query_one(f"#{_MAIN_WIDGET[pane]}").focus()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._show_views(event.pane.id or "")  # a tab clicked (a key brought its pane up to date already)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -278,6 +304,7 @@ class KvdoctorApp(App[int]):
             self._open_search(f"b{focused.selected}")
             return
         flist = focused if isinstance(focused, FindingsList) else self.query_one("#findings-list", FindingsList)
+        flist.snapshot = self.snapshot  # the list follows the feed only while its screen is shown
         f = flist.selected
         if f is None:
             self.notify("no finding selected", severity="information")
@@ -310,6 +337,10 @@ class KvdoctorApp(App[int]):
         block_story = self._query(lambda m: block_story_of(m, f.block)) if f.block is not None and here else None
         seq_story = self._query(lambda m: seq_story_of(m, f.seq)) if f.seq is not None and here else None
         return describe_finding(f, block_story, seq_story)
+
+
+def _draws_snapshots(widget: Widget) -> bool:
+    return isinstance(getattr(type(widget), "snapshot", None), Reactive)
 
 
 def _parse_query(text: str) -> tuple[str, str, str]:

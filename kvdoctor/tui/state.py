@@ -103,7 +103,9 @@ class TraceView:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything the screens draw, copied out of the monitor at one instant."""
+    """Everything the screens draw, copied out of the monitor at one instant. ``findings``, ``layers``, ``memory``
+    and ``log`` are the very tuples of the previous snapshot while they have not changed (a view compares them by
+    identity to skip a redraw)."""
 
     serial: int
     header: Header | None
@@ -191,6 +193,12 @@ class Monitor:
         self._prefix_hits = self._prefix_lookups = 0
         self.steps_done = 0
         self._ids_cache: tuple[int, tuple[int, ...]] = (-1, ())
+        # Parts of a snapshot that change only at a step's end or with a finding are copied once and handed out
+        # again while unchanged: a snapshot costs the feed less, and a view that is handed the same tuple knows
+        # it has nothing to redraw (``Snapshot``).
+        self._closes = 0  # steps closed
+        self._added = 0   # findings added
+        self._copies: dict[str, tuple[Any, Any]] = {}
         self._handlers: dict[type, Callable[[Any], None]] = {
             SeqStart: self._seq_start, SeqEnd: self._seq_end, Alloc: self._alloc, Share: self._owners_change,
             Release: self._owners_change, Free: self._free, Evict: self._free, Write: self._write,
@@ -221,6 +229,7 @@ class Monitor:
 
     def add_finding(self, f: Finding) -> None:
         """A check concluded something: count it, list it, and mark its block or layer."""
+        self._added += 1
         self.findings.append(f)
         self.num_findings[f.severity] = self.num_findings.get(f.severity, 0) + 1
         if f.block is not None:
@@ -269,22 +278,37 @@ class Monitor:
             ))
         if self._ids_cache[0] != table.ids_version:
             self._ids_cache = (table.ids_version, tuple(table.ids))
-        layers = tuple(
-            LayerView(layer=k, steps=tuple(a.steps), entropy=tuple(a.entropy), max_logit=tuple(a.maxes),
-                      nonfinite=tuple(a.nonfin), anomalies=frozenset(self._anomalies.get(k, ())))
-            for k, a in sorted(self._layers.items())
-        )
-        memory = tuple((label, tuple(self._mem[f])) for label, f in MEM_SERIES if f in self._mem_seen)
         tokens_s, events_s = self._rates()
         return Snapshot(
             serial=next(_SERIALS), header=self.header, step=self.step, num_events=self.num_events,
             tokens_per_s=tokens_s, events_per_s=events_s, active_seqs=len(self.seqs),
             num_seqs=len(self.seqs) + len(self._ended), batch_rows=self.batch_rows, tiers=tuple(tiers),
-            cells=bytes(table.cells), cell_ids=self._ids_cache[1], findings=tuple(self.findings),
-            num_findings=dict(self.num_findings), layers=layers, memory=memory, log=tuple(self.log),
+            cells=bytes(table.cells), cell_ids=self._ids_cache[1],
+            findings=self._copy("findings", self._added, lambda: tuple(self.findings)),
+            num_findings=dict(self.num_findings),
+            layers=self._copy("layers", (self._closes, self._added), self._layer_views),
+            memory=self._copy("memory", (self._closes, len(self._mem_seen)), self._memory_series),
+            log=self._copy("log", self.num_events, lambda: tuple(self.log)),
             ended=ended or self.ended, status=status, prefix_hits=self._prefix_hits,
             prefix_lookups=self._prefix_lookups, steps_done=self.steps_done, output=output,
         )
+
+    def _copy(self, part: str, version: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, or the copy made for the same ``version`` of ``part`` last time."""
+        made = self._copies.get(part)
+        if made is None or made[0] != version:
+            made = self._copies[part] = (version, make())
+        return made[1]
+
+    def _layer_views(self) -> tuple[LayerView, ...]:
+        return tuple(
+            LayerView(layer=k, steps=tuple(a.steps), entropy=tuple(a.entropy), max_logit=tuple(a.maxes),
+                      nonfinite=tuple(a.nonfin), anomalies=frozenset(self._anomalies.get(k, ())))
+            for k, a in sorted(self._layers.items())
+        )
+
+    def _memory_series(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return tuple((label, tuple(self._mem[f])) for label, f in MEM_SERIES if f in self._mem_seen)
 
     def _rates(self) -> tuple[float, float]:
         r = self._rate
@@ -300,6 +324,7 @@ class Monitor:
     # ---- steps --------------------------------------------------------------------------
 
     def _close_step(self, new_step: int, advance: bool = True) -> None:
+        self._closes += 1
         table = self.blocks
         for b in self._unowned:
             rec = table.records.get(b)  # None: freed this step and its record already recycled

@@ -59,8 +59,9 @@ async def test_t_switches_the_trace_shown_and_findings_stay_merged(workload_dir)
         assert [v.label for v in s.traces] == ["instance a", "instance b (decode)"] and s.shown == 0
         assert s.header.instance == "a" and _leaked(app) == 0
         assert "trace 1/2" in screen_text(app) and "instance b (decode)" in screen_text(app)
-        # AND the findings list holds instance b's findings, each line naming its trace
+        # AND the findings list (screen 2) holds instance b's findings, each line naming its trace
         assert s.findings and {f.trace.rsplit("/", 1)[1] for f in s.findings} == {"run.2.kvtrace"}
+        await pilot.press("2")
         flist = app.query_one("#findings-list", FindingsList)
         assert "[instance b (decode)]" in flist.row_text(0, 200).plain
         # WHEN t is pressed THEN instance b's state is shown: its header, its leaked blocks in the map

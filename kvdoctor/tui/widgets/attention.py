@@ -23,10 +23,12 @@ _BARS = "▁▂▃▄▅▆▇█"
 class AttentionView(LineList):
     CURSOR = False
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
 
-    def watch_snapshot(self) -> None:
-        self.rows_changed()
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        # The curves move once a step: the snapshot hands the same layers until then.
+        if old is None or new is None or old.layers is not new.layers:
+            self.rows_changed()
 
     def row_count(self) -> int:
         s = self.snapshot
@@ -54,11 +56,19 @@ def _layer_line(layer: LayerView, graph: int) -> Text:
     for values, color in ((layer.entropy, "cyan"), (layer.max_logit, "yellow")):
         vals = values[-graph:]
         line.append(" " * (graph - len(vals)))
+        # One span per run of bars drawn alike, not one per bar: a line costs its runs to draw, not its width.
+        run: list[str] = []
+        run_style = ""
         for k, step, v in zip(spark_levels(vals, graph), steps, vals):
-            if k < 0:
-                line.append("✖", "bold white on red")
-            else:
-                line.append(_BARS[k], "bold red" if step in layer.anomalies else color)
+            glyph, style = ("✖", "bold white on red") if k < 0 else \
+                (_BARS[k], "bold red" if step in layer.anomalies else color)
+            if style != run_style and run:
+                line.append("".join(run), run_style)
+                run = []
+            run.append(glyph)
+            run_style = style
+        if run:
+            line.append("".join(run), run_style)
         last = vals[-1] if vals else float("nan")
         line.append(f" {last:>7.3g} " if math.isfinite(last) else "     nan ", "bold" if vals else "dim")
     bad = sum(layer.nonfinite)

@@ -2,10 +2,13 @@
 
 Thousands of blocks redraw many times a second, so the map is a Line API widget over the
 snapshot's ``cells`` bytes: each visible row slices the bytes and maps each code to a
-pre-built segment. Nothing is allocated per block per frame beyond that segment list.
+pre-built segment. Nothing is allocated per block per frame beyond that segment list, and a
+new snapshot redraws only the rows whose cells changed.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from rich.segment import Segment
 from rich.style import Style
@@ -58,7 +61,7 @@ class BlockMap(ScrollView, can_focus=True):
     BlockMap { height: 1fr; overflow-x: hidden; scrollbar-gutter: stable; }
     """
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
     selected: reactive[int | None] = reactive(None)  # a block id
 
     class Picked(Message):
@@ -66,32 +69,67 @@ class BlockMap(ScrollView, can_focus=True):
             super().__init__()
             self.block = block
 
-    def _layout(self) -> tuple[int, int]:
-        """(characters per cell, cells per row): a few blocks get wide cells, thousands one character each."""
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sized: Size | None = None  # the size the rows were last laid out for (``on_resize``)
+
+    def _layout(self, snapshot: Snapshot | None = None) -> tuple[int, int]:
+        """(characters per cell, cells per row) for ``snapshot`` (the one shown by default): a few blocks get wide
+        cells, thousands one character each."""
         width = max(self.scrollable_content_region.width, 1)
         height = max(self.scrollable_content_region.height, 1)
-        n = len(self.snapshot.cells) if self.snapshot is not None else 0
+        snapshot = snapshot or self.snapshot
+        n = len(snapshot.cells) if snapshot is not None else 0
         wide = width // _WIDE
         if wide and n <= wide * height:
             return _WIDE, wide
         return 1, width
 
-    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
-        if snapshot is not None and snapshot.prefix_lookups:
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        if new is not None and new.prefix_lookups:
             self.border_subtitle = CACHED_LEGEND
-        self._resize()
+        if old is None or new is None or self._layout(old) != self._layout(new) or (
+                self.selected is not None and old.cell_ids is not new.cell_ids):  # the selected cell may have moved
+            self._resize()
+            return
+        self._set_rows()
+        self._refresh_changed(old.cells, new.cells)
+
+    def _refresh_changed(self, before: bytes, after: bytes) -> None:
+        """Redraw the rows on screen whose cells differ: between two steps most of the map stays as it was."""
+        if before == after:
+            return
+        _, per_row = self._layout()
+        top = round(self.scroll_offset.y)
+        start = None
+        for row in range(top, top + self.scrollable_content_region.height + 1):
+            lo = row * per_row
+            changed = before[lo:lo + per_row] != after[lo:lo + per_row]
+            if changed and start is None:
+                start = row
+            elif not changed and start is not None:
+                self.refresh_lines(start, row - start)
+                start = None
+        if start is not None:
+            self.refresh_lines(start, top + self.scrollable_content_region.height + 1 - start)
 
     def watch_selected(self) -> None:
         self.refresh()
 
     def on_resize(self, event: events.Resize) -> None:
-        self._resize()
+        # A pane shown again is sent a Resize at the size it had; it is painted as it is shown, not twice.
+        if event.size != self._sized:
+            self._sized = event.size
+            self._resize()
 
     def _resize(self) -> None:
+        self._set_rows()
+        self.refresh()
+
+    def _set_rows(self) -> None:
         n = len(self.snapshot.cells) if self.snapshot is not None else 0
         _, per_row = self._layout()
         self.virtual_size = Size(self.scrollable_content_region.width, -(-n // per_row))
-        self.refresh()
 
     def render_line(self, y: int) -> Strip:
         width = max(self.scrollable_content_region.width, 1)

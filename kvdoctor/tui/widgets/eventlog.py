@@ -58,7 +58,7 @@ def compile_filter(text: str) -> Callable[[Any], bool] | None:
 class EventLog(LineList):
     CURSOR = False
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
     filter_text: reactive[str] = reactive("")
 
     def __init__(self, **kwargs: Any) -> None:
@@ -66,8 +66,9 @@ class EventLog(LineList):
         self._rows: list[Any] = []
         self._follow = True
 
-    def watch_snapshot(self) -> None:
-        self._refilter()
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        if old is None or new is None or old.log is not new.log:  # the same tuple: no event since
+            self._refilter()
 
     def watch_filter_text(self) -> None:
         self._refilter()

@@ -22,7 +22,7 @@ _RECENT = 40  # findings the overview draws: more than its pane can show, newest
 class FindingsList(LineList):
     """Newest first. The cursor stays on the finding it is on while new ones arrive above it."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -87,7 +87,7 @@ class RecentFindings(Static):
     """The overview's newest findings, each message in full (wrapped): the pane is half the screen wide, and a
     message cut at its edge hid what the finding says. The findings screen (2) lists them all with details."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)  # redrawn by ``update``, on a new finding
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__("", **kwargs)

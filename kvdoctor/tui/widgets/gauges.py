@@ -21,7 +21,14 @@ class TierGauges(Widget):
     TierGauges { height: auto; text-wrap: nowrap; text-overflow: clip; }
     """
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
+
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        # Drawn again only when a tier changed, and laid out again (its height is its lines) only when the number
+        # of tiers did: a layout of the whole screen every frame was most of a frame's cost.
+        before, after = (old.tiers if old is not None else ()), (new.tiers if new is not None else ())
+        if before != after:
+            self.refresh(layout=len(before) != len(after))
 
     def render(self) -> Text:
         s = self.snapshot

@@ -17,14 +17,33 @@ class StatusHeader(Widget):
     StatusHeader { height: 2; background: $panel; padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
     """
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
-    paused: reactive[bool] = reactive(False)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
+    paused: reactive[bool] = reactive(False, repaint=False)
 
     def __init__(self, *, show_pid: bool = True, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.show_pid = show_pid  # off in tests: a pid differs on every run
+        self._text: Text | None = None  # as last drawn
+
+    def watch_snapshot(self) -> None:
+        self._update()
+
+    def watch_paused(self) -> None:
+        self._update()
+
+    def _update(self) -> None:
+        """Drawn again only when its words changed: most frames between two steps change nothing here."""
+        text = self._lines()
+        if text != self._text:
+            self._text = text
+            self.refresh()
 
     def render(self) -> Text:
+        if self._text is None:
+            self._text = self._lines()
+        return self._text
+
+    def _lines(self) -> Text:
         out = self._identity()
         out.append("\n")
         out.append_text(self._state())

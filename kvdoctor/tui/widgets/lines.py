@@ -8,6 +8,8 @@ and keeps an optional cursor that the keyboard and the mouse move.
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.text import Text
 from textual import events
 from textual.binding import Binding
@@ -40,6 +42,10 @@ class LineList(ScrollView, can_focus=True):
     """
 
     cursor: reactive[int] = reactive(0)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sized: Size | None = None  # the size the rows were last laid out for (``on_resize``)
 
     class Highlighted(Message):
         """The cursor moved to ``row``."""
@@ -76,7 +82,10 @@ class LineList(ScrollView, can_focus=True):
         self.refresh()
 
     def on_resize(self, event: events.Resize) -> None:
-        self.rows_changed()
+        # A pane shown again is sent a Resize at the size it had; it is painted as it is shown, not twice.
+        if event.size != self._sized:
+            self._sized = event.size
+            self.rows_changed()
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset

@@ -19,7 +19,14 @@ class MemoryView(Widget):
     MemoryView { height: auto; text-wrap: nowrap; text-overflow: clip; }
     """
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
+
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        # The readings change once a step (the snapshot hands the same tuple until then); the height is one line
+        # per series, so only a new series needs a layout.
+        before, after = (old.memory if old is not None else ()), (new.memory if new is not None else ())
+        if before is not after:
+            self.refresh(layout=len(before) != len(after))
 
     def render(self) -> Text:
         s = self.snapshot

@@ -21,7 +21,7 @@ class OutputView(Static):
     OutputView { padding: 0 1; }
     """
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)  # redrawn by ``update``, on new output
 
     def __init__(self) -> None:
         super().__init__(Text(_NONE, "dim"))

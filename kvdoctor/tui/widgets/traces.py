@@ -21,10 +21,12 @@ class TraceBar(Widget):
     TraceBar.several { display: block; }
     """
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    snapshot: reactive[Snapshot | None] = reactive(None, repaint=False)
 
-    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
-        self.set_class(snapshot is not None and len(snapshot.traces) > 1, "several")
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        self.set_class(new is not None and len(new.traces) > 1, "several")
+        if old is None or new is None or (old.traces, old.shown) != (new.traces, new.shown):
+            self.refresh()  # not every frame: the traces and the one shown seldom change
 
     def render(self) -> Text:
         s = self.snapshot
