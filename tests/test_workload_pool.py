@@ -161,3 +161,14 @@ def test_a_process_with_other_threads_starts_its_workers_without_fork(tmp_path):
         stop.set()
         thread.join()
     assert msgspec.json.encode(pooled.findings) == msgspec.json.encode(here.findings) and here.findings
+
+
+def test_one_cpu_or_followed_traces_are_checked_in_this_process(tmp_path, monkeypatch):
+    paths = [write(tmp_path / f"w{i}.kvtrace", header(t0=10**12), rank_events(leak_at=(3,))) for i in range(2)]
+    # GIVEN a process allowed one CPU THEN no workers, and the same findings
+    monkeypatch.setattr("kvdoctor.workload.available_cpus", lambda: 1)
+    alone = WorkloadSession(TraceSet.open(paths)).run()
+    # AND traces followed (as if still written) are read here whatever the CPUs
+    followed = WorkloadSession(TraceSet.open(paths, follow=True, wait_s=5), workers=2).run()
+    assert alone._pool is None and followed._pool is None
+    assert msgspec.json.encode(alone.findings) == msgspec.json.encode(followed.findings) and alone.findings
