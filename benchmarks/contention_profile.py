@@ -6,9 +6,10 @@ A child process loads SmolLM2, prefills a batch and decodes for ``--seconds``; w
 thread spinning or sleeping at a barrier, or waiting for the next parallel region), kvdoctor's thread pool
 (``pool.c``: its threads spinning for work or for their team), torch's kernels (libtorch, MKL, oneDNN),
 kvdoctor's C kernels (``~/.cache/kvdoctor/kernels``), the interpreter, and the OS kernel. Beside the
-shares: the step's wall time, the CPU time the process took per step (all threads), and how much of the wall
-time the process ran at all (CPU time / wall time / team). A sample is a thread on a CPU: a thread descheduled
-by a busy loop leaves no sample, so "libgomp" is the CPU the team burned waiting, not the time it lost.
+shares: the step's wall time, the CPU time the process took per step (all threads), how much of the wall
+time the process ran at all (CPU time / wall time / the kernels' team), and in how many steps the pool slept at
+once (the thread policy's answer to the load). A sample is a thread on a CPU: a thread descheduled by a busy loop
+leaves no sample, so "libgomp" is the CPU the team burned waiting, not the time it lost.
 
     .venv/bin/python benchmarks/contention_profile.py [--conditions quiet,loops2] [--policies fixed,adaptive]
         [--batch 1] [--seconds 6] [--spincount N] [--wait-quiet S] [--regions] [--json]
@@ -51,14 +52,17 @@ prefilled(runner, prompts, 8).run()
 sched = prefilled(runner, prompts, 4000)
 print("ready", flush=True)
 sys.stdin.readline()
-t0, c0, steps, teams = time.perf_counter(), time.process_time(), 0, []
+from kvdoctor.engine.kernels import pool
+t0, c0, steps, teams, asleep = time.perf_counter(), time.process_time(), 0, [], 0
 while time.perf_counter() - t0 < seconds:
     sched.step()
     steps += 1
-    teams.append(runner.threads.team)
+    teams.append(pool.team())
+    asleep += pool.spin_us() == 0
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 print(json.dumps({"steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
-                  "base": runner.threads.base, "team_mean": sum(teams) / len(teams)}), flush=True)
+                  "base": runner.threads.base, "team_mean": sum(teams) / len(teams),
+                  "sleeping_share": asleep / steps}), flush=True)
 """
 
 # Where a sampled symbol's library puts it: OpenMP's runtime (libgomp), kvdoctor's kernels, torch's, the
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{condition} {policy} batch {r['batch']} (load {r['load_before']}, others {r['others_cpus']} CPUs): "
                   f"{r['step_ms']:.1f} ms a step, "
-                  f"{r['cpu_ms']:.1f} ms CPU, team {r['team_mean']:.2f}, ran {r['ran_share']:.0%} of the time")
+                  f"{r['cpu_ms']:.1f} ms CPU, kernels' team {r['team_mean']:.2f}, ran {r['ran_share']:.0%} of the time, "
+                  f"pool asleep at once in {r['sleeping_share']:.0%} of the steps")
             print("  " + ", ".join(f"{k} {v}%" for k, v in r["places"].items()))
             for line in r["top"][:8]:
                 print("    " + line)
