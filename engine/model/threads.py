@@ -18,8 +18,8 @@ pool thread that waits (for work, or for its team mates) sleeps at once; where t
 ``SPIN_FREE_US`` first, through the gaps between a step's loops. The pool's caller also takes any share of a
 loop no worker has started, so a sleeping or descheduled worker costs its share's work, not a wait. Torch's
 own team (prefill's products and the other torch ops) still shrinks to the CPUs the others leave, rounded to
-whole CPUs and never below one: libgomp's threads keep their spin, and a prefill beside busy loops ran faster
-on fewer of them.
+whole CPUs and never below one: torch's ops run on libgomp, whose threads still spin in every barrier as the
+kernels' did there, and a team that fits the CPUs left has no barrier to wait at for a descheduled mate.
 
 A load counts only when two readings in a row saw it, and the policy goes back to spinning (and torch's team
 to its size) at the first reading that finds the CPUs free: a burst of someone else's work (a compiler, a
