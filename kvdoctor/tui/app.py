@@ -263,7 +263,8 @@ class KvdoctorApp(App[int]):
         self.query_one(TabbedContent).active = pane
         # Focus moves now, in one step (``focus()`` would wait for the next message): a focused widget left in a
         # hidden pane hands focus to a neighbour there, and the TabbedContent follows focus back to the old pane.
-        self.screen.set_focus(self.query_one(f"#{_MAIN_WIDGET[pane]}"))
+        target = self.query_one(f"#{_MAIN_WIDGET[pane]}")
+        target.screen.set_focus(target)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         self._show_views(event.pane.id or "")  # a tab clicked (a key brought its pane up to date already)
