@@ -485,22 +485,26 @@ class VllmTracer(BufferedTrace):
             table.pop(seq, None)
 
     def _record_batch(self, output: Any) -> None:
-        """The step's rows as the worker will compute them, and what each row writes and reads."""
+        """The step's rows as the worker will compute them, and what each row writes and reads (one time stamp for
+        the step's rows: this runs for every row of every step, so their events are built directly)."""
         rows = [d.req_id for d in output.scheduled_new_reqs]
         positions = [d.num_computed_tokens for d in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
         rows += cached.req_ids
         positions += cached.num_computed_tokens
         counts = [output.num_scheduled_tokens[r] for r in rows]
+        t = time.perf_counter_ns() - self._t0
         if rows:
-            self._emit(Batch, rows=rows, positions=positions, n=counts)
+            self._buf.append(Batch(t=t, step=self.step, rows=rows, positions=positions, n=counts))
         for seq, pos, n in zip(rows, positions, counts):
-            self._write_and_read(seq, pos, n)
+            self._write_and_read(seq, pos, n, t)
 
-    def _write(self, seq: Any, pos: int, n: int) -> list[int]:
-        """``write``s of tokens ``pos … pos+n-1`` into ``seq``'s blocks; returns its block ids."""
+    def _write(self, seq: Any, pos: int, n: int, t: int | None = None) -> list[int]:
+        """``write``s of tokens ``pos … pos+n-1`` into ``seq``'s blocks, at time ``t`` (None: now); returns its
+        block ids."""
         block_ids = self.manager.get_block_ids(seq)[0]
-        bs, end = self.block_size, pos + n
+        bs, end, step, buf = self.block_size, pos + n, self.step, self._buf
+        t = time.perf_counter_ns() - self._t0 if t is None else t
         version = self._versions.get(seq, 0)
         while pos < end:
             i = pos // bs
@@ -508,24 +512,27 @@ class VllmTracer(BufferedTrace):
             version += stop - pos
             block = block_ids[i]
             self._block_version[block] = version
-            self._emit(Write, block=block, seq=seq, pos=pos, n=stop - pos, version=version)
+            buf.append(Write(t=t, step=step, block=block, seq=seq, pos=pos, n=stop - pos, version=version))
             pos = stop
         self._versions[seq] = version
         self._written[seq] = self._length[seq] = end
         return block_ids
 
-    def _write_and_read(self, seq: Any, pos: int, n: int) -> None:
+    def _write_and_read(self, seq: Any, pos: int, n: int, t: int) -> None:
         """The row's writes, then its read: attention covers the request's computed tokens and this step's,
         ``[0, pos + n)``, over its block table. A block a sliding window dropped is vLLM's null block, which
         attention skips: the span starts at the first block the table still holds."""
-        block_ids = self._write(seq, pos, n)
-        end = pos + n
+        block_ids = self._write(seq, pos, n, t)
+        end, null = pos + n, self.null_id
         table = block_ids[:-(-end // self.block_size)]
-        read = [b for b in table if b != self.null_id]
-        first = 0 if table[:1] != [self.null_id] else next((i for i, b in enumerate(table) if b != self.null_id),
-                                                            len(table))
-        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read],
-                   span=[min(first * self.block_size, end), end])
+        if null not in table:  # the usual row: every block real
+            read, first = table, 0
+        else:
+            read = [b for b in table if b != null]
+            first = next((i for i, b in enumerate(table) if b != null), len(table))
+        versions = self._block_version
+        self._buf.append(Read(t=t, step=self.step, seq=seq, blocks=read, versions=[versions.get(b, 0) for b in read],
+                              span=[min(first * self.block_size, end), end]))
 
     def _roll_back_rejected(self) -> None:
         """Draft tokens the model rejected: vLLM counts its computed tokens back; the trace rolls them back."""

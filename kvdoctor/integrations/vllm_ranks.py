@@ -156,18 +156,19 @@ class RankTrace(BufferedTrace):
         for table in (self._versions, self._length):
             table.pop(seq, None)
 
-    def _write(self, block: int, seq: str, pos: int, n: int, version: int) -> None:
+    def _write(self, block: int, seq: str, pos: int, n: int, version: int, t: int) -> None:
         """``n`` tokens of ``seq`` from ``pos`` landed in ``block``: a write whose positions the block holds from now
         (a write that does not continue what the block holds starts its next life: a freed block reused)."""
         self._block_version[block] = version
         lo, hi = self._extent.get(block, (pos, pos))
         self._extent[block] = (min(lo, pos), max(hi, pos + n)) if lo <= pos <= hi else (pos, pos + n)
-        self._emit(Write, block=block, seq=seq, pos=pos, n=n, version=version)
+        self._buf.append(Write(t=t, step=self.step, block=block, seq=seq, pos=pos, n=n, version=version))
 
-    def compute(self, seq: str, pos: int, slots: list[int], row: list[int], lead: int = 0) -> None:
+    def compute(self, seq: str, pos: int, slots: list[int], row: list[int], lead: int, t: int) -> None:
         """``seq``'s tokens from ``pos`` go to ``slots`` (one a token, -1: nowhere); then it reads its row, whose
         first ``lead`` entries (a sliding window's dropped blocks, vLLM's null block) ``row`` leaves out: the read
-        spans the positions from the first block kept to the last token computed."""
+        spans the positions from the first block kept to the last token computed. Every row of a forward pass is
+        stamped with its time ``t`` (it runs once a step per row: its events are built directly)."""
         length = self._length.get(seq, 0)
         if pos < length:  # vLLM counted tokens back (rejected drafts, a preemption): so does the trace
             version = self._versions[seq] = self._versions[seq] + 1
@@ -182,13 +183,14 @@ class RankTrace(BufferedTrace):
                 stop += 1
             if block >= 0:
                 version += stop - start
-                self._write(block, seq, pos + start, stop - start, version)
+                self._write(block, seq, pos + start, stop - start, version, t)
             start = stop
         self._versions[seq] = version
         end = self._length[seq] = pos + n
-        read = row[:max(0, -(-end // bs) - lead)]
-        self._emit(Read, seq=seq, blocks=read, versions=[self._block_version.get(b, 0) for b in read],
-                   span=[min(lead * bs, end), end])
+        read = row[:-(-end // bs) - lead] if lead else row[:-(-end // bs)]
+        versions = self._block_version
+        self._buf.append(Read(t=t, step=self.step, seq=seq, blocks=read, versions=[versions.get(b, 0) for b in read],
+                              span=[min(lead * bs, end), end]))
 
     def arrived(self, seq: str, pos: int, row: list[int]) -> None:
         """``seq``'s row starts at ``pos``: tokens before it that no forward pass of this rank computed were loaded
@@ -205,7 +207,7 @@ class RankTrace(BufferedTrace):
             lo, hi = self._extent.get(row[i], (0, 0))
             if not lo <= first < stop <= hi:
                 version += stop - first
-                self._write(row[i], seq, first, stop - first, version)
+                self._write(row[i], seq, first, stop - first, version, time.perf_counter_ns() - self._t0)
         self._versions[seq] = version
         self._length[seq] = end
 
@@ -234,19 +236,22 @@ def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
     table = batch.block_table[0]
     total = sum(counts)
     slots = table.slot_mapping.np[:total].tolist()  # one conversion a step: the rows below read plain ints
-    blocks, per_row = table.block_table.np, table.num_blocks_per_row
     # the blocks first, as the scheduler handed them out before the step (a prefix hit's blocks before its
     # batch row starts past them), then the batch and what each row writes and reads
-    raw = [blocks[i, :per_row[i]].tolist() for i in range(num_reqs)]
-    held = [[b for b in r if b] for r in raw]  # block 0 is vLLM's null block: a sliding window's dropped blocks
+    per_row = table.num_blocks_per_row[:num_reqs].tolist()
+    # one conversion a step, as for the slots, as wide as the longest row (a table is max_model_len wide)
+    tables = table.block_table.np[:num_reqs, :max(per_row, default=0)].tolist()
+    raw = [r[:k] for r, k in zip(tables, per_row)]
+    # block 0 is vLLM's null block: the blocks a sliding window dropped, at the start of a row
+    held = [r if 0 not in r else [b for b in r if b] for r in raw]
     for seq, row, pos in zip(rows, held, positions):
         trace.hold(seq, row)
         trace.arrived(seq, pos, row)
-    trace._emit(Batch, rows=list(rows), positions=positions, n=counts)
+    t = time.perf_counter_ns() - trace._t0
+    trace._buf.append(Batch(t=t, step=trace.step, rows=list(rows), positions=positions, n=counts))
     start = 0
     for i, seq in enumerate(rows):
-        lead = len(raw[i]) - len(held[i]) if raw[i][:1] == [0] else 0
-        trace.compute(seq, positions[i], slots[start:start + counts[i]], held[i], lead)
+        trace.compute(seq, positions[i], slots[start:start + counts[i]], held[i], len(raw[i]) - len(held[i]), t)
         start += counts[i]
     trace.flush(total)
 
