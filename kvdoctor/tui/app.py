@@ -12,6 +12,7 @@ every event.
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -99,7 +100,7 @@ class KvdoctorApp(App[int]):
         self._held: Snapshot | None = None  # the newest snapshot while paused
         self._next: Snapshot | None = None  # the newest snapshot the feed published, until the UI thread takes it
         self._next_lock = threading.Lock()
-        self._frame_due = 0.0  # monotonic time before which no snapshot is drawn (``_frame_drawn``)
+        self._frame_due = 0.0  # monotonic time before which no snapshot is drawn (``_frame_drawn``, ``_hold_frames``)
         self._views: dict[str, list[Widget]] = {}  # per screen (tab pane id), its widgets that draw a snapshot
 
     # ---- layout -----------------------------------------------------------------------
@@ -190,7 +191,8 @@ class KvdoctorApp(App[int]):
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         wait = self._frame_due - time.monotonic()
         if wait > 0:  # the snapshot stays in ``_next`` (newer ones replace it) until the UI thread has had its rest
-            self.set_timer(wait, lambda: self.post_message(SnapshotReady()))
+            if wait != math.inf:  # else a key's screen is being painted (``_hold_frames``)
+                self.set_timer(wait, lambda: self.post_message(SnapshotReady()))
             return
         with self._next_lock:
             snapshot, self._next = self._next, None
@@ -213,6 +215,15 @@ class KvdoctorApp(App[int]):
         """Hand the newest snapshot to the views of ``pane`` (a view handed the one it has does nothing)."""
         for view in self._views.get(pane, ()):
             view.snapshot = self.snapshot  # type: ignore[attr-defined]
+
+    def _hold_frames(self) -> None:
+        """No frame until the screen after this key is painted: the key's paint does not carry a frame's too."""
+        self._frame_due = math.inf
+        self.call_after_refresh(self._release_frames)
+
+    def _release_frames(self) -> None:
+        self._frame_due = time.monotonic()
+        self.post_message(SnapshotReady())  # the newest snapshot, if one waited meanwhile
 
     def _frame_drawn(self, started: float) -> None:
         """A frame was applied and painted: the next waits as long as this one took. On a quiet machine a frame
@@ -259,6 +270,7 @@ class KvdoctorApp(App[int]):
 
     def action_tab(self, name: str) -> None:
         pane = {"attention": "attention-tab", "memory": "memory-tab"}.get(name, name)
+        self._hold_frames()
         self._show_views(pane)  # before the switch: the pane's first paint is of the newest state
         self.query_one(TabbedContent).active = pane
         # Focus moves now, in one step (``focus()`` would wait for the next message): a focused widget left in a
