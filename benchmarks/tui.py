@@ -130,6 +130,7 @@ async def _time_key(app: _TimedApp, key: str, rest: float) -> tuple[float, float
     sent = time.perf_counter()
     app._driver.send_message(events.Key(key, key))
     while len(app.marks) == marks:
+        assert time.perf_counter() - sent < 60, f"key {key!r} not answered in 60 s"
         await asyncio.sleep(0.002)
     handled, painted = app.marks[-1]
     await asyncio.sleep(rest)
