@@ -47,6 +47,7 @@ __all__ = ["patch_example_connector", "attach", "WorkerTrace"]
 
 _MASK = (1 << 64) - 1
 _TRACE = "_kvdoctor_trace"  # the attribute a connector's trace hangs on: its scheduler's tracer, or its own
+_SEQ = "_kvdoctor_seq"  # the attribute naming the request of a save or load the scheduler orders (it travels along)
 _ids = itertools.count()
 
 
@@ -257,6 +258,7 @@ def _saves_done(trace: WorkerTrace, connector: Any, *args: Any, **kwargs: Any) -
     for key, (request, digests, layers) in pending.items():
         transfer = f"save:{key[:12]}:{next(_ids)}"
         trace._emit(TransferStart, transfer=transfer, op="save", blocks=_blocks(request, bs), src="device",
+                    seq=getattr(request, _SEQ, None),
                     dst=f"connector:{connector._storage_path}", key=key, num_tokens=len(request.slot_mapping),
                     layers=sorted(set(layers)), digests=digests)
         trace._emit(TransferDone, transfer=transfer)
@@ -282,6 +284,7 @@ def _loaded(trace: WorkerTrace, connector: Any, _: Any, forward_context: Any, *a
         key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
         transfer = f"load:{key[:12]}:{next(_ids)}"
         trace._emit(TransferStart, transfer=transfer, op="load", blocks=_blocks(request, bs),
+                    seq=getattr(request, _SEQ, None),
                     src=f"connector:{connector._storage_path}", dst="device", key=key,
                     num_tokens=len(request.slot_mapping), layers=sorted(set(layers)))
         trace._emit(TransferDone, transfer=transfer, digests=digests)
@@ -312,15 +315,18 @@ def _will_load(tracer: Any, connector: Any, _: Any, request: Any, blocks: Any, n
 
 
 def _will_save(tracer: Any, connector: Any, meta: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> None:
-    """The scheduler asked the workers to save these requests' K/V this step: record each request's save, one per
-    rank, under the key each rank's worker saves it under (a rank that saves nothing is then named)."""
+    """The scheduler built the workers' orders for this step: each save and load it orders is tagged with its request
+    (the workers' traces name it from their own copy of the orders, whatever order the traces are read in), and
+    each save is recorded here, one per rank, under the key each rank's worker saves it under (a rank that saves
+    nothing is then named)."""
     bs = connector._block_size
     new = {tuple(r.block_ids[0]): r.req_id for r in scheduler_output.scheduled_new_reqs}
     for request in getattr(meta, "requests", ()):
-        if not request.is_store:
-            continue
         ids = _blocks(request, bs)
         seq = next((s for blocks, s in new.items() if list(blocks[:len(ids)]) == ids), None)
+        setattr(request, _SEQ, seq)
+        if not request.is_store:
+            continue
         key = _key(connector, request.token_ids, request.mm_hashes)
         for shard in _shards(connector):
             transfer = f"save:{key[:12]}:{next(_ids)}"
