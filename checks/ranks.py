@@ -149,6 +149,7 @@ class _Rank:
     def __init__(self, tag: TraceTag) -> None:
         self.tag = tag
         self.done_through = -1  # every step up to this one is complete
+        self.forgot_through = -1  # steps up to this one were judged or dropped: no record is not "nothing"
         self.steps: dict[int, tuple] = {}  # step -> its _CLOSED record, for steps with decisions
         self.ended = False
 
@@ -240,7 +241,9 @@ class RanksCheck(AcrossCheck):
                 if rec[2] is not None:
                     steps[rec[1]] = rec
                     if len(steps) > _PENDING_STEPS:
-                        del steps[next(iter(steps))]
+                        dropped = next(iter(steps))
+                        del steps[dropped]
+                        rank.forgot_through = max(rank.forgot_through, dropped)
             elif kind == _STEP:
                 if len(steps) >= _PENDING_STEPS // 2:  # a batch of many short steps: compare before any drops
                     out.extend(self._judge(key))
@@ -261,18 +264,24 @@ class RanksCheck(AcrossCheck):
                            block=ev.blocks[0] if ev.blocks else None, held=held, event=self.event_dict(ev))]
 
     def _judge(self, key: Any) -> list[Finding]:
-        """Compare every step all of ``key``'s ranks have finished."""
+        """Compare every step all of ``key``'s ranks have finished. While the header's parallel sizes say a rank
+        has not shown its trace yet (a worker's trace found after its peers'), nothing is judged until it does or
+        every rank shown has ended: a step judged without it would be gone when it joins."""
         peers = self.engines.get(key, [])
         live = [r for r in peers if not r.ended]
+        if live and len(peers) < _expected_ranks(peers[0].tag.header):
+            return []
         through = min((r.done_through for r in live), default=None)
         out: list[Finding] = []
         steps = sorted({s for r in peers for s in r.steps if through is None or s <= through})
         for step in steps:
-            members = [r for r in peers if r.done_through >= step]
+            members = [r for r in peers if r.done_through >= step and (step in r.steps or step > r.forgot_through)]
             if len(members) > 1:
                 out.extend(self._compare(step, members))
             for r in peers:
                 r.steps.pop(step, None)
+        for r in peers:
+            r.forgot_through = max(r.forgot_through, r.done_through if through is None else min(r.done_through, through))
         return out
 
     def _compare(self, step: int, members: list[_Rank]) -> list[Finding]:
@@ -314,6 +323,11 @@ class RanksCheck(AcrossCheck):
                     self._reread_steps[key] = again[4]
                     return again[4]
         raise AssertionError(f"step {rec[1]} of {rank.tag.name} read again differs from its first reading")
+
+
+def _expected_ranks(h: Header) -> int:
+    """How many rank traces one engine writes, as its header says (1 where it says no sizes)."""
+    return (h.tp_size or 1) * (h.pp_size or 1)
 
 
 def _digest_of(rec: tuple | None) -> bytes | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvdoctor.checks import RanksCheck, TraceTag
 from kvdoctor.events import Header, TierSpec, TransferDone, TransferStart
 from kvdoctor.trace import TraceWriter
 from kvdoctor.workload import TraceSet, WorkloadSession
@@ -180,3 +181,26 @@ def test_instances_sharing_a_store_must_agree_on_block_size_even_when_no_key_pai
     # AND the same store used by instances that agree is silent
     alike = [TransferStart(t=2, transfer="s", op="save", blocks=[3, 4], seq="b", key="k9", num_tokens=8, **store)]
     assert check(tmp_path, (header(instance="prefill"), prefill), (header(instance="decode"), alike)) == []
+
+
+def _late_join(diverge: bool) -> list:
+    """Rank 0's trace read through its steps before rank 1's trace is found (a worker's trace that a followed
+    folder shows later), as a live workload hands records to the ranks rule."""
+    check, found = RanksCheck(), []
+    tags = [TraceTag(index=i, name=f"w{i}", header=header(instance="p", tp_rank=i, tp_size=2)) for i in range(2)]
+    recorders = [check.recorder(tag) for tag in tags]
+    found += check.trace_added(tags[0])
+    found += check.see_records(tags[0], recorders[0].record(rank_steps()))
+    found += check.trace_added(tags[1])
+    found += check.see_records(tags[1], recorders[1].record(rank_steps(diverge)))
+    for tag, recorder in zip(tags, recorders):
+        found += check.see_records(tag, recorder.end(), ended=True)
+    return found
+
+
+def test_a_rank_whose_trace_joins_late_is_compared_step_by_step_not_against_nothing(tmp_path):
+    # GIVEN rank 1's trace joining after rank 0 finished its steps (seen in a clean vLLM TP=2 run under load)
+    # THEN its steps are compared with rank 0's, not with "nothing", and a real divergence is still named
+    assert _late_join(diverge=False) == []
+    late = _late_join(diverge=True)
+    assert rules(late) == ["ranks/divergence"] and late[0].step == 1 and late[0].block == 7
