@@ -447,8 +447,10 @@ HOT void decode_layers(const int bf, const decode_args *a) {
  * row's length) into vtotal (M, vk), each layer's and kv head's share of it into vsums (L, M, vk, H_kv). With final_w, x ends normalised
  * by the model's final RMSNorm (weight final_w, final_eps), as the lm head reads it. */
 void kvdoctor_decode_layers(const decode_args *args) {
+  kvdoctor_pool_hold(1);
   if (args->is_bf16) decode_layers(1, args);
   else decode_layers(0, args);
+  kvdoctor_pool_hold(0);
 }
 
 /* decode_args' layout as this library was compiled: decode_layer.py checks its mirror against it at load. */

@@ -13,6 +13,9 @@ typedef void (*pool_body)(void *ctx, int64_t first, int64_t end, int64_t step);
  * depend on each other: which thread runs one never changes what it computes. */
 void kvdoctor_parallel(int64_t n, int64_t threads, int interleave, pool_body body, void *ctx);
 
+/* Around a kernel call of many loops: 1 keeps the workers spinning between its loops, 0 lets them rest. */
+void kvdoctor_pool_hold(int on);
+
 /* A pool_body that runs an inline function of the model's dtype (a constant in each instantiation, so each
  * loop compiles for float32 and for bf16): NAME(ctx, first, end, step) calls FN(bf, job, first, end, step)
  * for a job of type JOB whose ``bf`` field picks it. */
