@@ -131,8 +131,9 @@ class EngineCache(Cache):
         elif engine_config:
             raise ValueError(f"engine options {sorted(engine_config)} only apply when EngineCache builds the engine")
         self.engine = cache
-        # transformers' forward runs kvdoctor's kernels and torch's ops in the process's OpenMP team: sized, as the
-        # runner's, to the CPUs other processes leave (engine.model.threads), and given back at finish()
+        # transformers' forward runs kvdoctor's kernels (on their pool) and torch's ops (on its OpenMP team): each
+        # waits and is sized, as the runner's, by the CPUs other processes leave (engine.model.threads), and given
+        # back at finish()
         self.threads = ThreadPolicy()
         self.stats_every = stats_every
         self.per_head = per_head

@@ -8,7 +8,7 @@ make them cheaper without changing what they compute:
   matmul over the concatenated weight replaces three (two) calls. The fused weight is built
   once and the model's ``nn.Linear`` weights become views into it, so memory holds one copy.
 - **A bandwidth-bound kernel.** Up to ``matvec.MAX_ROWS`` rows on CPU go to ``matvec`` (each
-  weight read once, split over torch's threads, faster than MKL's and oneDNN's float32 products at
+  weight read once, split over the kernels' thread pool, faster than MKL's and oneDNN's float32 products at
   these row counts: docs/benchmarks.md; bf16 weights at half the bytes); more rows (prefill) to ``F.linear`` (MKL's
   GEMM; a bf16 weight on CPU widened to float32 for it, as torch's bf16 GEMM is slower there).
 - **2 MB pages.** Every projection's weight is copied once into an arena of huge pages (``hugepages``),
