@@ -19,7 +19,7 @@ from ..findings import Severity
 
 from .accounting import AccountingCheck
 from .adapters import AdaptersCheck
-from .across import AcrossCheck, TraceTag
+from .across import AcrossCheck, TraceTag, readers_of
 from .attention import AttentionCheck, AttentionSettings
 from .attention_profile import AttentionProfile, ProfileBuilder, shipped_profile
 from .base import CheckBase, CheckSuite, Rule
@@ -43,7 +43,7 @@ __all__ = [
     "AttentionProfile", "ProfileBuilder", "shipped_profile",
     "AccountingCheck", "CodecCheck", "IntegrityCheck", "PrefixCheck", "ObserverCheck",
     "WeightsCheck", "TransferCheck", "AdaptersCheck", "SlotsCheck", "ACROSS_CHECKS", "make_across_suite",
-    "AcrossCheck", "TraceTag", "RanksCheck", "HandoffCheck",
+    "AcrossCheck", "TraceTag", "readers_of", "RanksCheck", "HandoffCheck",
 ]
 
 ALL_CHECKS: tuple[type[CheckBase], ...] = (

@@ -20,7 +20,7 @@ from ..findings import Finding
 
 from .base import NO_FINDINGS, CheckBase
 
-__all__ = ["TraceTag", "AcrossCheck"]
+__all__ = ["TraceTag", "AcrossCheck", "readers_of"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,18 @@ class AcrossCheck(CheckBase):
     def found(self, tag: TraceTag, rule: str, message: str, **fields: Any) -> Finding:
         """A finding of ``rule`` that names the trace it is about."""
         return msgspec.structs.replace(self.finding(rule, message, **fields), trace=tag.name)
+
+
+def readers_of(checks: Sequence[AcrossCheck], tag: TraceTag) -> tuple[list[tuple[AcrossCheck, frozenset]], list[AcrossCheck]]:
+    """The checks that read ``tag``'s trace: the merged ones with the event kinds each reads, and those fed
+    records (not ``merged``), each in ``checks``' order. The workload and a worker checking the trace for it
+    must split alike: the worker's records are matched to the parent's checks by place."""
+    merged: list[tuple[AcrossCheck, frozenset]] = []
+    direct: list[AcrossCheck] = []
+    for check in checks:
+        kinds = check.wants(tag)
+        if kinds and check.merged:
+            merged.append((check, frozenset(kinds)))
+        elif kinds:
+            direct.append(check)
+    return merged, direct

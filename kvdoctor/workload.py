@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 import msgspec
 
-from .checks import CheckSuite, TraceTag, make_across_suite
+from .checks import CheckSuite, TraceTag, make_across_suite, readers_of
 from .config import Config
 from .errors import TraceError
 from .events import Header
@@ -285,14 +285,11 @@ class WorkloadSession:
                 self.t0_base = header.t0
         else:
             m.t0 = self.t0_base or 0
-        for check in self.across.checks:
-            kinds = check.wants(tag)
-            if kinds and check.merged:
-                m.wants.append((check, frozenset(kinds)))
-            elif kinds:
-                m.direct.append((check, None if m.remote else check.recorder(tag)))
-                if m.remote:
-                    check.reread = functools.partial(self._reread, check)
+        m.wants, direct = readers_of(self.across.checks, tag)
+        for check in direct:
+            m.direct.append((check, None if m.remote else check.recorder(tag)))
+            if m.remote:
+                check.reread = functools.partial(self._reread, check)
         m.wanted = frozenset().union(*(kinds for _, kinds in m.wants))
         self.members.append(m)
         self._accept(None, [f for check in self.across.checks for f in check.trace_added(tag)])

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Union
 
 import msgspec
 
-from .checks import TraceTag, make_across_suite
+from .checks import TraceTag, make_across_suite, readers_of
 from .config import Config
 from .errors import EXIT_TRACE, KvdoctorError, TraceError
 from .events import AnyEvent
@@ -111,14 +111,9 @@ def _check(job: _Job) -> None:
     suite = config.make_suite(tag.header.model)
     across = make_across_suite(disabled=config.disable, severity=config.severity,  # type: ignore[arg-type]
                                max_per_rule=config.max_findings_per_rule)
-    wanted: frozenset = frozenset()
-    recorders = []
-    for check in across.checks:
-        kinds = check.wants(tag)
-        if kinds and check.merged:
-            wanted |= frozenset(kinds)
-        elif kinds:
-            recorders.append(check.recorder(tag, keep=False))
+    merged, direct = readers_of(across.checks, tag)
+    wanted = frozenset().union(*(kinds for _, kinds in merged))
+    recorders = [check.recorder(tag, keep=False) for check in direct]
     encoder = msgspec.msgpack.Encoder()
     with open(job.out, "wb") as f:
         def put(frame: Any) -> None:
