@@ -120,16 +120,11 @@ class HandoffCheck(AcrossCheck):
         if ev.op == "save":
             out += self._saved(tag, ev)
             save = _Save(tag, ev, digests=ev.digests)
-            self.saves[ev.key] = save
-            self.saves.move_to_end(ev.key)
-            if len(self.saves) > KEYS_KEPT:
-                self.saves.popitem(last=False)
+            self._remember(self.saves, ev.key, save)
             self.saves_by_id[(tag.index, ev.transfer)] = save
             return out
         if ev.seq is not None:
-            self.requests[(tag.header.instance, ev.key)] = ev.seq
-            if len(self.requests) > KEYS_KEPT:
-                self.requests.popitem(last=False)
+            self._remember(self.requests, (tag.header.instance, ev.key), ev.seq)
         save = self.saves.get(ev.key)
         load = _Load(tag, ev)
         self.loads[(tag.index, ev.transfer)] = load
@@ -176,7 +171,7 @@ class HandoffCheck(AcrossCheck):
 
     # ---- ranks that save and load their share ---------------------------------------------------
 
-    def _remember(self, table: OrderedDict, key: tuple, value: Any) -> None:
+    def _remember(self, table: OrderedDict, key: Any, value: Any) -> None:
         table[key] = value
         table.move_to_end(key)
         if len(table) > KEYS_KEPT:
