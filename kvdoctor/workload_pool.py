@@ -146,7 +146,21 @@ def _check(job: _Job) -> None:
             raise
 
 
+def _end_with_parent() -> None:
+    """A worker never outlives the check that started it (killed, crashed): the kernel sends it SIGKILL when its
+    parent goes (Linux's parent-death signal; where there is none, a worker ends with its trace)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent went before the signal was set
+        os._exit(1)
+
+
 def _work(job: _Job) -> None:
+    _end_with_parent()
     # Ctrl-C is the parent's to handle: it reports what was merged so far and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
