@@ -15,7 +15,9 @@ detaches a ``VllmTracer`` between runs of one engine, in ABBA pairs, so machine 
 alike; the figure is the median of per-pair ratios with quartiles. On a shared machine those pairs
 scatter by tens of percent, so the plugin's cost is also timed in place: the tracer's own work (its
 batch, write/read and step-end records, content keys, the trace writes) by the wall clock around its
-entry points, as a share of the same run's time, which load slows alike.
+entry points, as a share of the same run's time, which load slows alike; and every wrapper the tracer installs
+by its own time (its wall time less that of vLLM's method inside it), which counts the hooks around vLLM's
+calls too (``hooks_share``).
 
 The plugin is on as users run it (``KVDOCTOR_TRACE``: every hook it installs is in place); the pairs pause
 and resume its tracing. ``--tp 2`` serves a small random Llama (head size 64, 4 heads, 2 KV heads) at tensor
@@ -27,6 +29,8 @@ as a share of the same run. The runner comparison is made at ``--tp 1`` only.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -64,10 +68,47 @@ def vllm_decode(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, 
 vllm_decode.calls = 0
 
 
+def _clocked(fn, spent: list[float], sign: int = 1):
+    """``fn``, adding (``sign`` 1) or taking away (-1) the wall time of each call to ``spent[0]``."""
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += sign * (time.perf_counter() - t)
+
+    return call
+
+
+@contextlib.contextmanager
+def wrappers_timed(spent: list[float]):
+    """While a tracer is built, every wrapper its guard installs adds its own time to ``spent[0]``: the wrapper's
+    wall time minus that of vLLM's method inside it (a wrapper called inside another's host counts once, as its
+    own). So the hooks around every call (the request context per row's ``allocate_slots``, their argument
+    lookups) count too, which timing the tracer's entry points leaves out."""
+    from kvdoctor.integrations.guard import Guard
+
+    wrap = Guard.wrap
+
+    def timed_wrap(self, original, part, **hooks):
+        # the guard reads the host's signature through __wrapped__
+        host = functools.wraps(original)(_clocked(original, spent, -1))
+        outer = _clocked(wrap(self, host, part, **hooks), spent)
+        outer.__wrapped__ = original
+        return outer
+
+    Guard.wrap = timed_wrap
+    try:
+        yield
+    finally:
+        Guard.wrap = wrap
+
+
 def tracer_share(llm, tracer, prompts: list[list[int]], new_tokens: int) -> float:
     """Share of a whole traced run (prefill and decode) spent in ``tracer``'s own code. Its entry points
     are timed outermost only (they call one another); what the wrappers do inline around vLLM's calls
-    (a dict update per block allocated or freed) is left out, a few microseconds a step."""
+    (the request context around each row's ``allocate_slots``, a dict update per block allocated or freed) is
+    left out here and counted by ``wrappers_timed``."""
     spent, depth = [0.0], [0]
 
     def timed(fn):
@@ -103,16 +144,9 @@ def _rank_clock(worker, start: bool) -> float:
     if not trace:
         return 0.0
     if start:
-        attempt, spent = type(trace.guard).attempt.__get__(trace.guard), [0.0]
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return attempt(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t
-
-        trace.guard.attempt, trace._bench_spent = timed, spent
+        spent = [0.0]
+        trace.guard.attempt = _clocked(type(trace.guard).attempt.__get__(trace.guard), spent)
+        trace._bench_spent = spent
         return 0.0
     vars(trace.guard).pop("attempt", None)
     return trace.__dict__.pop("_bench_spent", [0.0])[0]
@@ -203,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             llm.collective_rpc(_rank_live, args=(live,))
 
     def traced(prompts, share=False):
-        tracer = VllmTracer(scheduler, os.path.join(trace_dir, f"run{vllm_decode.calls}.kvtrace"), engine="vllm")
+        hooks = [0.0]
+        with wrappers_timed(hooks) if share else contextlib.nullcontext():
+            tracer = VllmTracer(scheduler, os.path.join(trace_dir, f"run{vllm_decode.calls}.kvtrace"), engine="vllm")
         ranks(True)
         try:
             if not share:
@@ -214,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             ours = tracer_share(llm, tracer, prompts, N)
             wall = time.perf_counter() - t0
             rank = max(llm.collective_rpc(_rank_clock, args=(False,))) / wall if args.tp > 1 else 0.0
-            return ours, rank
+            return ours, rank, hooks[0] / wall
         finally:
             tracer.detach()
             ranks(False)
@@ -232,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, prompts in (("batch1", batch1), ("batch8", batch8)):
         plugin = paired(lambda p=prompts: vllm_decode(llm, p, N), lambda p=prompts: traced(p), args.pairs)
         shares = sorted(traced(prompts, share=True) for _ in range(args.share_runs))
-        ours, rank = sorted(s[0] for s in shares), sorted(s[1] for s in shares)
+        ours, rank, hooks = (sorted(s[i] for s in shares) for i in range(3))
         results[name] = {"plugin_share": round(_pairing.median(ours), 5),
-                         "plugin_share_range": [round(ours[0], 5), round(ours[-1], 5)]}
+                         "plugin_share_range": [round(ours[0], 5), round(ours[-1], 5)],
+                         "hooks_share": round(_pairing.median(hooks), 5),
+                         "hooks_share_range": [round(hooks[0], 5), round(hooks[-1], 5)]}
         if args.tp > 1:
             results[name] |= {"rank_share": round(_pairing.median(rank), 5),
                               "rank_share_range": [round(rank[0], 5), round(rank[-1], 5)]}
@@ -260,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             ranks_said = (f"; each rank's {100 * results[name]['rank_share']:.2f}% (worst rank)"
                           if args.tp > 1 else "")
             print(f"{name}: plugin code {100 * results[name]['plugin_share']:.2f}% of the traced run (in place, "
-                  f"the engine core's){ranks_said}")
+                  f"the engine core's entry points; {100 * results[name]['hooks_share']:.2f}% with every wrapper's "
+                  f"own time){ranks_said}")
             versus = f"; kvdoctor runner {r['runner']} tok/s = {r['runner_vs_vllm']:.2f}x vLLM" if runner else ""
             print(f"{name}: vLLM {r['vllm']} tok/s, traced {r['vllm_traced']} (plugin cost {100 * r['plugin_cost']:+.1f}%, "
                   f"quartiles {100 * r['plugin_cost_q'][0]:+.1f}..{100 * r['plugin_cost_q'][1]:+.1f}%){versus}")

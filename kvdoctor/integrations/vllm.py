@@ -196,6 +196,12 @@ class VllmTracer(BufferedTrace):
         self.block_size = self.header.block_size
         self.capacity = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never handed out
         self.null_id = pool.null_block.block_id
+        # every row of every step reads its request's block table: from vLLM's own table where this vLLM has one
+        # (one dict lookup), not through get_block_ids' chain of calls and copies
+        try:
+            self._tables: Any = manager.coordinator.single_type_managers[0].req_to_blocks
+        except (AttributeError, IndexError, TypeError):
+            self._tables = None
         self._request: Any = None  # the request whose blocks vLLM is handing out or taking back now
         self._holders: dict[int, list] = {}  # block -> owners holding a reference, one entry per reference
         self._cached: dict[int, str] = {}  # block -> content key it is registered under in the prefix cache
@@ -502,7 +508,9 @@ class VllmTracer(BufferedTrace):
     def _write(self, seq: Any, pos: int, n: int, t: int | None = None) -> list[int]:
         """``write``s of tokens ``pos … pos+n-1`` into ``seq``'s blocks, at time ``t`` (None: now); returns its
         block ids."""
-        block_ids = self.manager.get_block_ids(seq)[0]
+        tables = self._tables
+        block_ids = ([b.block_id for b in tables.get(seq) or ()] if tables is not None
+                     else self.manager.get_block_ids(seq)[0])
         bs, end, step, buf = self.block_size, pos + n, self.step, self._buf
         t = time.perf_counter_ns() - self._t0 if t is None else t
         version = self._versions.get(seq, 0)
@@ -539,7 +547,7 @@ class VllmTracer(BufferedTrace):
         requests = self.scheduler.requests
         for seq, end in self._written.items():
             request = requests.get(seq)
-            if request is not None:
+            if request is not None and request.num_computed_tokens < end:  # most rows: every token kept
                 self._count_back(seq, request.num_computed_tokens, end)
         self._written.clear()
 
