@@ -22,7 +22,7 @@ __all__ = [
     "Knob", "KnobError", "KNOBS", "get", "markdown",
     "TRACE", "ATTACH_DIR", "FAULT", "VERIFY", "VERIFY_MODES", "PROBES", "PROBES_INTERVAL", "PROBES_HEAP",
     "MATVEC", "DECODE_LAYER", "HUGEPAGES", "THREADS", "CC", "XDG_CACHE_HOME", "HYPOTHESIS", "FUZZ_EXAMPLES", "FUZZ_REPORT",
-    "TP_SHELL",
+    "TP_SHELL", "VLLM_RANK_DIGESTS",
 ]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -132,12 +132,16 @@ FUZZ_EXAMPLES = Knob(
 FUZZ_REPORT = _text_knob(
     "KVDOCTOR_FUZZ_REPORT", "path", "a file each fuzz test appends its tally to (one JSON line)", "a file path",
     scope="tests")
+VLLM_RANK_DIGESTS = _flag_knob(
+    "KVDOCTOR_VLLM_RANK_DIGESTS", False, "the vLLM plugin's tensor- and pipeline-parallel ranks digest the K/V each "
+    "forward pass writes, so a KV connector saving other bytes than a rank wrote is found "
+    "(integrity/read-mismatch); costs torch work per layer and step (docs/vllm.md)")
 TP_SHELL = _text_knob(
     "KVDOCTOR_TP_SHELL", "path", "a Perfetto trace_processor_shell binary: the Perfetto export is checked with it",
     "a file path", scope="tests")
 
 KNOBS: tuple[Knob, ...] = (TRACE, ATTACH_DIR, FAULT, VERIFY, PROBES, PROBES_INTERVAL, PROBES_HEAP, MATVEC,
-                           DECODE_LAYER, HUGEPAGES, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT,
+                           DECODE_LAYER, HUGEPAGES, VLLM_RANK_DIGESTS, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT,
                            TP_SHELL)
 
 _parsed: dict[str, tuple[str, Any]] = {}  # name -> (the raw value last parsed, its value)
