@@ -141,7 +141,8 @@ TP_SHELL = _text_knob(
     "a file path", scope="tests")
 
 KNOBS: tuple[Knob, ...] = (TRACE, ATTACH_DIR, FAULT, VERIFY, PROBES, PROBES_INTERVAL, PROBES_HEAP, MATVEC,
-                           DECODE_LAYER, HUGEPAGES, VLLM_RANK_DIGESTS, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS, FUZZ_EXAMPLES, FUZZ_REPORT,
+                           DECODE_LAYER, HUGEPAGES, VLLM_RANK_DIGESTS, THREADS, CC, XDG_CACHE_HOME, HYPOTHESIS,
+                           FUZZ_EXAMPLES, FUZZ_REPORT,
                            TP_SHELL)
 
 _parsed: dict[str, tuple[str, Any]] = {}  # name -> (the raw value last parsed, its value)
