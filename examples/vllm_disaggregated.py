@@ -28,6 +28,11 @@ request it stores (``handoff/save-missing``, LMCache #1807) and every layer but 
 (``handoff/save-layers``); those entries are incomplete, so the decode instance computes both prompts itself;
 the decode rank loads every layer but the last for the first request it loads (``handoff/partial-load``). Each
 is named with the instance, rank, request and block; the fourth request stays clean.
+``--fault overwrite`` (TP 2) changes a row of the first prompt's first block on the prefill's rank 1, at layer 1,
+after the forward pass wrote it and before its connector saves it (a block reused or overwritten before its
+save); the ranks digest their writes (``KVDOCTOR_VLLM_RANK_DIGESTS=1``, set by the fault), and the check names
+the instance, rank, request, block and layer (``integrity/read-mismatch`` in that rank's trace). A clean run with
+``KVDOCTOR_VLLM_RANK_DIGESTS=1`` finds nothing.
 """
 
 from __future__ import annotations
@@ -84,11 +89,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--fault", choices=["foreign-kv", "block-size", "ranks"],
+    ap.add_argument("--fault", choices=["foreign-kv", "block-size", "ranks", "overwrite"],
                     help="foreign-kv: overwrite a prompt's K/V in the store with another's; block-size: the decode "
                     "instance pages its cache in blocks of 64 tokens where the prefill used 32; ranks (--tp 2): rank 1's "
                     "connectors save nothing, then all but layer 1, and (decode) load all but the last layer, a "
-                    "request each")
+                    "request each; overwrite (--tp 2): prefill rank 1 changes a block at layer 1 before saving it")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of both instances (2: a small random "
                     "Llama with an even head count, each worker bound to a core)")
     ap.add_argument("--store", choices=["shared", "per-rank"], default=None,
@@ -96,15 +101,17 @@ def main() -> None:
                     "rank (default at --tp above 1)")
     args = ap.parse_args()
     per_rank = (args.store or ("per-rank" if args.tp > 1 else "shared")) == "per-rank"
-    if args.fault == "ranks" and args.tp < 2:
-        ap.error("--fault ranks acts on rank 1: use --tp 2")
+    if args.fault in ("ranks", "overwrite") and args.tp < 2:
+        ap.error(f"--fault {args.fault} acts on rank 1: use --tp 2")
 
     from vllm import SamplingParams
 
     import vllm_rank_store
 
-    if args.fault == "ranks":  # the faults travel to the workers as functions of vllm_rank_store
+    if args.fault in ("ranks", "overwrite"):  # the faults travel to the workers as functions of vllm_rank_store
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if args.fault == "overwrite":  # seen only where the ranks digest what they write
+        os.environ.setdefault("KVDOCTOR_VLLM_RANK_DIGESTS", "1")
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % 2) for i in range(args.tp)))
         from kvdoctor.engine.model.model import tiny_llama_dir
@@ -116,6 +123,8 @@ def main() -> None:
     prefill = instance("prefill", model, storage, tp=args.tp, per_rank=per_rank)
     if args.fault == "ranks":  # rank 1 saves nothing of the first request it stores, all but layer 1 of the second
         prefill.collective_rpc(vllm_rank_store.skip_saves, args=(1, [None, 1]))
+    if args.fault == "overwrite":
+        prefill.collective_rpc(vllm_rank_store.overwrite_before_save, args=(1, 1))
     tokenizer = prefill.get_tokenizer()
     # the question first: the connector keys a prompt by its tokens up to a block boundary, so prompts that
     # differ only after a long shared system prompt would share one entry in the store

@@ -10,7 +10,8 @@ in every process that builds a connector through ``kv_connector_module_path="vll
 The faults run inside the workers (``LLM.collective_rpc``, with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) and
 act on one rank's connector only, by shadowing a method on that connector object (the class, which the
 kvdoctor plugin wraps, is left alone), each on the requests it names by their order: a rank that saves nothing
-for a request (LMCache #1807), or all but one layer, and a rank that loads all but its last layer.
+for a request (LMCache #1807), or all but one layer, a rank that loads all but its last layer, and a block whose
+bytes change between the rank's write and its connector's save.
 """
 
 from __future__ import annotations
@@ -108,6 +109,26 @@ def skip_saves(worker: Any, rank: int, skipped: list[int | None]) -> None:
     def save_kv_layer(layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         with _Only(connector, lambda r: kept(r, _layer(layer_name))):
             save(connector, layer_name, kv_layer, attn_metadata, **kwargs)
+
+    connector.save_kv_layer = save_kv_layer
+
+
+def overwrite_before_save(worker: Any, rank: int, layer: int) -> None:
+    """On ``rank``: the first request its connector stores has the start of its first block changed at
+    ``layer`` in the paged cache after the forward pass wrote it and before the connector saves that layer, as
+    another request reusing the block, or a copy racing the save, would."""
+    connector = _connector_of(rank)
+    if connector is None:
+        return
+    save, done = type(connector).save_kv_layer, []
+
+    def save_kv_layer(layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        stored = [r for r in connector._get_connector_metadata().requests if r.is_store]
+        if stored and not done and _layer(layer_name) == layer:
+            done.append(stored[0])
+            first = int(stored[0].slot_mapping[0]) // connector._block_size
+            kv_layer[first, :, 0] += 1.0  # the CPU layout: each KV head's first 2 x head size values in the block
+        save(connector, layer_name, kv_layer, attn_metadata, **kwargs)
 
     connector.save_kv_layer = save_kv_layer
 

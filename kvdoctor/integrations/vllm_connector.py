@@ -17,8 +17,9 @@ tokens) does it in two places, and the plugin wraps both, class-level, in every 
   saved and a digest per block of the K/V read out of the paged cache, and a ``load`` per loaded request with
   the layers it loaded and the digest of the K/V that landed.
 
-Both digests cover the same rows (the connector's slot mapping, indexed as the connector indexes it) and
-are summed over layers whatever their order, so a save on one instance and a load on another of the same
+Both digests cover the same rows (the connector's slot mapping) and are sums of per-row digests
+(``vllm_digests``: a token's K and V at one layer, keyed by its position and layer) over the block's rows and
+the layers, whatever their order, so a save on one instance and a load on another of the same
 layers agree exactly when the destination holds what the source saved: ``kvdoctor check`` over the workload
 names a load of other K/V (``handoff/digest-mismatch``: a stale or foreign file under the key), a rank that
 saved nothing or fewer layers than it holds for a request its scheduler asked it to save
@@ -26,12 +27,15 @@ saved nothing or fewer layers than it holds for a request its scheduler asked it
 (``handoff/partial-load``), with the request from the engine core's record of the same save or load. Every
 wrapper runs the connector's method as called; a failure of the bookkeeping stops that trace (one
 ``observer_error``) and vLLM goes on.
+
+A rank that digests its own writes (``KVDOCTOR_VLLM_RANK_DIGESTS``, ``vllm_ranks``) is handed each save's
+per-layer block digests in its process, and records the save in its trace against what its forward passes
+wrote: bytes changed between a rank's write and its connector's save are ``integrity/read-mismatch``.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import itertools
 import os
 import time
@@ -41,7 +45,8 @@ from typing import Any, Callable
 from ..events import Header, ObserverError, TierSpec, TransferDone, TransferStart
 from ..trace import TraceWriter
 from .guard import Guard
-from .vllm_ranks import pp_rank, stage_layers, tp_rank
+from .vllm_digests import block_sums, cache_rows, linear, row_digests, unsigned
+from .vllm_ranks import digesting_rank, pp_rank, stage_layers, tp_rank
 
 __all__ = ["patch_example_connector", "attach", "WorkerTrace"]
 
@@ -117,7 +122,8 @@ class WorkerTrace:
     def __init__(self, connector: Any, path: str, engine: str) -> None:
         self._t0 = time.perf_counter_ns()
         self.step = 0
-        self.pending: dict[str, list] = {}  # key -> [request, digests so far, layers so far] of this forward's saves
+        # key -> [request, digests so far, layers so far, {layer: its block digests}] of this forward's saves
+        self.pending: dict[str, list] = {}
         self.shard = _shard(connector)  # this rank's share of every key it saves and loads
         self.writer: TraceWriter | None = None
         self.guard = Guard("vllm", self._record_error, lambda: None)
@@ -177,22 +183,15 @@ def _worker_header(connector: Any, engine: str, t0_perf: int) -> Header:
 # ---- the bytes: digests per block ----------------------------------------------------------
 
 
-def _rows(layer: Any, slots: Any, block_size: int) -> Any:
-    """The K/V rows of ``slots`` in a paged layer, indexed as the connector indexes it: (tokens, ...)."""
-    if layer.dim() == 2:  # MLA: one latent row per slot
-        return layer[slots]
-    return layer[slots // block_size, :, slots % block_size]
+def _block_digests(kv_layer: Any, slot_mapping: Any, layer: int, block_size: int) -> list[int]:
+    """Per block of the request's slots (its tokens from position 0, a block at a time): the sum of its rows'
+    digests in this layer (summed over layers later)."""
+    import torch
 
-
-def _block_digests(rows: Any, layer_name: str, block_size: int) -> list[int]:
-    """Per block of ``block_size`` rows: a digest of its bytes in this layer (summed over layers later)."""
-    data = rows.detach().cpu().contiguous()
-    out = []
-    for start in range(0, data.shape[0], block_size):
-        h = hashlib.blake2b(layer_name.encode(), digest_size=8)
-        h.update(data[start:start + block_size].numpy().tobytes())
-        out.append(int.from_bytes(h.digest(), "little"))
-    return out
+    slots = slot_mapping.to(kv_layer.device)
+    lin = linear(cache_rows(kv_layer, slots, block_size)).cpu()
+    digests = row_digests(lin, torch.arange(lin.shape[0], dtype=torch.int64), torch.tensor(layer))
+    return unsigned(block_sums(digests, block_size))
 
 
 def _add(total: list[int] | None, part: list[int]) -> list[int]:
@@ -244,24 +243,28 @@ def _saved_layer(trace: WorkerTrace, connector: Any, _: Any, layer_name: str, kv
     bs = connector._block_size
     layer = _layer_index(layer_name)
     for request in _requests(connector, store=True):
-        rows = _rows(kv_layer, request.slot_mapping.to(kv_layer.device), bs)
+        digests = _block_digests(kv_layer, request.slot_mapping, layer, bs)
         key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
-        entry = trace.pending.setdefault(key, [request, None, []])
-        entry[1] = _add(entry[1], _block_digests(rows, layer_name, bs))
+        entry = trace.pending.setdefault(key, [request, None, [], {}])
+        entry[1] = _add(entry[1], digests)
         entry[2].append(layer)
+        entry[3][layer] = digests
 
 
 def _saves_done(trace: WorkerTrace, connector: Any, *args: Any, **kwargs: Any) -> None:
     """The forward pass ended with every layer saved: one save per stored request; the next step begins."""
     pending, trace.pending = trace.pending, {}
     bs = connector._block_size
-    for key, (request, digests, layers) in pending.items():
+    rank = digesting_rank()
+    for key, (request, digests, layers, per_layer) in pending.items():
         transfer = f"save:{key[:12]}:{next(_ids)}"
-        trace._emit(TransferStart, transfer=transfer, op="save", blocks=_blocks(request, bs), src="device",
-                    seq=getattr(request, _SEQ, None),
+        blocks, seq = _blocks(request, bs), getattr(request, _SEQ, None)
+        trace._emit(TransferStart, transfer=transfer, op="save", blocks=blocks, src="device", seq=seq,
                     dst=f"connector:{connector._storage_path}", key=key, num_tokens=len(request.slot_mapping),
                     layers=sorted(set(layers)), digests=digests)
         trace._emit(TransferDone, transfer=transfer)
+        if rank is not None and seq is not None:  # the rank judges the bytes saved against those it wrote
+            rank.guard.attempt("ExampleConnector.wait_for_save", rank.saved, seq, blocks, per_layer)
     trace.step += 1
 
 
@@ -279,8 +282,8 @@ def _loaded(trace: WorkerTrace, connector: Any, _: Any, forward_context: Any, *a
             if kv is None:
                 continue
             kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-            digests = _add(digests, _block_digests(_rows(kv, request.slot_mapping.to(kv.device), bs), layer_name, bs))
             layers.append(_layer_index(layer_name))
+            digests = _add(digests, _block_digests(kv, request.slot_mapping, layers[-1], bs))
         key = _key(connector, request.token_ids, request.mm_hashes) + trace.shard
         transfer = f"load:{key[:12]}:{next(_ids)}"
         trace._emit(TransferStart, transfer=transfer, op="load", blocks=_blocks(request, bs),

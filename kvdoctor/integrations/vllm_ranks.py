@@ -20,6 +20,13 @@ the layers its stage holds:
   so ``slots/unwritten-read`` names a position this rank never wrote; tokens a KV connector loaded, which no
   forward pass computes, are ``write``s before the batch into the blocks that do not already hold them.
 
+With ``KVDOCTOR_VLLM_RANK_DIGESTS`` a rank also digests what each forward pass writes (each attention layer's
+cache update hands over its key and value; ``vllm_digests``): every ``write`` carries its block's content digest
+after it, and a KV connector's save in this process (``vllm_connector``) is recorded as the request ``read``ing
+the saved blocks with the digest of what was saved and the first layer that differs, so bytes changed between
+the rank's write and the save (a block overwritten or reused first) are ``integrity/read-mismatch``. The step's
+events then reach the file when the forward pass has run.
+
 Every rank of an engine must record the same story; ``ranks/divergence`` compares them step by step (a step
 is a forward pass: every rank runs one per scheduler output). Every wrapper runs vLLM's method as called; a
 failure of the bookkeeping records one ``observer_error`` and stops this rank's trace, and vLLM goes on.
@@ -34,12 +41,14 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from .. import knobs
 from ..events import Alloc, Batch, Header, Read, Release, Rollback, SeqEnd, SeqStart, Share, StepEnd, TierSpec, Write
 from ..trace_names import claim
 from .guard import Call, Guard, positions
 from .vllm_trace import BufferedTrace, warn
 
-__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE", "claim_locked", "stage_layers", "tp_rank", "pp_rank"]
+__all__ = ["patch_model_runner", "RankTrace", "RANK_CACHE", "claim_locked", "stage_layers", "tp_rank", "pp_rank",
+           "digesting_rank"]
 
 RANK_CACHE = "vllm"  # the owner a rank's cache holds every block it has seen as
 _TRACE = "_kvdoctor_rank"  # the attribute a model runner's trace hangs on
@@ -56,7 +65,7 @@ def patch_model_runner(path: str, engine: str) -> None:
 
     if getattr(GPUModelRunner, "_kvdoctor_patched", False):
         return
-    for name, after in (("_update_states", _updated), ("_prepare_inputs", _prepared)):
+    for name, after in (("_update_states", _updated), ("_prepare_inputs", _prepared), ("execute_model", _executed)):
         setattr(GPUModelRunner, name, _watched(getattr(GPUModelRunner, name), name, after, path, engine))
     GPUModelRunner._kvdoctor_patched = True
 
@@ -83,7 +92,10 @@ def _start(runner: Any, path: str, engine: str) -> RankTrace | bool:
         parallel = runner.vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size < 2:
             return False
-        return RankTrace(runner, claim_locked(path), engine)
+        trace = RankTrace(runner, claim_locked(path), engine)
+        if knobs.get(knobs.VLLM_RANK_DIGESTS):
+            trace.guard.attempt("rank digests", _digest_writes, trace, runner)
+        return trace
     except Exception as exc:  # the trace could not even start: the rank runs untraced
         warn(f"not tracing this vLLM rank ({type(exc).__name__}: {exc})")
         return False
@@ -115,8 +127,27 @@ class RankTrace(BufferedTrace):
         self._length: dict[str, int] = {}  # request -> where its writes end
         self._block_version: dict[int, int] = {}  # block -> version of the last write into it
         self._extent: dict[int, tuple[int, int]] = {}  # block -> the positions [lo, hi) its current life's writes hold
+        self.digests: Any = None  # vllm_digests.RankDigests where this rank digests its writes
+        self._forward: int | None = None  # the tokens of a forward pass whose step waits for it to run
         self.guard = Guard("vllm", self._record_error, lambda: None)
         self._open(path, _rank_header(runner, engine, self._t0))
+
+    def ran(self) -> None:
+        """The forward pass that a step waited for has run: its writes get their digests, the step ends."""
+        if self._forward is not None:
+            num_tokens, self._forward = self._forward, None
+            self.digests.fold(self._buf)
+            self.flush(num_tokens)
+
+    def saved(self, seq: str, blocks: list[int], per_layer: dict[int, list[int]]) -> None:
+        """A KV connector in this process saved ``seq``'s ``blocks`` (``per_layer``: each layer's digest per block):
+        the request read them out, with the digest of what was saved and the first layer that differs from what
+        this rank's forward passes wrote."""
+        self.digests.fold(self._buf)  # the pass saving them has written every layer: its rows count
+        digests, layers = self.digests.judge(blocks, per_layer)
+        versions = self._block_version
+        self._emit(Read, seq=seq, blocks=list(blocks), versions=[versions.get(b, 0) for b in blocks],
+                   digests=digests, digest_layers=layers)
 
     def flush(self, num_tokens: int = 0) -> None:
         """The step ends: what it recorded goes to the file (a killed worker loses at most its last step)."""
@@ -156,12 +187,16 @@ class RankTrace(BufferedTrace):
         for table in (self._versions, self._length):
             table.pop(seq, None)
 
-    def _write(self, block: int, seq: str, pos: int, n: int, version: int, t: int) -> None:
+    def _write(self, block: int, seq: str, pos: int, n: int, version: int, t: int, loaded: bool = False) -> None:
         """``n`` tokens of ``seq`` from ``pos`` landed in ``block``: a write whose positions the block holds from now
         (a write that does not continue what the block holds starts its next life: a freed block reused)."""
         self._block_version[block] = version
-        lo, hi = self._extent.get(block, (pos, pos))
+        extent = self._extent.get(block)
+        lo, hi = extent or (pos, pos)
         self._extent[block] = (min(lo, pos), max(hi, pos + n)) if lo <= pos <= hi else (pos, pos + n)
+        if self.digests is not None:
+            life = "new" if extent is None or not lo <= pos <= hi else "append" if pos == hi else "rewrite"
+            self.digests.wrote(len(self._buf), block, seq, "loaded" if loaded else life)
         self._buf.append(Write(t=t, step=self.step, block=block, seq=seq, pos=pos, n=n, version=version))
 
     def compute(self, seq: str, pos: int, slots: list[int], row: list[int], lead: int, t: int) -> None:
@@ -207,13 +242,14 @@ class RankTrace(BufferedTrace):
             lo, hi = self._extent.get(row[i], (0, 0))
             if not lo <= first < stop <= hi:
                 version += stop - first
-                self._write(row[i], seq, first, stop - first, version, time.perf_counter_ns() - self._t0)
+                self._write(row[i], seq, first, stop - first, version, time.perf_counter_ns() - self._t0, loaded=True)
         self._versions[seq] = version
         self._length[seq] = end
 
 
 def _updated(trace: RankTrace, runner: Any, call: Call) -> None:
     """The runner took the scheduler output in: ended requests leave, new ones start."""
+    trace.ran()  # a step still waiting for its forward pass (one that raised): it ends without digests
     output = call["scheduler_output"]
     for seq in sorted(output.finished_req_ids):  # a set: each process iterates it in its own hash order
         trace.leave(seq)
@@ -253,7 +289,61 @@ def _prepared(trace: RankTrace, runner: Any, call: Call) -> None:
     for i, seq in enumerate(rows):
         trace.compute(seq, positions[i], slots[start:start + counts[i]], held[i], len(raw[i]) - len(held[i]), t)
         start += counts[i]
-    trace.flush(total)
+    if trace.digests is None:
+        trace.flush(total)
+    else:  # the step ends once the pass has run and its writes' digests are known (``_executed``)
+        trace.digests.begin(slots, positions, counts)
+        trace._forward = total
+
+
+def _executed(trace: RankTrace, runner: Any, call: Call) -> None:
+    """The runner's forward pass ran (its K/V written, its connector's saves done)."""
+    trace.ran()
+
+
+_digesting: RankTrace | None = None  # this process's rank trace that digests its writes
+_TOKEN_LAYOUTS = ("vec", "vec16")  # the CPU attention kernels whose cache layout cache_rows reads token by token
+
+
+def digesting_rank() -> RankTrace | None:
+    """The rank trace of this process that digests its writes, while it traces (a connector hands it its saves)."""
+    trace = _digesting
+    return trace if trace is not None and trace.guard.live else None
+
+
+def _digest_writes(trace: RankTrace, runner: Any) -> None:
+    """``trace`` digests what each forward pass writes: every attention layer's cache update of its stage hands
+    its key and value over (the layer's own method, shadowed on that layer's object). Only layers whose cache
+    layout ``vllm_digests.cache_rows`` reads token by token (vLLM's CPU ``vec`` kernels) are watched: a pass
+    without every layer seen leaves its blocks unjudged."""
+    global _digesting
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from .vllm_digests import RankDigests
+
+    layers = stage_layers(runner.vllm_config)
+    for name, module in runner.compilation_config.static_forward_context.items():
+        impl = getattr(module, "impl", None)
+        if (impl is not None and hasattr(impl, "do_kv_cache_update") and extract_layer_index(name) in layers
+                and getattr(module, "isa", None) in _TOKEN_LAYOUTS):
+            impl.do_kv_cache_update = _layer_watched(trace, impl.do_kv_cache_update, extract_layer_index(name))
+    trace.digests = RankDigests(layers, trace.block_size)
+    _digesting = trace
+
+
+def _layer_watched(trace: RankTrace, original: Callable, layer: int) -> Callable:
+    arguments = positions(original)
+
+    def do_kv_cache_update(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if trace.guard.live and trace.digests is not None:
+            call = Call(arguments, args, kwargs)
+            trace.guard.attempt("do_kv_cache_update", lambda: trace.digests.layer(
+                layer, call["key"], call["value"], call["kv_cache"]))
+        return result
+
+    do_kv_cache_update.__wrapped__ = original  # type: ignore[attr-defined]
+    return do_kv_cache_update
 
 
 def _rank_header(runner: Any, engine: str, t0_perf: int) -> Header:

@@ -5,8 +5,9 @@
 and its connector's). Checked as one workload by
 ``kvdoctor check -- CMD``, a clean run is silent and a store entry overwritten with another prompt's K/V is
 named with the loading instance, request and block, and a decode instance with another block size than the
-prefill's is named too; at TP=2 a clean run with a store entry per rank is silent, and a rank that saves
-nothing, saves too few layers or loads too few is named (about 2 minutes a run on 2 cores).
+prefill's is named too; at TP=2 a clean run with a store entry per rank is silent (its ranks digesting their
+writes), a rank that saves nothing, saves too few layers or loads too few is named, and so is a block whose bytes
+change between a rank's write and its connector's save (about 2 minutes a run on 2 cores).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _check(*example_args: str) -> subprocess.CompletedProcess:
+def _check(*example_args: str, **environ: str) -> subprocess.CompletedProcess:
     # each instance's engine core in a process of its own, as vLLM runs by default (the other vLLM tests here
     # run it in-process, where the plugin traces the process's first scheduler only)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **environ)
     return subprocess.run(
         [sys.executable, "-m", "kvdoctor.cli", "check", "--", sys.executable, "vllm_disaggregated.py", *example_args],
         cwd=ROOT / "examples", env=env, capture_output=True, text=True, timeout=600)
@@ -80,9 +81,11 @@ def test_at_tensor_parallel_2_each_rank_pairs_its_own_save_and_the_shared_files_
 @pytest.mark.slow
 def test_at_tensor_parallel_2_with_an_entry_per_rank_a_rank_that_saves_or_loads_less_is_named():
     pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
-    # GIVEN both instances at TP=2, each rank's share in a store folder of its own (vllm_rank_store)
-    clean = _check("--tp", "2", "--max-tokens", "4")
-    # THEN every rank's save answers its scheduler, every load pairs its rank's save whole and equal: silent
+    # GIVEN both instances at TP=2, each rank's share in a store folder of its own (vllm_rank_store), the ranks
+    # digesting what they write
+    clean = _check("--tp", "2", "--max-tokens", "4", KVDOCTOR_VLLM_RANK_DIGESTS="1")
+    # THEN every rank's save answers its scheduler, saves the bytes its rank wrote, and every load pairs its
+    # rank's save whole and equal: silent
     assert clean.returncode == 0, clean.stdout + clean.stderr[-3000:]
     assert "10 traces" in clean.stdout and "0 errors, 0 warnings, 0 info" in clean.stdout
     # WHEN rank 1's connectors misbehave, a request each: the prefill rank saves nothing for the first request,
@@ -98,3 +101,19 @@ def test_at_tensor_parallel_2_with_an_entry_per_rank_a_rank_that_saves_or_loads_
     lines = fault.stdout.splitlines()
     messages = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("ERROR")]
     assert all("rank tp1pp0" in m for m in messages) and "instance decode" in fault.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_at_tensor_parallel_2_bytes_changed_between_a_ranks_write_and_its_save_are_named_with_the_layer():
+    pytest.importorskip("vllm", reason="vLLM is not installed here: ./kvd test-vllm sets it up")
+    # GIVEN the prefill instance's rank 1 with the start of the first prompt's first block changed at layer 1
+    # after its forward pass wrote it and before its connector saves it (the ranks digest their writes)
+    run = _check("--tp", "2", "--max-tokens", "4", "--fault", "overwrite")
+    # THEN that rank's trace names the change once: instance, rank, request, block and layer; nothing else
+    assert run.returncode == 1, run.stdout + run.stderr[-3000:]
+    errors = [line for line in run.stdout.splitlines() if line.startswith(("ERROR", "WARNING", "INFO"))]
+    assert [line.split()[1] for line in errors] == ["integrity/read-mismatch"], run.stdout[-4000:]
+    assert " seq '" in errors[0] and " block " in errors[0] and " layer 1 " in errors[0]
+    trace = errors[0].split(" trace ")[1].split()[0]
+    assert f"{trace} (instance prefill dp 0 tp 1 pp 0)" in run.stdout, run.stdout[:2000]
