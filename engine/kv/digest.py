@@ -60,7 +60,7 @@ import torch
 
 from ... import knobs
 from ..config import VERIFY_MODES
-from ..kernels import native
+from ..kernels import native, pool
 
 __all__ = ["VERIFY_MODES", "MASK64", "resolve_verify", "BlockRecord", "DigestBook"]
 
@@ -155,7 +155,7 @@ class _Layout:
                 if kernel is not None and raw.device.type == "cpu" and raw.stride(1) % r.itemsize == 0:
                     kernel(raw.data_ptr() + r.offset, raw.stride(0), L, H, r.count, r.width, raw.stride(1) // r.itemsize,
                            r.width, r.itemsize, self._w[r.name].ctypes.data, out[i].ctypes.data + 8 * first,
-                           out.shape[2], torch.get_num_threads())
+                           out.shape[2], pool.team())
                     continue
                 part = _as_ints(raw)[..., r.offset: r.offset + r.count * r.width * r.itemsize]
                 if r.itemsize > 1:
@@ -182,7 +182,7 @@ class _Layout:
         size = k.element_size()
         for x, w in ((k, self._w["k"]), (v, self._w["v"])):
             kernel(x.data_ptr(), x.stride(0) * size, L, H, N, D, x.stride(2), x.stride(1), size, w.ctypes.data,
-                   out.ctypes.data, N, torch.get_num_threads())
+                   out.ctypes.data, N, pool.team())
         return out
 
     def part_units(self, parts: dict[str, torch.Tensor]) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels import native
+from ..kernels import native, pool
 from ..kv.readplan import BlockTable
 
 __all__ = ["AttnLayout", "AttnStats", "Group", "Newest", "attend", "attention_stats", "layer_stats", "hidden_keys",
@@ -303,7 +303,7 @@ def layer_stats(per_layer: Sequence[Newest], keep: torch.Tensor | None, *, sink_
     heads = (torch.empty(L, B, H), torch.empty(L, B, H)) if per_head else (None, None)
     kernel(_pointers(scores), None if probs is None else _pointers(probs), None if mask is None else mask.data_ptr(),
            B * T if mask is not None and mask.dim() == 3 else 0, L, B, H, T, sink_tokens, summary.data_ptr(),
-           *(None if t is None else t.data_ptr() for t in heads), torch.get_num_threads())
+           *(None if t is None else t.data_ptr() for t in heads), pool.team())
     return AttnStats(summary, *heads) if per_head else AttnStats(summary)
 
 

@@ -31,6 +31,14 @@ Every policy in a process (a runner, a draft model's runner, an ``EngineCache`` 
 the user's setting, not from a team another policy has shrunk: the size the policies last set is kept here, and
 a team torch reports at that size reads as the setting the user had before (``user_threads``).
 
+Torch's small ops run on the calling thread alone (``torch_alone``) where a team has nothing to gain: sampling a
+token (a dozen elementwise passes over the vocabulary's 49152 logits, each past torch's grain, so each opens a
+parallel region). libgomp's worker spins ~6 ms after every region (its spin count, fixed when torch loads), so
+after a step's sampling it was still spinning when the next decode step's kernels woke the pool's worker on the
+same CPU, and the two took turns on it through the step's first loops: in the serve example, which samples with
+top-p, libgomp's worker ran ~5 ms inside each decode step's kernel call (0.5 s over its 97 decode steps; 0.09 s
+with sampling alone, most of it after its prefill steps). Greedy decode takes its argmax in numpy: no region.
+
 ``KVDOCTOR_THREADS=fixed`` keeps both as they start: torch's team, and the pool spinning as it does where no
 policy runs (an A/B, or a machine where ``/proc`` lies).
 """
@@ -39,14 +47,16 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from ... import knobs
 from ..kernels import pool
 
-__all__ = ["SPIN_FREE_US", "ThreadPolicy", "cpu_busy", "others_busy", "user_threads"]
+__all__ = ["SPIN_FREE_US", "ThreadPolicy", "cpu_busy", "others_busy", "torch_alone", "user_threads"]
 
 SPIN_FREE_US = pool.SPIN_US  # CPUs free: a waiting pool thread spins this long, across a step's gaps, first
 
@@ -110,6 +120,22 @@ def _resize(team: int) -> None:
     _SETTING.user = user_threads()
     torch.set_num_threads(team)
     _SETTING.set_to = team
+
+
+@contextmanager
+def torch_alone() -> Iterator[None]:
+    """Torch's ops in the block run on the calling thread alone (its team as it was after): ops too small for a
+    team to pay off, which would only wake libgomp's worker and leave it spinning where the kernels' pool wants
+    the CPU next. Not a policy's change: ``user_threads`` still reads the team the block restores."""
+    team = torch.get_num_threads()
+    if team == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(team)
 
 
 @dataclass

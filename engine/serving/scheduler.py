@@ -34,6 +34,7 @@ from ..config import Tier
 from ..errors import ChecksumMismatch, EngineError, StorageError
 from ..kv.sequences import Held
 from ..model.sampling import Generation, SamplingParams
+from ..model.threads import torch_alone
 from .speculative import Draft, Drafter, DraftRequest, verify
 
 if TYPE_CHECKING:  # the runner hands itself to ``generate``: importing it at run time would close a cycle
@@ -233,7 +234,8 @@ class Scheduler:
                 row_logits, row_argmax = logits[offset:offset + m], greedy[offset:offset + m] if greedy else None
                 offset += m
                 if end:
-                    toks = self._accept(live, row_logits, d, row_argmax)
+                    with torch_alone():  # a token's sampling: too small for torch's team (threads.py)
+                        toks = self._accept(live, row_logits, d, row_argmax)
                     done = self._emit(live, toks, row_logits, new_tokens)
                     if done is not None:
                         finished.append(done)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kvdoctor.engine import Request, Runner, Scheduler
+from kvdoctor.engine import Request, Runner, SamplingParams, Scheduler
 from kvdoctor.engine.kernels import pool
 from kvdoctor.engine.model import threads as threads_mod
 from kvdoctor.engine.model.model import tiny_llama
@@ -150,3 +150,25 @@ def test_tokens_are_the_same_whatever_the_team(restore_threads):
             out.append(sorted(tuple(g.token_ids) for g in sched.run().values()))
     # THEN the tokens are identical
     assert out[0] == out[1]
+
+
+@pytest.mark.skipif(CPUS < 2, reason="one CPU: every team is one thread")
+def test_sampling_runs_on_the_calling_thread_alone_and_leaves_the_team(monkeypatch, restore_threads):
+    # GIVEN a scheduler sampling with top-p under torch's team of 2, and the team each sampling saw
+    from kvdoctor.engine.serving import scheduler as scheduler_mod
+
+    seen = []
+    verify = scheduler_mod.verify
+    monkeypatch.setattr(scheduler_mod, "verify", lambda *a: (seen.append(torch.get_num_threads()), verify(*a))[1])
+    torch.set_num_threads(2)
+    with Runner.create(tiny_llama(num_layers=2).model, block_size=4, device_blocks=64, host_blocks=0) as runner:
+        runner.threads = ThreadPolicy(adaptive=False, base=2)
+        sched = Scheduler(runner, max_batch=2)
+        for n in (5, 9):
+            sched.submit(Request(list(range(1, n + 1)), max_new_tokens=4, ignore_eos=True,
+                                 sampling=SamplingParams(greedy=False, temperature=0.8, top_p=0.9, seed=n)))
+        sched.run()
+        # THEN every token was sampled on one thread (no libgomp region left spinning beside the kernels' pool),
+        # and the team is the user's again between steps
+        assert seen == [1] * 8
+        assert torch.get_num_threads() == 2
