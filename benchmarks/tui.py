@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -179,7 +180,7 @@ def _loops_apart(n: int) -> Any:
     return Apart(n)
 
 
-def bench_keys(keys: str, presses: int, loops: int, interval: float, apart: bool) -> None:
+def bench_keys(keys: str, presses: int, loops: int, interval: float, apart: bool, raw: Path | None) -> None:
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     print(f"CPU {cpu} ({os.cpu_count()} CPUs), load {os.getloadavg()[0]:.1f} before; the demo on SmolLM2 beside "
@@ -190,6 +191,10 @@ def bench_keys(keys: str, presses: int, loops: int, interval: float, apart: bool
     with (_loops_apart if apart else BusyLoops)(loops):
         waits = asyncio.run(_press_keys(keys, presses, interval))
     print(f"{len(waits)} keys, load {os.getloadavg()[0]:.1f} after")
+    if raw is not None:  # every key, to pool several runs
+        fields = ("handled", "painted", "ui_cpu", "ui_wait_cpu", "feed_cpu", "feed_wait_cpu")
+        raw.write_text(json.dumps([dict(zip(("key", *fields), (keys[i % len(keys)], h, p, *c)))
+                                   for i, (h, p, c) in enumerate(waits)]))
     print(f"handled: {_spread([h for h, _, _ in waits])}")
     print(f"painted: {_spread([p for _, p, _ in waits])}")
     if len(set(keys)) > 1:  # a slow screen shows apart from the others
@@ -214,12 +219,13 @@ def main() -> None:
     p.add_argument("--loops-apart", action="store_true",
                    help="with --keys: each busy loop in a session of its own (default: in the TUI's, as a job "
                         "started from the same shell)")
+    p.add_argument("--raw", type=Path, metavar="FILE", help="with --keys: every key's times (s) as JSON, to pool runs")
     p.add_argument("--interval", type=float, default=0.5, help="with --keys: seconds between keys (default 0.5)")
     p.add_argument("--key-list", default="12345",
                    help="with --keys: the keys pressed in turn (default 12345, the tabs; p pauses and resumes)")
     args = p.parse_args()
     if args.keys:
-        bench_keys(args.key_list, args.keys, args.loops, args.interval, args.loops_apart)
+        bench_keys(args.key_list, args.keys, args.loops, args.interval, args.loops_apart, args.raw)
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.kvtrace"
