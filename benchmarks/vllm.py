@@ -17,7 +17,9 @@ scatter by tens of percent, so the plugin's cost is also timed in place: the tra
 batch, write/read and step-end records, content keys, the trace writes) by the wall clock around its
 entry points, as a share of the same run's time, which load slows alike; and every wrapper the tracer installs
 by its own time (its wall time less that of vLLM's method inside it), which counts the hooks around vLLM's
-calls too (``hooks_share``).
+calls too (``hooks_share``). A timed call also counts some of its timer's own time (a microsecond or more when
+the machine is loaded): ``hooks_share`` and ``rank_share`` take off the calls times what a timed call of a
+function doing nothing counts at the end of the run (``*_timed``: as timed).
 
 The plugin is on as users run it (``KVDOCTOR_TRACE``: every hook it installs is in place); the pairs pause
 and resume its tracing. ``--tp 2`` serves a small random Llama (head size 64, 4 heads, 2 KV heads) at tensor
@@ -68,21 +70,44 @@ def vllm_decode(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, 
 vllm_decode.calls = 0
 
 
-def _clocked(fn, spent: list[float], sign: int = 1):
-    """``fn``, adding (``sign`` 1) or taking away (-1) the wall time of each call to ``spent[0]``."""
+class Clock:
+    """Seconds counted by timers, and the calls that counted them: a timed call counts a little of the timer's own
+    time too (a microsecond or more on a loaded machine), which ``own`` takes off, at ``timer_cost`` a call."""
+
+    def __init__(self) -> None:
+        self.spent, self.calls = 0.0, 0
+
+    def own(self, nested: bool) -> float:
+        return self.spent - self.calls * timer_cost(nested)
+
+
+def _clocked(fn, clock: Clock, sign: int = 1):
+    """``fn``, adding (``sign`` 1, a counted call) or taking away (-1) the wall time of each call to ``clock``."""
     def call(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[0] += sign * (time.perf_counter() - t)
+            clock.spent += sign * (time.perf_counter() - t)
+            clock.calls += sign > 0
 
     return call
 
 
+def timer_cost(nested: bool, n: int = 20000) -> float:
+    """What one timed call of a function that does nothing counts, now (seconds): through a wrapper's two
+    timers (``nested``, the wrapper's and its host's) or one."""
+    clock = Clock()
+    fn = _clocked(lambda: None, clock, -1) if nested else (lambda: None)
+    fn = _clocked(fn, clock)
+    for _ in range(n):
+        fn()
+    return clock.spent / n
+
+
 @contextlib.contextmanager
-def wrappers_timed(spent: list[float]):
-    """While a tracer is built, every wrapper its guard installs adds its own time to ``spent[0]``: the wrapper's
+def wrappers_timed(clock: Clock):
+    """While a tracer is built, every wrapper its guard installs adds its own time to ``clock``: the wrapper's
     wall time minus that of vLLM's method inside it (a wrapper called inside another's host counts once, as its
     own). So the hooks around every call (the request context per row's ``allocate_slots``, their argument
     lookups) count too, which timing the tracer's entry points leaves out."""
@@ -92,8 +117,8 @@ def wrappers_timed(spent: list[float]):
 
     def timed_wrap(self, original, part, **hooks):
         # the guard reads the host's signature through __wrapped__
-        host = functools.wraps(original)(_clocked(original, spent, -1))
-        outer = _clocked(wrap(self, host, part, **hooks), spent)
+        host = functools.wraps(original)(_clocked(original, clock, -1))
+        outer = _clocked(wrap(self, host, part, **hooks), clock)
         outer.__wrapped__ = original
         return outer
 
@@ -137,19 +162,19 @@ def _rank_live(worker, live: bool) -> None:
         trace.guard.live = live
 
 
-def _rank_clock(worker, start: bool) -> float:
+def _rank_clock(worker, start: bool) -> tuple[float, float]:
     """In a worker: start timing its rank's bookkeeping (every part runs through its guard), or return the
-    seconds spent since."""
+    seconds spent since, as timed and less the timer's own cost."""
     trace = worker.model_runner.__dict__.get("_kvdoctor_rank")
     if not trace:
-        return 0.0
+        return 0.0, 0.0
     if start:
-        spent = [0.0]
-        trace.guard.attempt = _clocked(type(trace.guard).attempt.__get__(trace.guard), spent)
-        trace._bench_spent = spent
-        return 0.0
+        clock = trace._bench_clock = Clock()
+        trace.guard.attempt = _clocked(type(trace.guard).attempt.__get__(trace.guard), clock)
+        return 0.0, 0.0
     vars(trace.guard).pop("attempt", None)
-    return trace.__dict__.pop("_bench_spent", [0.0])[0]
+    clock = trace.__dict__.pop("_bench_clock", Clock())
+    return clock.spent, clock.own(nested=False)
 
 
 class RunnerProcess:
@@ -237,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             llm.collective_rpc(_rank_live, args=(live,))
 
     def traced(prompts, share=False):
-        hooks = [0.0]
+        hooks = Clock()
         with wrappers_timed(hooks) if share else contextlib.nullcontext():
             tracer = VllmTracer(scheduler, os.path.join(trace_dir, f"run{vllm_decode.calls}.kvtrace"), engine="vllm")
         ranks(True)
@@ -249,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             ours = tracer_share(llm, tracer, prompts, N)
             wall = time.perf_counter() - t0
-            rank = max(llm.collective_rpc(_rank_clock, args=(False,))) / wall if args.tp > 1 else 0.0
-            return ours, rank, hooks[0] / wall
+            ranks_spent = llm.collective_rpc(_rank_clock, args=(False,)) if args.tp > 1 else [(0.0, 0.0)]
+            return (ours, max(own for _, own in ranks_spent) / wall, hooks.own(nested=True) / wall,
+                    max(spent for spent, _ in ranks_spent) / wall, hooks.spent / wall)
         finally:
             tracer.detach()
             ranks(False)
@@ -268,14 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, prompts in (("batch1", batch1), ("batch8", batch8)):
         plugin = paired(lambda p=prompts: vllm_decode(llm, p, N), lambda p=prompts: traced(p), args.pairs)
         shares = sorted(traced(prompts, share=True) for _ in range(args.share_runs))
-        ours, rank, hooks = (sorted(s[i] for s in shares) for i in range(3))
+        ours, rank, hooks, rank_timed, hooks_timed = (sorted(s[i] for s in shares) for i in range(5))
         results[name] = {"plugin_share": round(_pairing.median(ours), 5),
                          "plugin_share_range": [round(ours[0], 5), round(ours[-1], 5)],
                          "hooks_share": round(_pairing.median(hooks), 5),
-                         "hooks_share_range": [round(hooks[0], 5), round(hooks[-1], 5)]}
+                         "hooks_share_range": [round(hooks[0], 5), round(hooks[-1], 5)],
+                         "hooks_share_timed": round(_pairing.median(hooks_timed), 5)}
         if args.tp > 1:
             results[name] |= {"rank_share": round(_pairing.median(rank), 5),
-                              "rank_share_range": [round(rank[0], 5), round(rank[-1], 5)]}
+                              "rank_share_range": [round(rank[0], 5), round(rank[-1], 5)],
+                              "rank_share_timed": round(_pairing.median(rank_timed), 5)}
         results[name] |= {
             clock: {"vllm": plugin[clock]["a"], "vllm_traced": plugin[clock]["b"],
                     "plugin_cost": round(1 - plugin[clock]["ratio"], 4),
