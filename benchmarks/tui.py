@@ -109,6 +109,7 @@ class _TimedApp(KvdoctorApp):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.marks: list[tuple[float, float, tuple[int, int, int, int]]] = []
+        self.marked = asyncio.Event()  # set with each mark: the key's waiter sleeps until then, polling nothing
 
     def clocks(self) -> tuple[int, int, int, int]:
         """The UI thread's and the feed thread's (run, wait) ns."""
@@ -118,8 +119,12 @@ class _TimedApp(KvdoctorApp):
     async def run_action(self, action: Any, *args: Any, **kwargs: Any) -> bool:
         done = await super().run_action(action, *args, **kwargs)
         handled = time.perf_counter()
-        self.call_after_refresh(lambda: self.marks.append((handled, time.perf_counter(), self.clocks())))
+        self.call_after_refresh(self._mark, handled)
         return done
+
+    def _mark(self, handled: float) -> None:
+        self.marks.append((handled, time.perf_counter(), self.clocks()))
+        self.marked.set()
 
 
 async def _press_keys(keys: str, presses: int, interval: float) -> list[tuple[float, float, tuple[float, ...]]]:
@@ -148,13 +153,14 @@ async def _time_key(app: _TimedApp, key: str, rest: float) -> tuple[float, float
     UI thread's seconds on a CPU and waiting for one, the feed thread's the same; then ``rest`` seconds."""
     from textual import events
 
-    marks = len(app.marks)
+    app.marked.clear()
     before = app.clocks()
     sent = time.perf_counter()
     app._driver.send_message(events.Key(key, key))
-    while len(app.marks) == marks:
-        assert time.perf_counter() - sent < 60, f"key {key!r} not answered in 60 s"
-        await asyncio.sleep(0.002)
+    try:
+        await asyncio.wait_for(app.marked.wait(), 60)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"key {key!r} not answered in 60 s") from None
     handled, painted, after = app.marks[-1]
     await asyncio.sleep(rest)
     return handled - sent, painted - sent, tuple((a - b) / 1e9 for a, b in zip(after, before))
