@@ -16,11 +16,11 @@ from textual import events
 from textual.geometry import Size
 from textual.message import Message
 from textual.reactive import reactive
-from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from ..blocks import CACHED, LEAKED, SHARED, STALE, UNOWNED
 from ..state import Snapshot
+from .lines import RowsView
 
 __all__ = ["BlockMap", "LEGEND"]
 
@@ -52,7 +52,7 @@ _WIDE_SEGMENTS = [Segment(seg.text * 2 if seg.text in "█▓▒▞▚" else seg
 _GAP = Segment(" ")
 
 
-class BlockMap(ScrollView, can_focus=True):
+class BlockMap(RowsView, can_focus=True):
     """Cells in the order blocks were first seen; a click (or ``selected``) picks one."""
 
     # The gutter is kept even without a scrollbar: a scrollbar arriving would narrow the content
@@ -133,7 +133,7 @@ class BlockMap(ScrollView, can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         width = max(self.scrollable_content_region.width, 1)
-        base = self.rich_style
+        base = self.base_style
         s = self.snapshot
         if s is None:
             return Strip.blank(width, base)

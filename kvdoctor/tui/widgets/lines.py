@@ -10,19 +10,40 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.binding import Binding
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-__all__ = ["LineList"]
+__all__ = ["LineList", "RowsView"]
 
 
-class LineList(ScrollView, can_focus=True):
+class RowsView(ScrollView):
+    """A ScrollView whose rows are drawn in the widget's style, found once per paint (``base_style``).
+
+    ``rich_style`` walks the styles of every ancestor up to the screen on each call; asked once per row, it was
+    about 60% of drawing a row, and a tab key draws every row of the pane it shows."""
+
+    _base: Style | None = None
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        self._base = self.rich_style  # the rows of one paint share it
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._base = None
+
+    @property
+    def base_style(self) -> Style:
+        return self._base if self._base is not None else self.rich_style
+
+
+class LineList(RowsView, can_focus=True):
     """Rows from ``row_count``/``row_text``; a cursor when ``CURSOR`` is true."""
 
     CURSOR = True
@@ -91,7 +112,7 @@ class LineList(ScrollView, can_focus=True):
         scroll_x, scroll_y = self.scroll_offset
         row = y + scroll_y
         width = self.scrollable_content_region.width
-        base = self.rich_style
+        base = self.base_style
         if row >= self.row_count():
             return Strip.blank(width, base)
         text = self.row_text(row, width)
