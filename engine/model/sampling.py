@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ...events import SeqId
@@ -58,11 +59,32 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = torch.softmax(sorted_scores, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_scores, -1) >= params.top_p  # keep the smallest prefix reaching top_p
-        scores = scores.scatter(0, order[drop], float("-inf"))
+        scores = _nucleus(scores, params.top_p)
     return torch.softmax(scores, -1)
+
+
+def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` (V,) with every token outside the smallest prefix of the sorted distribution that reaches
+    ``top_p`` set to -inf.
+
+    The prefix is found on the scores sorted by value: numpy's sort takes 0.3 ms over SmolLM2's 49152 scores
+    where torch's (which also sorts their indices) took 5-8, a sort per sampled token: ~12% of the serve
+    example's time. The sorted values are the same whichever sort made them, so the distribution
+    and its cumulative sums are the same bits as over torch's sort; where the prefix ends between two different
+    scores, it is every token scoring at least its last one. Where it ends inside a run of equal scores (which of
+    them are kept depends on the sort's order of ties), or rounding made the dropped positions no suffix, the
+    indices come from torch's sort as before: the tokens drawn are the same either way."""
+    if scores.device.type == "cpu":
+        ordered = torch.from_numpy(np.ascontiguousarray(np.sort(scores.numpy())[::-1]))
+        p = torch.softmax(ordered, -1)
+        drop = p.cumsum(-1) - p >= top_p  # keep the smallest prefix reaching top_p
+        kept = int((~drop).sum())
+        if not bool(drop[:kept].any()) and (kept == len(ordered) or bool(ordered[kept - 1] > ordered[kept])):
+            return scores.masked_fill(scores < ordered[kept - 1], float("-inf"))
+    sorted_scores, order = torch.sort(scores, descending=True)
+    p = torch.softmax(sorted_scores, -1)
+    drop = p.cumsum(-1) - p >= top_p
+    return scores.scatter(0, order[drop], float("-inf"))
 
 
 @dataclass
