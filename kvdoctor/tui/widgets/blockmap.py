@@ -76,8 +76,9 @@ class BlockMap(RowsView, can_focus=True):
     def _layout(self, snapshot: Snapshot | None = None) -> tuple[int, int]:
         """(characters per cell, cells per row) for ``snapshot`` (the one shown by default): a few blocks get wide
         cells, thousands one character each."""
-        width = max(self.scrollable_content_region.width, 1)
-        height = max(self.scrollable_content_region.height, 1)
+        region = self.rows_region
+        width = max(region.width, 1)
+        height = max(region.height, 1)
         snapshot = snapshot or self.snapshot
         n = len(snapshot.cells) if snapshot is not None else 0
         wide = width // _WIDE
@@ -132,7 +133,7 @@ class BlockMap(RowsView, can_focus=True):
         self.virtual_size = Size(self.scrollable_content_region.width, -(-n // per_row))
 
     def render_line(self, y: int) -> Strip:
-        width = max(self.scrollable_content_region.width, 1)
+        width = max(self.rows_region.width, 1)
         base = self.base_style
         s = self.snapshot
         if s is None:

@@ -24,23 +24,30 @@ __all__ = ["LineList", "RowsView"]
 
 
 class RowsView(ScrollView):
-    """A ScrollView whose rows are drawn in the widget's style, found once per paint (``base_style``).
+    """A ScrollView whose rows are drawn in the widget's style and within its scrollable region, both found once
+    per paint (``base_style``, ``rows_region``).
 
-    ``rich_style`` walks the styles of every ancestor up to the screen on each call; asked once per row, it was
-    about 60% of drawing a row, and a tab key draws every row of the pane it shows."""
+    ``rich_style`` walks the styles of every ancestor up to the screen on each call, and the region is worked
+    out from the scrollbars and the gutter on each call; asked once per row, the two were most of drawing a row,
+    and a tab key draws every row of the pane it shows."""
 
     _base: Style | None = None
+    _region: Region | None = None
 
     def render_lines(self, crop: Region) -> list[Strip]:
-        self._base = self.rich_style  # the rows of one paint share it
+        self._base, self._region = self.rich_style, self.scrollable_content_region  # the rows of one paint share them
         try:
             return super().render_lines(crop)
         finally:
-            self._base = None
+            self._base = self._region = None
 
     @property
     def base_style(self) -> Style:
         return self._base if self._base is not None else self.rich_style
+
+    @property
+    def rows_region(self) -> Region:
+        return self._region if self._region is not None else self.scrollable_content_region
 
 
 class LineList(RowsView, can_focus=True):
@@ -111,7 +118,7 @@ class LineList(RowsView, can_focus=True):
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
         row = y + scroll_y
-        width = self.scrollable_content_region.width
+        width = self.rows_region.width
         base = self.base_style
         if row >= self.row_count():
             return Strip.blank(width, base)
