@@ -12,8 +12,9 @@ save each request its scheduler asked to save, every layer it holds (LMCache #18
 stores), and a destination rank must load every layer and block its source rank saved (vLLM #30358,
 #41037: the two instances' block maps differ).
 
-The two ends pair by ``key`` on ``transfer_start`` (the same in every trace: a connector's file key, a
-request's transfer id; a key ``K@R`` is rank ``R``'s share of ``K``); the content per block is ``digests`` on
+The two ends pair by ``key`` on ``transfer_start``, in two traces or in one (an instance that saves K/V and
+loads it back later, ``kv_both``); the key is the same in every trace: a connector's file key, a
+request's transfer id; a key ``K@R`` is rank ``R``'s share of ``K``. The content per block is ``digests`` on
 the start (a save) or on the ``transfer_done`` (a load, whose bytes exist only then), over the ``layers``
 the transfer moved. A save with a key and neither layers nor digests moves no bytes: it is a scheduler's
 decision that the key be saved (with the request it is for), which a save of the bytes under that key by a
@@ -128,8 +129,8 @@ class HandoffCheck(AcrossCheck):
         save = self.saves.get(ev.key)
         load = _Load(tag, ev)
         self.loads[(tag.index, ev.transfer)] = load
-        if save is None or save.tag.index == tag.index:
-            return out  # saved before this workload began, or by this instance itself: nothing to pair
+        if save is None:
+            return out  # saved before this workload began: nothing to pair
         where = dict(seq=ev.seq, block=ev.blocks[0] if ev.blocks else None, step=ev.step)
         if save.state != "done" and self.once("load-unsaved", tag.index, ev.transfer):
             out.append(self.found(
@@ -156,18 +157,26 @@ class HandoffCheck(AcrossCheck):
         return out
 
     def _shared(self, save: _Save) -> str:
-        """Why the store may hold other K/V than this rank saved: several ranks' shares saved to one store under
-        one key but for the rank, which a connector that names its entries by the tokens alone (vLLM's
-        ExampleConnector) writes to the same files, the last writer's heads winning."""
+        """Why the store may hold other K/V than this rank saved. Ranks of one stage hold the same layers: a
+        connector that names an entry by the tokens alone (vLLM's ExampleConnector) writes all their heads to
+        the same files, the last writer's winning. Stages hold different layers, whose files cannot collide
+        unless a stage names a layer by its offset within the stage (vllm-ascend PR #15900)."""
         shares = self.shares.get((save.tag.header.instance, _base(save.start.key)), {})
-        ranks = [k for k, store in shares.items() if store == save.start.dst]
-        if len(ranks) < 2:
-            return ""
-        return (f". Ranks {', '.join(sorted(_rank_id(k) for k in ranks))} of {save.tag.who} saved their shares of "
-                f"{_base(save.start.key)} to one store ({save.start.dst}): a connector that names an entry by the "
-                "tokens alone (vLLM's ExampleConnector does) writes every rank's heads to the same files, and each "
-                "destination rank loads whichever rank wrote last. Give each rank its own store path or key (the "
-                "connector is not made for tensor or pipeline parallel)")
+        ranks = sorted(_rank_id(k) or "" for k, store in shares.items() if store == save.start.dst)
+        stage = _stage(_rank_id(save.start.key))
+        peers = [r for r in ranks if _stage(r) == stage]
+        if len(peers) >= 2:
+            return (f". Ranks {', '.join(peers)} of {save.tag.who} saved their shares of {_base(save.start.key)} to "
+                    f"one store ({save.start.dst}): a connector that names an entry by the tokens alone (vLLM's "
+                    "ExampleConnector does) writes every rank's heads to the same files, and each destination rank "
+                    "loads whichever rank wrote last. Give each rank its own store path or key (the connector is not "
+                    "made for tensor or pipeline parallel)")
+        if len({_stage(r) for r in ranks}) >= 2:
+            return (f". Pipeline stages {', '.join(ranks)} of {save.tag.who} saved their layers of "
+                    f"{_base(save.start.key)} to one store ({save.start.dst}), each in files of its own layers: if "
+                    "this is another stage's K/V, a stage names its layers' files by their offset within the stage "
+                    "instead of in the model (vllm-ascend PR #15900) and overwrites the stage that holds those layers")
+        return ""
 
     # ---- ranks that save and load their share ---------------------------------------------------
 
@@ -306,6 +315,11 @@ def _base(key: str) -> str:
 
 def _rank_id(key: str) -> str | None:
     return key.partition("@")[2] or None
+
+
+def _stage(rank: str | None) -> str:
+    """The pipeline stage of a rank id ``tp0pp1`` (``pp1``), or the whole id where it names none."""
+    return (rank or "").partition("pp")[2] or (rank or "")
 
 
 def _rank(key: str | None) -> str:

@@ -98,3 +98,26 @@ def test_ranks_sharing_one_store_entry_say_why_a_load_differs(tmp_path):
     found = workload(tmp_path, save0=saved(RANKS[0], store="connector:/store/tp0"),
                      save1=saved(RANKS[1], store="connector:/store/tp1"), load1=loaded(RANKS[1], digests=(11, 99)))
     assert rules(found) == ["handoff/digest-mismatch"] and "own store" not in found[0].message
+
+
+def test_pipeline_stages_sharing_a_store_are_not_told_their_heads_collide(tmp_path):
+    # GIVEN two pipeline stages (each its own layer) saving to one store and loading back in one instance, stage 0's
+    # load differing from its save (stage 1 filed its layer at its offset within the stage: vllm-ascend PR #15900)
+    stage = [(header(instance="pd", layers=[p], pp_size=2),
+              [*saved(f"@tp0pp{p}", layers=[p]), *loaded(f"@tp0pp{p}", layers=[p], digests=(11, 99 if p == 0 else 22))])
+             for p in (0, 1)]
+    found = check(tmp_path, *stage)
+    # THEN the load is named in stage 0's own trace, with the stages' cause, not the heads of ranks of one stage
+    assert rules(found) == ["handoff/digest-mismatch"]
+    assert found[0].trace.endswith("w0.kvtrace") and found[0].block == 6
+    assert "Pipeline stages tp0pp0, tp0pp1" in found[0].message and "PR #15900" in found[0].message
+    assert "heads" not in found[0].message
+
+
+def test_an_instance_loading_back_what_it_saved_is_compared_with_its_own_save(tmp_path):
+    # GIVEN one instance (kv_both) saving a key and later loading it back, equal: silent
+    assert check(tmp_path, (header(instance="pd"), [*saved(""), *loaded("")])) == []
+    # WHEN the store's entry changed between the save and the load
+    found = check(tmp_path, (header(instance="pd"), [*saved(""), *loaded("", digests=(11, 99))]))
+    # THEN the load is named against the instance's own save
+    assert rules(found) == ["handoff/digest-mismatch"] and found[0].block == 6

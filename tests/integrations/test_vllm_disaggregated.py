@@ -12,22 +12,15 @@ change between a rank's write and its connector's save (about 2 minutes a run on
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-ROOT = Path(__file__).resolve().parents[2]
+
+from example_check import check_example
 
 
 def _check(*example_args: str, **environ: str) -> subprocess.CompletedProcess:
-    # each instance's engine core in a process of its own, as vLLM runs by default (the other vLLM tests here
-    # run it in-process, where the plugin traces the process's first scheduler only)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **environ)
-    return subprocess.run(
-        [sys.executable, "-m", "kvdoctor.cli", "check", "--", sys.executable, "vllm_disaggregated.py", *example_args],
-        cwd=ROOT / "examples", env=env, capture_output=True, text=True, timeout=600)
+    return check_example("vllm_disaggregated.py", *example_args, **environ)
 
 
 @pytest.mark.vllm
