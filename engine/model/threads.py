@@ -24,8 +24,12 @@ kernels' did there, and a team that fits the CPUs left has no barrier to wait at
 A load counts only when two readings in a row saw it, and the policy goes back to spinning (and torch's team
 to its size) at the first reading that finds the CPUs free: a burst of someone else's work (a compiler, a
 page-cache flush, a kernel thread) that shares one reading would otherwise slow a quiet run until the next
-reading, and a short run is a handful of readings. Neither the team nor the wait changes a result: tokens are
-the same whatever they are.
+reading, and a short run is a handful of readings. The first reading is the exception: it is taken at the first
+step over the time since this module was imported (the model's load, seconds), too long for a burst to weigh,
+and counts alone. Before, the first half second of a run (its first prefill, on a full libgomp team spinning in
+every barrier) went unjudged, and beside two busy loops that one prefill took 19.6 s of the serve example's
+run on a shared machine, against 0.7 s for each later one on the shrunk team. Neither the team nor the wait
+changes a result: tokens are the same whatever they are.
 
 Every policy in a process (a runner, a draft model's runner, an ``EngineCache`` under ``generate``) starts from
 the user's setting, not from a team another policy has shrunk: the size the policies last set is kept here, and
@@ -45,6 +49,7 @@ policy runs (an A/B, or a machine where ``/proc`` lies).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -96,6 +101,18 @@ def others_busy(cpus: set[int], before: tuple[float, float, float] | None) -> tu
         return None, now
     elapsed = now[0] - before[0]
     return max(0.0, (now[1] - before[1]) - (now[2] - before[2])) / elapsed, now
+
+
+def _affinity() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+_IMPORTED_CPUS = _affinity()
+# where every policy's first window starts: the model's load lies between this and a runner's first step
+_IMPORTED = others_busy(_IMPORTED_CPUS, None)[1] if _IMPORTED_CPUS else None
 
 
 @dataclass
@@ -151,14 +168,18 @@ class ThreadPolicy:
     changes: int = 0  # how often the team or the spin changed: a benchmark's evidence that the policy acted
     _cpus: set[int] = field(default_factory=set)
     _last: tuple[float, float, float] | None = None
-    _seen: float = 0.0  # the others' load the previous reading saw: a slow-down needs it too
+    _seen: float = math.inf  # the others' load the previous reading saw: a slow-down needs it too (not the first)
+    _configured: bool = False  # a reading has set the pool's wait
 
     def __post_init__(self) -> None:
         self.team = self.base
-        try:
-            self._cpus = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
+        cpus = _affinity()
+        if cpus is None:
             self.adaptive = False
+            return
+        self._cpus = cpus
+        if cpus == _IMPORTED_CPUS:
+            self._last = _IMPORTED
 
     def before_step(self) -> int:
         """Torch's team for the step about to run: unchanged until ``interval`` has passed since the last reading."""
@@ -173,6 +194,7 @@ class ThreadPolicy:
         team = max(1, min(self.base, round(len(self._cpus) - sustained)))  # a CPU others hold half of is theirs
         spin = SPIN_FREE_US if team == self.base else 0
         pool.configure(self.base, spin)  # at every reading: another policy's restore may have reset it
+        self._configured = True
         if team != self.team or spin != self.spin_us:
             if team != self.team:
                 _resize(team)
@@ -186,6 +208,6 @@ class ThreadPolicy:
             if torch.get_num_threads() == self.team:
                 _resize(self.base)
             self.team = self.base
-        if self._last is not None:  # it has configured the pool
+        if self._configured:
             pool.configure(None, SPIN_FREE_US)
             self.spin_us = SPIN_FREE_US

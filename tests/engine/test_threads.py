@@ -71,6 +71,17 @@ def test_a_burst_one_reading_saw_leaves_the_team_alone(monkeypatch, restore_thre
     assert [p.before_step() for _ in range(4)] == [2, 2, 2, 2] and p.changes == 0
 
 
+def test_the_first_reading_spans_the_time_since_import_and_counts_alone(monkeypatch, restore_threads):
+    # GIVEN a policy made now: its first window starts where the engine was imported (the model's load lies
+    # between), so its first step judges seconds of the others' load, not nothing
+    assert ThreadPolicy(adaptive=True)._last == threads_mod._IMPORTED
+    # GIVEN that first reading saw others take 3 of 4 CPUs, and the next ones a free machine
+    p = _policy(monkeypatch, [3.0, 0.0, 0.0], base=4)
+    # WHEN three steps start THEN the first already runs on the CPUs left (a burst cannot weigh in a window that
+    # long), and the team is back at the first free reading
+    assert [p.before_step() for _ in range(3)] == [1, 4, 4] and p.changes == 2
+
+
 def test_the_team_never_exceeds_the_users_setting_and_fixed_never_moves(monkeypatch, restore_threads):
     # GIVEN the user chose 2 threads on a 4-CPU machine, and a quiet machine
     p = _policy(monkeypatch, [0.0, 0.0], base=2)
@@ -84,8 +95,8 @@ def test_the_team_never_exceeds_the_users_setting_and_fixed_never_moves(monkeypa
 def test_a_policy_made_while_another_has_shrunk_the_team_starts_from_the_users_setting(monkeypatch, restore_threads):
     # GIVEN the user's 2 threads and a first policy (a runner) that shrank the team to 1 under load
     torch.set_num_threads(2)
-    first = _policy(monkeypatch, [3.0, 3.0], base=threads_mod.user_threads())  # 3 of its 4 CPUs taken
-    assert [first.before_step(), first.before_step()] == [2, 1] and torch.get_num_threads() == 1
+    first = _policy(monkeypatch, [0.0, 3.0, 3.0], base=threads_mod.user_threads())  # then 3 of its 4 CPUs taken
+    assert [first.before_step() for _ in range(3)] == [2, 2, 1] and torch.get_num_threads() == 1
     # WHEN a second policy is made now (a draft model's runner, a second runner in the same process)
     second = ThreadPolicy(adaptive=True)
     # THEN it may grow the team back to the user's 2, not only to the 1 it found
@@ -111,7 +122,7 @@ def test_readings_are_spaced_by_the_interval(monkeypatch, restore_threads):
     calls = []
     monkeypatch.setattr(threads_mod, "others_busy", lambda cpus, before: (calls.append(1), (4.0, (time.monotonic(), 0.0, 0.0)))[1])
     p = ThreadPolicy(interval=60.0, adaptive=True, base=4)
-    p._cpus, p._seen = set(range(4)), 4.0
+    p._cpus, p._seen, p._last = set(range(4)), 4.0, (time.monotonic() - 120.0, 0.0, 0.0)
     # WHEN five steps start THEN only the first reads the load
     for _ in range(5):
         p.before_step()
