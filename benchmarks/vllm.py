@@ -25,7 +25,9 @@ The plugin is on as users run it (``KVDOCTOR_TRACE``: every hook it installs is 
 and resume its tracing. ``--tp 2`` serves a small random Llama (head size 64, 4 heads, 2 KV heads) at tensor
 parallel size 2, each worker bound to a core: the plugin then also writes each rank's trace in its worker
 process, and the pairs pause those too (``LLM.collective_rpc``); each rank's bookkeeping is timed in place
-as a share of the same run. The runner comparison is made at ``--tp 1`` only.
+as a share of the same run. ``--tp 3 --model embedded`` serves SmolLM2 itself (9 heads, 3 KV heads: a KV head
+a rank) with three workers on the two cores: a step there does a real model's work, where the random Llama's
+two layers make the plugin's per-step cost a larger share. The runner comparison is made at ``--tp 1`` only.
 """
 
 from __future__ import annotations
@@ -225,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, activations and KV cache of both engines")
     ap.add_argument("--tp", type=int, default=1,
-                    help="tensor parallel size; above 1 a small random Llama, each rank's trace timed too")
+                    help="tensor parallel size; above 1 each rank's trace is timed too")
+    ap.add_argument("--model", choices=("tiny", "embedded"), default=None,
+                    help="at --tp above 1: a small random Llama (tiny, the default) or the embedded SmolLM2")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve-runner", metavar="DIR", help=argparse.SUPPRESS)  # the runner's child process
     args = ap.parse_args(argv)
@@ -245,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(args.tp)))
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with this file's functions
-        directory = tiny_llama_dir(os.path.join(trace_dir, "model"))
+        directory = str(convert_embedded()) if args.model == "embedded" else \
+            tiny_llama_dir(os.path.join(trace_dir, "model"))
     else:
         directory = str(convert_embedded())
         runner = RunnerProcess(directory, args.dtype)  # started first, so it binds to nothing vLLM set up
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks(False)
     if runner is not None:
         runner.decode(batch8, 4)
-    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "tp": args.tp,
+    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "tp": args.tp, "model": args.model or ("tiny" if args.tp > 1 else "embedded"),
                "threads": __import__("torch").get_num_threads(), "load_before": os.getloadavg()[0]}
     if runner is not None:
         results |= {"runner_threads": runner.info["threads"], "runner_matvec": runner.info["matvec"]}
