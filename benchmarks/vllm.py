@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks(False)
     if runner is not None:
         runner.decode(batch8, 4)
-    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "tp": args.tp, "model": args.model or ("tiny" if args.tp > 1 else "embedded"),
+    results = {"dtype": args.dtype, "new_tokens": N, "pairs": args.pairs, "tp": args.tp,
+               "model": args.model or ("tiny" if args.tp > 1 else "embedded"),
                "threads": __import__("torch").get_num_threads(), "load_before": os.getloadavg()[0]}
     if runner is not None:
         results |= {"runner_threads": runner.info["threads"], "runner_matvec": runner.info["matvec"]}
