@@ -45,12 +45,11 @@ from typing import Any, Callable
 from ..events import Header, ObserverError, TierSpec, TransferDone, TransferStart
 from ..trace import TraceWriter
 from .guard import Guard
-from .vllm_digests import block_sums, cache_rows, linear, row_digests, unsigned
+from .vllm_digests import MASK, block_sums, cache_rows, linear, row_digests, unsigned
 from .vllm_ranks import digesting_rank, pp_rank, stage_layers, tp_rank
 
 __all__ = ["patch_example_connector", "attach", "WorkerTrace"]
 
-_MASK = (1 << 64) - 1
 _TRACE = "_kvdoctor_trace"  # the attribute a connector's trace hangs on: its scheduler's tracer, or its own
 _SEQ = "_kvdoctor_seq"  # the attribute naming the request of a save or load the scheduler orders (it travels along)
 _ids = itertools.count()
@@ -195,7 +194,7 @@ def _block_digests(kv_layer: Any, slot_mapping: Any, layer: int, block_size: int
 
 
 def _add(total: list[int] | None, part: list[int]) -> list[int]:
-    return part if total is None else [(a + b) & _MASK for a, b in zip(total, part)]
+    return part if total is None else [(a + b) & MASK for a, b in zip(total, part)]
 
 
 def _requests(connector: Any, store: bool) -> list[Any]:
